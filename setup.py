@@ -1,0 +1,53 @@
+"""Builds hydra_torch._C against the installed torch.
+
+CPU sources are always built. CUDA sources (csrc/**/cuda/) are added when this torch was built with
+CUDA and a CUDA toolkit is found; HYDRA_CUDA=0|1 overrides the decision. The build prints what it
+decided so a CPU-only build is never a surprise.
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern):
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
+
+
+def _want_cuda():
+    forced = os.environ.get("HYDRA_CUDA")
+    if forced in ("0", "1"):
+        return forced == "1", f"HYDRA_CUDA={forced}"
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} has no CUDA"
+    if CUDA_HOME is None:
+        return False, "no CUDA toolkit found (CUDA_HOME unset, no nvcc)"
+    return True, f"torch CUDA {torch.version.cuda}, toolkit at {CUDA_HOME}"
+
+
+def _extension():
+    cpu_sources = [s for s in _sources("csrc/**/*.cpp") if f"{os.sep}cuda{os.sep}" not in s]
+    use_cuda, why = _want_cuda()
+    print(f"hydra-torch: building {'CPU + CUDA' if use_cuda else 'CPU only'} ({why})", file=sys.stderr)
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+    define_macros = [("HYDRA_TORCH_BUILT_TORCH_VERSION", f'"{torch.__version__}"')]
+    if not use_cuda:
+        return CppExtension("hydra_torch._C", cpu_sources, include_dirs=[os.path.join(HERE, "csrc")],
+                            extra_compile_args={"cxx": cxx}, define_macros=define_macros)
+    cuda_sources = _sources("csrc/**/cuda/*.cu") + _sources("csrc/**/cuda/*.cpp")
+    define_macros.append(("HYDRA_WITH_CUDA", "1"))
+    return CUDAExtension("hydra_torch._C", cpu_sources + cuda_sources, include_dirs=[os.path.join(HERE, "csrc")],
+                         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
+                         define_macros=define_macros)
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
