@@ -1,9 +1,86 @@
 // The Python module hydra_torch._C: the only translation unit that includes torch/extension.h.
 // Ops register themselves through TORCH_LIBRARY in their own files; this file binds the engine's
-// non-tensor objects with pybind11.
+// non-tensor objects with pybind11. Every call that may wait releases the GIL.
 #include <torch/extension.h>
+
+#include "engine/device_engine.h"
+#include "engine/optimizer_spec.h"
+#include "engine/shard_store.h"
+
+namespace py = pybind11;
+using hydra::engine::DeviceEngine;
+using hydra::engine::EngineStats;
+using hydra::engine::OptimizerSpec;
+using hydra::engine::ShardStore;
+
+namespace {
+
+py::dict stats_dict(const EngineStats& s) {
+  py::dict d;
+  d["budget_bytes"] = s.budget_bytes;
+  d["capacity_bytes"] = s.capacity_bytes;
+  d["high_water_bytes"] = s.high_water_bytes;
+  d["host_to_device_bytes"] = s.host_to_device_bytes;
+  d["device_to_host_bytes"] = s.device_to_host_bytes;
+  d["host_to_device_copies"] = s.host_to_device_copies;
+  d["device_to_host_copies"] = s.device_to_host_copies;
+  return d;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hydra-torch native engine";
   m.attr("built_torch_version") = HYDRA_TORCH_BUILT_TORCH_VERSION;
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<OptimizerSpec> spec(m, "OptimizerSpec");
+  py::enum_<OptimizerSpec::Kind>(spec, "Kind").value("adam", OptimizerSpec::Kind::kAdam).value("sgd", OptimizerSpec::Kind::kSgd);
+  spec.def(py::init<>())
+      .def_readwrite("kind", &OptimizerSpec::kind)
+      .def_readwrite("lr", &OptimizerSpec::lr)
+      .def_readwrite("beta1", &OptimizerSpec::beta1)
+      .def_readwrite("beta2", &OptimizerSpec::beta2)
+      .def_readwrite("eps", &OptimizerSpec::eps)
+      .def_readwrite("weight_decay", &OptimizerSpec::weight_decay)
+      .def_readwrite("decoupled_weight_decay", &OptimizerSpec::decoupled_weight_decay)
+      .def_readwrite("momentum", &OptimizerSpec::momentum)
+      .def_readwrite("dampening", &OptimizerSpec::dampening)
+      .def_readwrite("nesterov", &OptimizerSpec::nesterov)
+      .def_property_readonly("num_states", &OptimizerSpec::num_states);
+
+  py::class_<ShardStore, std::shared_ptr<ShardStore>>(m, "ShardStore")
+      .def(py::init<const std::vector<std::vector<at::Tensor>>&, OptimizerSpec, bool, bool>(), py::arg("shard_params"),
+           py::arg("optimizer"), py::arg("bf16"), py::arg("pin_memory"))
+      .def_property_readonly("num_shards", &ShardStore::num_shards)
+      .def_property_readonly("pinned", &ShardStore::pinned)
+      .def("owned_numel", &ShardStore::owned_numel)
+      .def("device_numel", &ShardStore::device_numel)
+      .def("trainable_numel", &ShardStore::trainable_numel)
+      .def("steps_taken", &ShardStore::steps_taken)
+      .def("master", &ShardStore::master)
+      .def("grad", &ShardStore::grad)
+      .def("write_back", &ShardStore::write_back);
+
+  py::class_<DeviceEngine>(m, "DeviceEngine")
+      .def(py::init([](const std::string& device, int64_t budget) {
+             return std::make_unique<DeviceEngine>(c10::Device(device), budget);
+           }),
+           py::arg("device"), py::arg("budget_bytes"))
+      .def("add_model", &DeviceEngine::add_model)
+      .def("resident", &DeviceEngine::resident)
+      .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
+      .def_static("resident_bytes", &DeviceEngine::resident_bytes)
+      .def("plan", &DeviceEngine::plan)
+      .def("prefetch", &DeviceEngine::prefetch, release_gil())
+      .def("acquire", &DeviceEngine::acquire, py::arg("model"), py::arg("shard"), py::arg("with_grads"), release_gil())
+      .def("release", &DeviceEngine::release, release_gil())
+      .def("backward_done", &DeviceEngine::backward_done, py::arg("model"), py::arg("shard"), py::arg("step"),
+           release_gil())
+      .def("clip_and_step", &DeviceEngine::clip_and_step, release_gil())
+      .def("discard_grads", &DeviceEngine::discard_grads, release_gil())
+      .def("synchronize", &DeviceEngine::synchronize, release_gil())
+      .def("finish", &DeviceEngine::finish, release_gil())
+      .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
+      .def("shard_loads", &DeviceEngine::shard_loads);
 }

@@ -1,0 +1,213 @@
+#include "engine/device_engine.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "core/eviction.h"
+#include "engine/optimizer_step.h"
+
+namespace hydra::engine {
+
+namespace {
+
+int64_t element_bytes(const ShardStore& store) { return store.bf16() ? 2 : 4; }
+
+// Every region is rounded up to the pool's 512-byte alignment: a resident shard has at most 5 regions
+// (weights, gradients, master, two optimizer states), a spilled shard in use 2 (weights, gradients).
+constexpr int64_t kResidentSlack = 5 * 512;
+constexpr int64_t kSpilledSlack = 2 * 512;
+
+}  // namespace
+
+DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes)
+    : device_(device), has_streams_(!device.is_cpu()), pool_(device, budget_bytes) {
+  if (has_streams_) {
+    c10::impl::VirtualGuardImpl guard(device_.type());
+    copy_stream_ = guard.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  }
+  stats_.budget_bytes = budget_bytes;
+}
+
+DeviceEngine::~DeviceEngine() { worker_.drain(); }
+
+int64_t DeviceEngine::min_spilled_bytes(const ShardStore& store) {
+  int64_t largest = 0;
+  for (int s = 0; s < store.num_shards(); ++s) largest = std::max(largest, store.device_numel(s));
+  return 2 * largest * element_bytes(store);
+}
+
+int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
+  // Weights and gradients in the compute dtype, an fp32 master when that is bf16, and the optimizer state.
+  const int64_t per_element = 2 * element_bytes(store) + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states();
+  return store.total_owned_numel() * per_element;
+}
+
+int DeviceEngine::add_model(std::shared_ptr<ShardStore> store) {
+  TORCH_CHECK(store, "add_model: no store");
+  const int64_t left = pool_.budget() - committed_bytes_;
+  const int64_t resident_need = resident_bytes(*store) + kResidentSlack * store->num_shards();
+  const int64_t spilled_need = min_spilled_bytes(*store) + kSpilledSlack;
+  TORCH_CHECK(spilled_need <= left, "memory budget too small: the largest shard needs ", spilled_need,
+              " bytes on the device (its weights and gradients) but only ", left, " of the budget's ",
+              pool_.budget(), " bytes are left; raise memory_budget or cut the model into smaller shards");
+  TORCH_CHECK(pool_.high_water() == 0, "add_model: every model must be added before training starts");
+  Model model;
+  model.store = std::move(store);
+  model.resident = resident_need <= left;
+  model.shards.resize(model.store->num_shards());
+  committed_bytes_ += model.resident ? resident_need : spilled_need;
+  models_.push_back(std::move(model));
+  // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
+  // cached plus one shard's gradients.
+  int64_t demand = 0;
+  for (const Model& m : models_) {
+    if (m.resident) {
+      demand += resident_bytes(*m.store) + kResidentSlack * m.store->num_shards();
+      continue;
+    }
+    demand += min_spilled_bytes(*m.store) + kSpilledSlack;
+    for (int s = 0; s < m.store->num_shards(); ++s) demand += m.store->device_numel(s) * element_bytes(*m.store) + 512;
+  }
+  pool_.set_demand(std::min(demand, pool_.budget()));
+  return static_cast<int>(models_.size()) - 1;
+}
+
+c10::Stream DeviceEngine::compute_stream() const {
+  c10::impl::VirtualGuardImpl guard(device_.type());
+  return guard.getStream(device_);
+}
+
+Fence DeviceEngine::compute_point() const {
+  if (!has_streams_) return Fence();  // CPU compute ran synchronously on the calling thread
+  auto event = std::make_shared<c10::Event>(device_.type());
+  event->record(compute_stream());
+  return Fence(std::move(event));
+}
+
+Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
+  Fence fence = worker_.submit(std::move(job));
+  auto& jobs = models_[model].jobs;
+  jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const Fence& f) { return f.ready(); }), jobs.end());
+  jobs.push_back(fence);
+  return fence;
+}
+
+void DeviceEngine::plan(int model, const std::vector<int>& shards) {
+  for (int s : shards) upcoming_.push_back(key(model, s));
+}
+
+Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, bool must) {
+  for (;;) {
+    if (std::optional<Allocation> allocation = pool_.allocate(bytes)) return std::move(*allocation);
+    std::vector<core::EvictionCandidate> candidates;
+    for (int m = 0; m < static_cast<int>(models_.size()); ++m)
+      for (int s = 0; s < static_cast<int>(models_[m].shards.size()); ++s)
+        if (models_[m].shards[s].cached) candidates.push_back({key(m, s), models_[m].shards[s].pins > 0});
+    std::optional<int64_t> victim = core::furthest_next_use(candidates, upcoming_);
+    if (victim && !must) {
+      // A prefetch may only displace a shard needed later than the one it brings in (Belady).
+      auto position = [&](int64_t k) {
+        auto it = std::find(upcoming_.begin(), upcoming_.end(), k);
+        return it == upcoming_.end() ? std::numeric_limits<int64_t>::max() : it - upcoming_.begin();
+      };
+      if (position(*victim) <= position(key(model, shard))) victim.reset();
+    }
+    if (!victim) {
+      TORCH_CHECK(!must, "memory budget exhausted on ", device_, ": shard ", shard, " of model ", model, " needs ",
+                  bytes, " bytes; ", pool_.in_use(), " of ", pool_.capacity(),
+                  " are held by shards in use. Raise memory_budget or use smaller shards.");
+      return Allocation{};
+    }
+    evict(models_[*victim >> 32].shards[*victim & 0xffffffff]);
+  }
+}
+
+void DeviceEngine::evict(ShardState& state) {
+  pool_.release(state.weights, state.last_use);
+  state.weights = Region{};
+  state.cached = state.stale = false;
+}
+
+bool DeviceEngine::load(int model, int shard, bool must) {
+  ShardStore& store = *models_[model].store;
+  ShardState& state = models_[model].shards[shard];
+  const int64_t numel = store.device_numel(shard);
+  Allocation allocation = allocate(model, shard, numel * element_bytes(store), must);
+  if (!allocation.region.valid()) return false;
+  state.weights = allocation.region;
+  state.cached = true;
+  at::Tensor target = pool_.view(state.weights, store.compute_dtype(), numel);
+  // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  copies.emplace_back(target.narrow(0, 0, store.owned_numel(shard)),
+                      store.transfer_source(shard).narrow(0, 0, store.owned_numel(shard)));
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner != shard)
+      copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
+                          store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
+  state.ready = submit(model, [copies = std::move(copies), after = std::move(allocation.after), this]() -> DeviceEvent {
+    if (!has_streams_) {
+      for (auto& [dst, src] : copies) dst.copy_(src);
+      return nullptr;
+    }
+    c10::StreamGuard guard(*copy_stream_);
+    for (const Fence& f : after) f.order_before(*copy_stream_);
+    for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/true);
+    auto event = std::make_shared<c10::Event>(device_.type());
+    event->record(*copy_stream_);
+    return event;
+  });
+  state.last_use = state.ready;
+  ++state.loads;
+  ++stats_.host_to_device_copies;
+  stats_.host_to_device_bytes += numel * element_bytes(store);
+  return true;
+}
+
+void DeviceEngine::prefetch(int model, int shard) {
+  const ShardState& state = models_.at(model).shards.at(shard);
+  if (models_[model].resident || state.cached) return;
+  load(model, shard, /*must=*/false);
+}
+
+void DeviceEngine::acquire(int model, int shard, bool with_grads) {
+  Model& m = models_.at(model);
+  ShardState& state = m.shards.at(shard);
+  auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
+  if (it != upcoming_.end()) upcoming_.erase(it);
+  ++state.pins;
+  if (m.resident && !m.uploaded) upload_resident(model);
+  if (!m.resident) {
+    if (!state.cached) load(model, shard, /*must=*/true);
+    state.ready.order_before(compute_stream());
+    if (with_grads && !state.grads.valid()) {
+      const int64_t numel = m.store->device_numel(shard);
+      Allocation allocation = allocate(model, shard, numel * element_bytes(*m.store), /*must=*/true);
+      for (const Fence& f : allocation.after) f.order_before(compute_stream());
+      state.grads = allocation.region;
+      grad_view(model, shard).zero_();
+    }
+  }
+  bind(model, shard, with_grads);
+}
+
+void DeviceEngine::release(int model, int shard) {
+  ShardState& state = models_.at(model).shards.at(shard);
+  TORCH_CHECK(state.pins > 0, "release of shard ", shard, " of model ", model, " that was not acquired");
+  --state.pins;
+  if (models_[model].resident) return;
+  state.last_use = compute_point();
+  if (state.grads.valid()) {  // backward never completed (an error): the gradients are abandoned
+    pool_.release(state.grads, state.last_use);
+    state.grads = Region{};
+  }
+  if (state.stale && state.pins == 0) evict(state);
+}
+
+}  // namespace hydra::engine

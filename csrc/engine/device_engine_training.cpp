@@ -1,0 +1,260 @@
+// DeviceEngine, the training half: parameter binding, gradients, optimizer steps, and bringing state home.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "engine/device_engine.h"
+#include "engine/optimizer_step.h"
+
+namespace hydra::engine {
+
+namespace {
+
+int64_t element_bytes(const ShardStore& store) { return store.bf16() ? 2 : 4; }
+
+// Steps the shard's host buffers; runs on the device's worker thread.
+void step_host(ShardStore& store, int shard, double grad_scale) {
+  const int64_t n = store.trainable_numel(shard);
+  std::vector<at::Tensor> states;
+  for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k).narrow(0, 0, n));
+  const at::Tensor shadow = store.bf16() ? store.shadow(shard).narrow(0, 0, n) : at::Tensor();
+  step_flat(store.optimizer(), store.master(shard).narrow(0, 0, n), store.grad(shard).narrow(0, 0, n), states, shadow,
+            store.steps_taken(shard) + 1, grad_scale);
+  store.count_step(shard);
+  store.grad(shard).zero_();
+}
+
+}  // namespace
+
+at::Tensor DeviceEngine::grad_view(int model, int shard) {
+  const ShardStore& store = *models_[model].store;
+  return pool_.view(models_[model].shards[shard].grads, store.compute_dtype(), store.device_numel(shard));
+}
+
+at::Tensor DeviceEngine::home_view(int model, int shard, const Region& region, at::ScalarType dtype) {
+  return pool_.view(region, dtype, models_[model].store->owned_numel(shard));
+}
+
+void DeviceEngine::upload_resident(int model) {
+  Model& m = models_[model];
+  ShardStore& store = *m.store;
+  const at::ScalarType dtype = store.compute_dtype();
+  c10::DeviceGuard device_guard(device_);
+  for (int s = 0; s < store.num_shards(); ++s) {
+    ShardState& state = m.shards[s];
+    const int64_t numel = store.owned_numel(s);
+    auto region = [&](int64_t bytes) { return allocate(model, s, bytes, /*must=*/true).region; };
+    state.home_weights = region(numel * element_bytes(store));
+    state.home_grads = region(numel * element_bytes(store));
+    home_view(model, s, state.home_weights, dtype).copy_(store.transfer_source(s));
+    home_view(model, s, state.home_grads, dtype).zero_();
+    if (store.bf16()) {
+      state.home_master = region(numel * 4);
+      home_view(model, s, state.home_master, at::kFloat).copy_(store.master(s));
+    }
+    for (int k = 0; k < store.optimizer().num_states(); ++k) {
+      state.home_states.push_back(region(numel * 4));
+      home_view(model, s, state.home_states.back(), at::kFloat).copy_(store.state(s, k));
+    }
+    ++state.loads;
+    ++stats_.host_to_device_copies;
+    stats_.host_to_device_bytes += numel * (element_bytes(store) + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states());
+  }
+  m.uploaded = true;
+}
+
+void DeviceEngine::bind(int model, int shard, bool with_grads) {
+  Model& m = models_[model];
+  const ShardStore& store = *m.store;
+  const at::ScalarType dtype = store.compute_dtype();
+  // Spilled shards hold every parameter they use (tied ones copied in); resident models keep one copy of
+  // each parameter, in its owner's buffers, so a tied weight is one tensor on the device too.
+  std::vector<at::Tensor> weights(store.num_shards()), grads(store.num_shards());
+  for (const ParamEntry& e : store.layout(shard)) {
+    const int source = m.resident ? e.owner : shard;
+    if (!weights[source].defined()) {
+      if (m.resident) {
+        weights[source] = home_view(model, source, m.shards[source].home_weights, dtype);
+        grads[source] = home_view(model, source, m.shards[source].home_grads, dtype);
+      } else {
+        weights[source] = pool_.view(m.shards[shard].weights, dtype, store.device_numel(shard));
+        if (with_grads) grads[source] = grad_view(model, shard);
+      }
+    }
+    const int64_t offset = m.resident ? e.master_offset : e.device_offset;
+    e.param.set_data(weights[source].narrow(0, offset, e.numel).view(e.param.sizes()));
+    e.param.mutable_grad() =
+        with_grads && e.trainable ? grads[source].narrow(0, offset, e.numel).view(e.param.sizes()) : at::Tensor();
+  }
+}
+
+void DeviceEngine::backward_done(int model, int shard, bool step) {
+  Model& m = models_.at(model);
+  ShardState& state = m.shards.at(shard);
+  if (m.resident) {
+    if (step) step_resident(model, shard, 1.0);
+    return;
+  }
+  TORCH_CHECK(state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
+  const ShardStore& store = *m.store;
+  const at::Tensor device_grad = grad_view(model, shard);
+  const int64_t bytes = device_grad.numel() * element_bytes(store);
+  at::Tensor landing = device_grad;  // a CPU device's memory is host memory: read it in place
+  if (has_streams_) {
+    if (!staging_.defined() || staging_.numel() < bytes) {
+      int64_t largest = bytes;
+      for (const Model& other : models_)
+        for (int s = 0; s < other.store->num_shards(); ++s)
+          largest = std::max(largest, other.store->device_numel(s) * element_bytes(*other.store));
+      try {
+        staging_ = at::empty({largest}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      } catch (const c10::Error&) {
+        staging_ = at::empty({largest}, at::TensorOptions().dtype(at::kByte));
+      }
+    }
+    landing = staging_.narrow(0, 0, bytes).view(store.compute_dtype());
+    ++stats_.device_to_host_copies;
+    stats_.device_to_host_bytes += bytes;
+  }
+  const Fence computed = compute_point();
+  const Fence weights_in = state.ready;  // the step rewrites the buffer that copy read from
+  std::shared_ptr<ShardStore> owner = m.store;
+  Fence done = submit(model, [=, this]() -> DeviceEvent {
+    if (has_streams_) {
+      c10::StreamGuard guard(*copy_stream_);
+      computed.order_before(*copy_stream_);
+      landing.copy_(device_grad, /*non_blocking=*/true);
+      c10::Event copied(device_.type());
+      copied.record(*copy_stream_);
+      copied.synchronize();
+    }
+    owner->accumulate_grads(shard, landing);
+    if (step) {
+      weights_in.wait();
+      step_host(*owner, shard, 1.0);
+    }
+    return nullptr;
+  });
+  pool_.release(state.grads, done);
+  state.grads = Region{};
+  if (step) state.stale = true;  // the device copy predates the step: dropped on release
+}
+
+void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
+  Model& m = models_[model];
+  ShardStore& store = *m.store;
+  ShardState& state = m.shards[shard];
+  const int64_t n = store.trainable_numel(shard);
+  c10::DeviceGuard device_guard(device_);
+  const at::Tensor weights = home_view(model, shard, state.home_weights, store.compute_dtype());
+  const at::Tensor grads = home_view(model, shard, state.home_grads, store.compute_dtype());
+  // In bf16 the fp32 master is stepped and the bf16 weights the shard computes with are its shadow.
+  const at::Tensor param = store.bf16() ? home_view(model, shard, state.home_master, at::kFloat) : weights;
+  std::vector<at::Tensor> states;
+  for (const Region& r : state.home_states) states.push_back(home_view(model, shard, r, at::kFloat).narrow(0, 0, n));
+  step_flat(store.optimizer(), param.narrow(0, 0, n), grads.narrow(0, 0, n), states,
+            store.bf16() ? weights.narrow(0, 0, n) : at::Tensor(), store.steps_taken(shard) + 1, grad_scale);
+  store.count_step(shard);
+  grads.zero_();
+}
+
+void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
+  ShardState& state = models_[model].shards[shard];
+  std::shared_ptr<ShardStore> owner = models_[model].store;
+  const Fence weights_in = state.ready;
+  submit(model, [=]() -> DeviceEvent {
+    weights_in.wait();
+    step_host(*owner, shard, grad_scale);
+    return nullptr;
+  });
+  if (state.cached) {
+    state.stale = true;
+    if (state.pins == 0) evict(state);
+  }
+}
+
+double DeviceEngine::clip_and_step(int model, double max_norm) {
+  synchronize(model);
+  Model& m = models_.at(model);
+  ShardStore& store = *m.store;
+  double sum_of_squares = 0.0;
+  for (int s = 0; s < store.num_shards(); ++s) {
+    const int64_t n = store.trainable_numel(s);
+    const at::Tensor g = m.resident ? home_view(model, s, m.shards[s].home_grads, store.compute_dtype()).narrow(0, 0, n)
+                                    : store.grad(s).narrow(0, 0, n);
+    const double norm = at::linalg_vector_norm(g, 2, c10::nullopt, false, at::kFloat).item<double>();
+    sum_of_squares += norm * norm;
+  }
+  const double total = std::sqrt(sum_of_squares);
+  if (!std::isfinite(total)) {
+    discard_grads(model);
+    TORCH_CHECK(false, "the gradient norm is not finite (", total, "); the step was skipped, weights unchanged");
+  }
+  const double scale = std::min(1.0, max_norm / (total + 1e-6));
+  for (int s = store.num_shards() - 1; s >= 0; --s) {
+    if (m.resident) {
+      step_resident(model, s, scale);
+    } else {
+      step_spilled(model, s, scale);
+    }
+  }
+  return total;
+}
+
+void DeviceEngine::discard_grads(int model) {
+  synchronize(model);
+  Model& m = models_.at(model);
+  for (int s = 0; s < m.store->num_shards(); ++s) {
+    if (m.resident && m.uploaded) {
+      home_view(model, s, m.shards[s].home_grads, m.store->compute_dtype()).zero_();
+    } else if (!m.resident) {
+      m.store->grad(s).zero_();
+    }
+  }
+}
+
+void DeviceEngine::synchronize(int model) {
+  worker_.drain();
+  std::vector<Fence> jobs = std::move(models_.at(model).jobs);
+  models_[model].jobs.clear();
+  for (const Fence& job : jobs) job.wait();
+}
+
+void DeviceEngine::finish(int model) {
+  synchronize(model);
+  Model& m = models_.at(model);
+  ShardStore& store = *m.store;
+  if (m.resident && m.uploaded) {
+    for (int s = 0; s < store.num_shards(); ++s) {
+      const ShardState& state = m.shards[s];
+      if (store.bf16()) {
+        store.master(s).copy_(home_view(model, s, state.home_master, at::kFloat));
+        store.shadow(s).copy_(home_view(model, s, state.home_weights, at::kBFloat16));
+      } else {
+        store.master(s).copy_(home_view(model, s, state.home_weights, at::kFloat));
+      }
+      for (int k = 0; k < store.optimizer().num_states(); ++k)
+        store.state(s, k).copy_(home_view(model, s, state.home_states[k], at::kFloat));
+    }
+  }
+  store.write_back();
+}
+
+EngineStats DeviceEngine::stats() const {
+  EngineStats stats = stats_;
+  stats.capacity_bytes = pool_.capacity();
+  stats.high_water_bytes = pool_.high_water();
+  return stats;
+}
+
+std::vector<int64_t> DeviceEngine::shard_loads(int model) const {
+  std::vector<int64_t> loads;
+  for (const ShardState& state : models_.at(model).shards) loads.push_back(state.loads);
+  return loads;
+}
+
+}  // namespace hydra::engine

@@ -1,0 +1,65 @@
+#include "engine/device_pool.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+namespace hydra::engine {
+
+namespace {
+// Matches the CUDA caching allocator's granularity, so views are as aligned as ordinary tensors.
+constexpr int64_t kAlignment = 512;
+}  // namespace
+
+DevicePool::DevicePool(c10::Device device, int64_t budget_bytes)
+    : device_(device), budget_(budget_bytes), demand_(budget_bytes) {
+  TORCH_CHECK(budget_bytes > 0, "DevicePool: the memory budget must be positive, got ", budget_bytes);
+}
+
+void DevicePool::set_demand(int64_t bytes) {
+  TORCH_CHECK(!arena_, "DevicePool: demand must be set before the first allocation");
+  demand_ = bytes;
+}
+
+void DevicePool::ensure_arena() {
+  if (arena_) return;
+  const int64_t capacity = std::min(budget_, demand_) / kAlignment * kAlignment;
+  storage_ = at::empty({capacity}, at::TensorOptions().dtype(at::kByte).device(device_));
+  arena_.emplace(capacity, kAlignment);
+}
+
+void DevicePool::reclaim_ready() {
+  while (!pending_.empty() && pending_.front().second.ready()) {
+    arena_->release(pending_.front().first.offset);
+    pending_.pop_front();
+  }
+}
+
+std::optional<Allocation> DevicePool::allocate(int64_t bytes) {
+  ensure_arena();
+  reclaim_ready();
+  for (;;) {
+    if (std::optional<int64_t> offset = arena_->allocate(bytes)) {
+      Allocation allocation{Region{*offset, arena_->rounded(bytes)}, std::move(unordered_)};
+      unordered_.clear();
+      return allocation;
+    }
+    if (pending_.empty()) return std::nullopt;
+    arena_->release(pending_.front().first.offset);
+    unordered_.push_back(std::move(pending_.front().second));
+    pending_.pop_front();
+  }
+}
+
+void DevicePool::release(Region region, Fence after) {
+  TORCH_CHECK(region.valid(), "DevicePool: release of an empty region");
+  pending_.emplace_back(region, std::move(after));
+}
+
+at::Tensor DevicePool::view(const Region& region, at::ScalarType dtype, int64_t numel) {
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(bytes <= region.bytes, "DevicePool: a view of ", bytes, " bytes does not fit a region of ",
+              region.bytes);
+  return storage_.narrow(0, region.offset, bytes).view(dtype);
+}
+
+}  // namespace hydra::engine

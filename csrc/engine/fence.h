@@ -1,0 +1,54 @@
+// Completion of asynchronous engine work, whichever side runs it.
+//
+// Work is issued by a host thread (the device's worker) and may then continue on the device (a copy on a
+// side stream). A Fence is the host part as a future whose value is the device part's event, null when the
+// work was host-only (CPU devices): waiting on it waits for both, in that order.
+#pragma once
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <future>
+#include <memory>
+
+namespace hydra::engine {
+
+using DeviceEvent = std::shared_ptr<c10::Event>;
+
+class Fence {
+ public:
+  Fence() : Fence(DeviceEvent{}) {}
+  explicit Fence(std::shared_future<DeviceEvent> issued) : issued_(std::move(issued)) {}
+  // Already issued: device work ordered by `event` (null: nothing left to wait for).
+  explicit Fence(DeviceEvent event) {
+    std::promise<DeviceEvent> promise;
+    promise.set_value(std::move(event));
+    issued_ = promise.get_future().share();
+  }
+
+  // Never throws: work that failed is finished too, and its error surfaces through wait().
+  bool ready() const {
+    if (issued_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    try {
+      const DeviceEvent& event = issued_.get();
+      return !event || event->query();
+    } catch (...) {
+      return true;
+    }
+  }
+  // Blocks the calling thread until the work is done; rethrows the issuing job's exception.
+  void wait() const {
+    const DeviceEvent& event = issued_.get();
+    if (event) event->synchronize();
+  }
+  // Orders `stream` after the work without blocking the host on the device part.
+  void order_before(const c10::Stream& stream) const {
+    const DeviceEvent& event = issued_.get();
+    if (event) event->block(stream);
+  }
+
+ private:
+  std::shared_future<DeviceEvent> issued_;
+};
+
+}  // namespace hydra::engine

@@ -1,0 +1,142 @@
+#include "engine/shard_store.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace hydra::engine {
+
+namespace {
+
+int64_t aligned(int64_t n) {
+  return (n + ShardStore::kAlignElements - 1) / ShardStore::kAlignElements * ShardStore::kAlignElements;
+}
+
+}  // namespace
+
+ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params, OptimizerSpec optimizer,
+                       bool bf16, bool pin_memory)
+    : optimizer_(optimizer), bf16_(bf16), pinned_(pin_memory) {
+  TORCH_CHECK(!shard_params.empty(), "ShardStore: a model needs at least one shard");
+  const int n = static_cast<int>(shard_params.size());
+  layouts_.resize(n);
+  owned_numel_.assign(n, 0);
+  trainable_numel_.assign(n, 0);
+  device_numel_.assign(n, 0);
+  steps_.assign(n, 0);
+
+  // Owner = first shard listing the parameter; identity is the TensorImpl, as for Python's `is`.
+  struct Home {
+    int owner;
+    int64_t master_offset;
+  };
+  std::unordered_map<const c10::TensorImpl*, Home> owned_by;
+  std::vector<std::vector<ParamEntry>> owned(n), borrowed(n);
+  for (int s = 0; s < n; ++s) {
+    std::unordered_map<const c10::TensorImpl*, bool> seen_here;
+    for (const at::Tensor& p : shard_params[s]) {
+      TORCH_CHECK(p.defined(), "ShardStore: shard ", s, " lists an undefined parameter");
+      TORCH_CHECK(p.device().is_cpu(), "ShardStore: parameters must be on the CPU, found one on ", p.device());
+      TORCH_CHECK(at::isFloatingType(p.scalar_type()), "ShardStore: parameters must be floating point, found ",
+                  p.scalar_type());
+      if (!seen_here.emplace(p.unsafeGetTensorImpl(), true).second) continue;
+      ParamEntry entry{p, s, 0, 0, p.numel(), p.requires_grad(), p.scalar_type()};
+      auto found = owned_by.find(p.unsafeGetTensorImpl());
+      if (found == owned_by.end()) {
+        owned[s].push_back(entry);
+      } else {
+        entry.owner = found->second.owner;
+        borrowed[s].push_back(entry);
+      }
+    }
+    // Trainable parameters first, so one contiguous range [0, trainable_numel) is what the optimizer steps.
+    std::stable_partition(owned[s].begin(), owned[s].end(), [](const ParamEntry& e) { return e.trainable; });
+    int64_t offset = 0;
+    for (ParamEntry& e : owned[s]) {
+      e.master_offset = e.device_offset = offset;
+      offset = aligned(offset + e.numel);
+      if (e.trainable) trainable_numel_[s] = offset;
+    }
+    owned_numel_[s] = offset;
+    for (ParamEntry& e : owned[s]) layouts_[s].push_back(e);
+    // Register owners only after sorting, so borrowers copy the final master offsets.
+    for (const ParamEntry& e : layouts_[s]) owned_by.emplace(e.param.unsafeGetTensorImpl(), Home{s, e.master_offset});
+  }
+  for (int s = 0; s < n; ++s) {
+    int64_t offset = owned_numel_[s];
+    for (ParamEntry& e : borrowed[s]) {
+      e.master_offset = owned_by.at(e.param.unsafeGetTensorImpl()).master_offset;
+      e.device_offset = offset;
+      offset = aligned(offset + e.numel);
+      layouts_[s].push_back(e);
+    }
+    device_numel_[s] = offset;
+  }
+
+  for (int s = 0; s < n; ++s) {
+    // Only what crosses to the device is pinned: a DMA needs it, the host-only buffers do not.
+    at::Tensor master = host_buffer(owned_numel_[s], at::kFloat, pin_memory && !bf16);
+    master.zero_();
+    for (const ParamEntry& e : layouts_[s]) {
+      if (e.owner != s) continue;
+      master.narrow(0, e.master_offset, e.numel).copy_(e.param.detach().reshape({-1}));
+    }
+    master_.push_back(master);
+    grad_.push_back(at::zeros({owned_numel_[s]}, at::kFloat));
+    std::vector<at::Tensor> states;
+    for (int k = 0; k < optimizer.num_states(); ++k) states.push_back(at::zeros({owned_numel_[s]}, at::kFloat));
+    state_.push_back(std::move(states));
+    if (bf16) {
+      at::Tensor shadow = host_buffer(owned_numel_[s], at::kBFloat16, pin_memory);
+      shadow.copy_(master);
+      shadow_.push_back(shadow);
+    }
+  }
+}
+
+at::Tensor ShardStore::host_buffer(int64_t numel, at::ScalarType dtype, bool pin) {
+  auto options = at::TensorOptions().dtype(dtype);
+  if (pin) {
+    try {
+      return at::empty({numel}, options.pinned_memory(true));
+    } catch (const c10::Error&) {
+      // No pinning without an accelerator runtime: copies still work, just staged and synchronous.
+      pinned_ = false;
+    }
+  }
+  return at::empty({numel}, options);
+}
+
+at::ScalarType ShardStore::compute_dtype() const { return bf16_ ? at::kBFloat16 : at::kFloat; }
+
+int64_t ShardStore::total_owned_numel() const {
+  int64_t total = 0;
+  for (int64_t n : owned_numel_) total += n;
+  return total;
+}
+
+void ShardStore::accumulate_grads(int shard, const at::Tensor& device_layout_grad) {
+  TORCH_CHECK(device_layout_grad.device().is_cpu() && device_layout_grad.numel() == device_numel_.at(shard),
+              "accumulate_grads: expected a host tensor of ", device_numel_.at(shard), " elements");
+  grad_[shard].add_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
+  for (const ParamEntry& e : layouts_[shard]) {
+    if (e.owner == shard || !e.trainable) continue;
+    grad_[e.owner].narrow(0, e.master_offset, e.numel).add_(device_layout_grad.narrow(0, e.device_offset, e.numel));
+  }
+}
+
+void ShardStore::write_back() {
+  for (int s = 0; s < num_shards(); ++s) {
+    for (ParamEntry& e : layouts_[s]) {
+      if (e.owner != s) continue;
+      at::Tensor value = master_[s].narrow(0, e.master_offset, e.numel).view(e.param.sizes());
+      e.param.set_data(value.to(e.original_dtype, /*non_blocking=*/false, /*copy=*/true));
+      e.param.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+}  // namespace hydra::engine

@@ -1,0 +1,78 @@
+// Host-side training state of one model, one flat buffer family per shard.
+//
+// Each shard's parameters are packed into one contiguous fp32 master buffer with a gradient buffer, the
+// optimizer's state buffers and, for bf16 training, a bf16 shadow that is what travels to the device.
+// A parameter shared by several shards (tied weights) is stored once, by the lowest-numbered shard that
+// uses it: backward runs from the last shard to the first, so by the time the owner's gradients are in,
+// every borrower's contribution has been added and the owner's optimizer step sees their sum.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "engine/optimizer_spec.h"
+
+namespace hydra::engine {
+
+// One parameter's place in a shard. Offsets count elements; every offset is aligned to kAlignElements.
+struct ParamEntry {
+  at::Tensor param;       // the user's Parameter: its data is rebound, the object stays the same
+  int owner;              // shard whose master buffer holds it
+  int64_t master_offset;  // in the owner's master buffer
+  int64_t device_offset;  // in this shard's device buffers (owned first, borrowed after)
+  int64_t numel;
+  bool trainable;
+  at::ScalarType original_dtype;
+};
+
+class ShardStore {
+ public:
+  static constexpr int64_t kAlignElements = 16;
+
+  // Copies the parameters' current values; the user's modules are not modified until `bind`.
+  ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params, OptimizerSpec optimizer, bool bf16,
+             bool pin_memory);
+
+  int num_shards() const { return static_cast<int>(layouts_.size()); }
+  const std::vector<ParamEntry>& layout(int shard) const { return layouts_.at(shard); }
+  const OptimizerSpec& optimizer() const { return optimizer_; }
+  bool bf16() const { return bf16_; }
+  bool pinned() const { return pinned_; }
+  at::ScalarType compute_dtype() const;
+
+  int64_t owned_numel(int shard) const { return owned_numel_.at(shard); }
+  int64_t trainable_numel(int shard) const { return trainable_numel_.at(shard); }
+  int64_t device_numel(int shard) const { return device_numel_.at(shard); }
+  int64_t total_owned_numel() const;
+
+  at::Tensor& master(int shard) { return master_.at(shard); }
+  at::Tensor& grad(int shard) { return grad_.at(shard); }
+  at::Tensor& state(int shard, int k) { return state_.at(shard).at(k); }
+  // What is copied to the device: the bf16 shadow when training in bf16, else the master.
+  at::Tensor& transfer_source(int shard) { return bf16_ ? shadow_.at(shard) : master_.at(shard); }
+  at::Tensor& shadow(int shard) { return shadow_.at(shard); }
+
+  int64_t steps_taken(int shard) const { return steps_.at(shard); }
+  void count_step(int shard) { ++steps_.at(shard); }
+
+  // Adds a shard's device-layout gradient (host-visible, compute dtype) into the master gradients:
+  // the owned part in one pass, each borrowed parameter into its owner's buffer.
+  void accumulate_grads(int shard, const at::Tensor& device_layout_grad);
+  // Points every parameter at a host tensor of its own holding the master value in its original dtype,
+  // and drops the gradients: the user's modules come back as plain PyTorch modules, ties intact.
+  void write_back();
+
+ private:
+  at::Tensor host_buffer(int64_t numel, at::ScalarType dtype, bool pin);
+
+  OptimizerSpec optimizer_;
+  bool bf16_;
+  bool pinned_;
+  std::vector<std::vector<ParamEntry>> layouts_;
+  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
+  std::vector<at::Tensor> master_, grad_, shadow_;
+  std::vector<std::vector<at::Tensor>> state_;
+};
+
+}  // namespace hydra::engine

@@ -1,0 +1,92 @@
+"""Cutting a model into shards: consecutive groups of layers that visit the device together."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+def model_pieces(model) -> list[nn.Module]:
+    """The ordered layers of `model`: an nn.Sequential's children, or a list of modules."""
+    if isinstance(model, nn.Sequential):
+        pieces = list(model.children())
+    elif isinstance(model, (list, tuple, nn.ModuleList)):
+        pieces = list(model)
+    else:
+        raise TypeError(
+            f"cannot cut a {type(model).__name__} into shards: pass an nn.Sequential, a list of modules, "
+            "or explicit shards=[[module, ...], ...]")
+    for i, piece in enumerate(pieces):
+        if not isinstance(piece, nn.Module):
+            raise TypeError(f"layer {i} of the model is a {type(piece).__name__}, not an nn.Module")
+    if not pieces:
+        raise ValueError("the model is empty: it has no layers to train")
+    return pieces
+
+
+def _balanced_cuts(sizes: Sequence[int], count: int) -> list[int]:
+    """Start indices of `count` contiguous groups minimising the largest group's total (linear partition)."""
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    # best[k][i]: smallest possible largest group when the first i pieces form k groups.
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0
+    for k in range(1, count + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(count, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split(model, shards=None) -> list[list[nn.Module]]:
+    """Shards of `model`.
+
+    shards: None (each layer is a shard), an int (that many shards balanced by parameter count), a list of
+    start indices (``[0, 4, 8]``), or explicit groups of modules (``[[m0, m1], [m2]]``, any model).
+    """
+    if isinstance(shards, (list, tuple)) and shards and all(isinstance(g, (list, tuple)) for g in shards):
+        groups = [list(group) for group in shards]
+        for i, group in enumerate(groups):
+            if not group or not all(isinstance(m, nn.Module) for m in group):
+                raise TypeError(f"shard {i} must be a non-empty list of nn.Module")
+        return groups
+    pieces = model_pieces(model)
+    if shards is None:
+        return [[piece] for piece in pieces]
+    if isinstance(shards, bool) or not isinstance(shards, (int, list, tuple)):
+        raise TypeError(f"shards must be None, an int, a list of start indices or of module lists; got {shards!r}")
+    if isinstance(shards, int):
+        if not 1 <= shards <= len(pieces):
+            raise ValueError(f"shards={shards} must be between 1 and the model's {len(pieces)} layers")
+        sizes = [sum(p.numel() for p in piece.parameters()) for piece in pieces]
+        starts = _balanced_cuts(sizes, shards)
+    else:
+        starts = list(shards)
+        if (not starts or starts[0] != 0 or any(not isinstance(s, int) for s in starts)
+                or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= len(pieces)):
+            raise ValueError(f"shard start indices must be increasing ints from 0 below {len(pieces)}; got {shards!r}")
+    ends = starts[1:] + [len(pieces)]
+    return [pieces[a:b] for a, b in zip(starts, ends)]
+
+
+def shard_parameters(groups: list[list[nn.Module]]) -> list[list[torch.nn.Parameter]]:
+    """Each shard's parameters, each once; a parameter used by several shards (tied) is listed in each."""
+    params = []
+    for group in groups:
+        seen: dict[int, nn.Parameter] = {}
+        for module in group:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        params.append(list(seen.values()))
+    return params

@@ -1,0 +1,109 @@
+"""ModelTask: one model to train, with everything that defines its training run."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from hydra_torch import optim, sharding
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def _default_inputs(batch):
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    if isinstance(batch, dict):
+        if "input_ids" not in batch:
+            raise KeyError("a dict batch needs 'input_ids' (or pass inputs=lambda batch: ...)")
+        return batch["input_ids"]
+    return batch
+
+
+class ModelTask:
+    """A model, its optimizer, loss and data.
+
+    model: an nn.Sequential, a list of modules, or any module with explicit ``shards=[[m, ...], ...]``.
+    loss_fn(output, batch) -> scalar tensor, where output is the last shard's output.
+    data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
+    takes (default: batch[0] for tuples, batch["input_ids"] for dicts, else the batch itself).
+    accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n).
+    clip_grad_norm: global gradient-norm clipping as torch.nn.utils.clip_grad_norm_ (steps then wait for
+    the whole backward, since the norm needs every shard's gradients).
+    """
+
+    _names = itertools.count()
+
+    def __init__(self, model, *, loss_fn: Callable[[Any, Any], torch.Tensor], data: Iterable, optimizer=None,
+                 epochs: int = 1, name: str | None = None, precision: str = "fp32", shards=None,
+                 accumulate: int = 1, clip_grad_norm: float | None = None,
+                 inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None):
+        optimizer = optim.AdamW() if optimizer is None else optimizer
+        if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
+            raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
+                            f"{type(optimizer).__name__}: hydra-torch steps shards natively")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(output, batch)")
+        if inputs is not None and not callable(inputs):
+            raise TypeError("inputs must be callable as inputs(batch)")
+        for label, value in (("epochs", epochs), ("accumulate", accumulate)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label} must be a positive int, got {value!r}")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
+        if data is None or not hasattr(data, "__iter__"):
+            raise TypeError("data must be an iterable of batches")
+        if epochs > 1 and iter(data) is data:
+            raise ValueError("data is a one-shot iterator but epochs > 1: pass a list or a DataLoader")
+
+        groups = sharding.split(model, shards)
+        params = sharding.shard_parameters(groups)
+        if not any(params):
+            raise ValueError("the model has no parameters to train")
+        for group_params in params:
+            for p in group_params:
+                if p.device.type != "cpu":
+                    raise ValueError(f"model parameters must be on the CPU (hydra-torch moves them), found one "
+                                     f"of shape {tuple(p.shape)} on {p.device}")
+                if not p.is_floating_point():
+                    raise ValueError(f"model parameters must be floating point, found {p.dtype}")
+
+        self.model = model
+        self.modules = groups
+        self.shard_params = params
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.data = data
+        self.inputs = inputs or _default_inputs
+        self.epochs = epochs
+        self.accumulate = accumulate
+        self.clip_grad_norm = clip_grad_norm
+        self.max_steps = max_steps
+        self.precision = precision
+        self.name = name if name is not None else f"task{next(self._names)}"
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.modules)
+
+    def buffers(self) -> list[tuple[nn.Module, str]]:
+        """(module, name) of every buffer the shards use, each once."""
+        found, seen = [], set()
+        for group in self.modules:
+            for module in group:
+                for sub in module.modules():
+                    for name, buf in sub._buffers.items():
+                        if buf is not None and (id(sub), name) not in seen:
+                            seen.add((id(sub), name))
+                            found.append((sub, name))
+        return found
+
+    def __repr__(self) -> str:
+        return (f"ModelTask(name={self.name!r}, shards={self.num_shards}, optimizer={self.optimizer}, "
+                f"precision={self.precision!r}, epochs={self.epochs})")
