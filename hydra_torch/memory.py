@@ -45,6 +45,8 @@ def parse_budget(budget, device: torch.device) -> int:
         value, unit = float(match.group(1)), match.group(2).lower()
         if unit == "" and value <= 1.0:
             return _fraction(value, device)
+        if unit in ("", "b") and value != int(value):
+            raise ValueError(f"memory_budget {budget!r} is a fractional number of bytes")
         bytes_ = int(value * _UNITS[unit])
         if bytes_ <= 0:
             raise ValueError(f"memory_budget must be positive, got {budget!r}")

@@ -1,0 +1,129 @@
+"""Bad input fails with a clear error before any state changes, and nothing is lost."""
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hydra_torch as ht
+from models import lm_loss, model_bytes, tied_transformer, token_batches
+
+
+def snapshot(model):
+    return [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+
+
+def unchanged(model, before):
+    return all(p.data_ptr() == ptr and torch.equal(p.detach(), value)
+               for p, (ptr, value) in zip(model.parameters(), before))
+
+
+def test_budget_smaller_than_largest_shard():
+    model = tied_transformer()
+    before = snapshot(model)
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2))
+    with pytest.raises(ValueError, match="memory budget too small"):
+        ht.train([task], devices="cpu", memory_budget=int(0.05 * model_bytes(model)))
+    assert unchanged(model, before)
+
+
+def test_empty_model():
+    with pytest.raises(ValueError, match="empty"):
+        ht.ModelTask(nn.Sequential(), loss_fn=lm_loss, data=[])
+    with pytest.raises(ValueError, match="no parameters"):
+        ht.ModelTask(nn.Sequential(nn.ReLU(), nn.Tanh()), loss_fn=lm_loss, data=[])
+
+
+@pytest.mark.parametrize("device", ["meta"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_parameters_not_on_cpu(device):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(device)
+    with pytest.raises(ValueError, match="must be on the CPU"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=[])
+
+
+def test_unsupported_model_type():
+    with pytest.raises(TypeError, match="cannot cut a Linear"):
+        ht.ModelTask(nn.Linear(3, 3), loss_fn=lm_loss, data=[])
+
+
+def test_unknown_precision_and_optimizer_arguments():
+    model = tied_transformer()
+    with pytest.raises(ValueError, match="unknown precision"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=[], precision="fp8")
+    with pytest.raises(ValueError, match="learning rate"):
+        ht.optim.AdamW(lr=-1.0)
+    with pytest.raises(ValueError, match="beta"):
+        ht.optim.Adam(betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="Nesterov"):
+        ht.optim.SGD(nesterov=True)
+    with pytest.raises(TypeError):
+        ht.optim.AdamW(amsgrad=True)
+    with pytest.raises(TypeError, match="hydra_torch.optim"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=[], optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="accumulate"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=[], accumulate=0)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        ht.train([ht.ModelTask(model, loss_fn=lm_loss, data=[])], devices="cpu", schedule="fastest")
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=iter(token_batches(2)), epochs=2)
+
+
+def test_non_scalar_loss_stops_the_task_before_any_update():
+    model = tied_transformer()
+    before = [p.detach().clone() for p in model.parameters()]
+    task = ht.ModelTask(model, loss_fn=lambda out, batch: out.sum(dim=0), data=token_batches(3))
+    with pytest.warns(RuntimeWarning, match="scalar"):
+        result = ht.train([task], devices="cpu", memory_budget=int(0.5 * model_bytes(model)))[0]
+    assert isinstance(result.error, ValueError) and "scalar" in str(result.error)
+    assert result.steps == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert model[0].weight is model[-1].weight
+
+
+@pytest.mark.parametrize("budget_fraction", [0.5, 100.0])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_nan_loss_keeps_the_last_good_weights(budget_fraction, accumulate):
+    bad_step = 3
+    data = token_batches(6 * accumulate)
+    calls = {"n": 0}
+
+    def loss_fn(out, batch):
+        calls["n"] += 1
+        loss = lm_loss(out, batch)
+        # NaN on the last micro-batch of step `bad_step`: earlier micro-batches' gradients must be dropped.
+        return loss * math.nan if calls["n"] == (bad_step + 1) * accumulate else loss
+
+    # The reference: the same training stopped after `bad_step` good steps.
+    reference = tied_transformer()
+    task = ht.ModelTask(reference, loss_fn=lm_loss, data=data[:bad_step * accumulate], accumulate=accumulate)
+    ht.train([task], devices="cpu", memory_budget=int(budget_fraction * model_bytes(reference)))
+
+    model = tied_transformer()
+    task = ht.ModelTask(model, loss_fn=loss_fn, data=data, accumulate=accumulate)
+    with pytest.warns(RuntimeWarning, match="step 3"):
+        result = ht.train([task], devices="cpu", memory_budget=int(budget_fraction * model_bytes(model)))[0]
+    assert isinstance(result.error, ht.NonFiniteLossError)
+    assert f"step {bad_step}" in str(result.error)
+    assert result.steps == bad_step
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is available")
+def test_pinned_memory_unavailable_falls_back_with_a_warning():
+    model = tied_transformer()
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2))
+    with pytest.warns(RuntimeWarning, match="pinned host memory is unavailable"):
+        result = ht.train([task], devices="cpu", memory_budget=int(0.5 * model_bytes(model)), pin_memory=True)[0]
+    assert result.error is None and result.steps == 2
+
+
+def test_unavailable_device():
+    model = tied_transformer()
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))
+    with pytest.raises(ValueError):
+        ht.train([task], devices="tpu:0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            ht.train([task], devices="cuda:0")

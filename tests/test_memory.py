@@ -1,0 +1,62 @@
+"""The device budget is enforced, resident models are copied once, spilled ones are actually spilled."""
+import pytest
+import torch
+
+import hydra_torch as ht
+from hydra_torch.memory import format_bytes, parse_budget
+from models import lm_loss, model_bytes, tied_transformer, token_batches
+
+
+def run(budget, steps=4, precision="fp32", accumulate=1):
+    model = tied_transformer()
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(steps), precision=precision, accumulate=accumulate)
+    return model, ht.train([task], devices="cpu", memory_budget=budget)
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.5, 0.8, 1.5, 3.0])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_high_water_never_exceeds_budget(fraction, precision):
+    model = tied_transformer()
+    budget = int(fraction * model_bytes(model))
+    _, results = run(budget, precision=precision, accumulate=2)
+    assert results[0].error is None
+    stats = results.stats
+    assert 0 < stats["high_water_bytes"] <= stats["capacity_bytes"] <= budget
+
+
+def test_resident_model_is_copied_once():
+    model = tied_transformer()
+    _, results = run(100 * model_bytes(model), steps=6)
+    result = results[0]
+    assert result.resident
+    assert result.shard_loads == [1] * len(result.shard_loads)
+    assert results.stats["host_to_device_copies"] == len(result.shard_loads)
+
+
+def test_spilled_model_streams_weights():
+    model = tied_transformer()
+    _, results = run(int(0.4 * model_bytes(model)), steps=3)
+    result = results[0]
+    assert not result.resident
+    # The host step makes a spilled shard's device copy stale, so every shard comes in at least once a step;
+    # a 40% budget also cannot keep every shard from its forward to its backward.
+    assert min(result.shard_loads) >= 3
+    assert sum(result.shard_loads) > 3 * len(result.shard_loads)
+    assert results.stats["host_to_device_bytes"] > 3 * model_bytes(model)
+
+
+def test_budget_parsing():
+    cpu = torch.device("cpu")
+    assert parse_budget(4096, cpu) == 4096
+    assert parse_budget("8GiB", cpu) == 8 * 2**30
+    assert parse_budget("512MB", cpu) == 512 * 10**6
+    assert parse_budget("1.5 KiB", cpu) == 1536
+    assert 0 < parse_budget("50%", cpu) == pytest.approx(parse_budget(0.5, cpu), rel=0.05)
+    for bad in ("lots", "-1GB", "0", "2.5", "8 parsecs"):
+        with pytest.raises(ValueError):
+            parse_budget(bad, cpu)
+    with pytest.raises(ValueError):
+        parse_budget(-5, cpu)
+    with pytest.raises(TypeError):
+        parse_budget([1], cpu)
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
