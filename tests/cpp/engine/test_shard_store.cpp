@@ -1,0 +1,330 @@
+// ShardStore: host-side packing of a model's parameters into per-shard flat buffers.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "engine/shard_store.h"
+
+namespace {
+
+using hydra::engine::OptimizerSpec;
+using hydra::engine::ParamEntry;
+using hydra::engine::ShardStore;
+
+constexpr int64_t kAlign = ShardStore::kAlignElements;
+
+// Deterministic, distinct, non-zero values; `seed` tells parameters apart.
+at::Tensor values(at::IntArrayRef sizes, double seed, at::ScalarType dtype = at::kFloat) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return at::arange(n, at::kDouble).mul(0.37).add(seed).sin().add(seed + 2.0).reshape(sizes).to(dtype);
+}
+
+at::Tensor param(at::IntArrayRef sizes, double seed, bool trainable = true, at::ScalarType dtype = at::kFloat) {
+  return values(sizes, seed, dtype).set_requires_grad(trainable);
+}
+
+const ParamEntry& entry_for(const ShardStore& store, int shard, const at::Tensor& p) {
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return e;
+  ADD_FAILURE() << "parameter not in the layout of shard " << shard;
+  static ParamEntry none{};
+  return none;
+}
+
+at::Tensor flat(const at::Tensor& t) { return t.detach().reshape({-1}).to(at::kFloat); }
+
+bool same_values(const at::Tensor& a, const at::Tensor& b) { return at::equal(a.to(at::kFloat), b.to(at::kFloat)); }
+
+TEST(ShardStore, PacksTrainableFirstAtAlignedOffsetsWithZeroPadding) {
+  at::Tensor frozen = param({4}, 1.0, /*trainable=*/false);
+  at::Tensor w = param({3, 5}, 2.0);
+  at::Tensor b = param({7}, 3.0);
+  at::Tensor c = param({16}, 4.0);
+  ShardStore store({{frozen, w, b, c}}, OptimizerSpec{}, /*bf16=*/false, /*pin_memory=*/false);
+
+  ASSERT_EQ(store.num_shards(), 1);
+  const auto& layout = store.layout(0);
+  ASSERT_EQ(layout.size(), 4u);
+  // Trainable first, in listing order (stable), then the frozen one.
+  EXPECT_TRUE(layout[0].param.is_same(w));
+  EXPECT_TRUE(layout[1].param.is_same(b));
+  EXPECT_TRUE(layout[2].param.is_same(c));
+  EXPECT_TRUE(layout[3].param.is_same(frozen));
+  const std::vector<int64_t> expected_offsets = {0, 16, 32, 48};
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const ParamEntry& e = layout[i];
+    EXPECT_EQ(e.master_offset, expected_offsets[i]) << "entry " << i;
+    EXPECT_EQ(e.device_offset, e.master_offset) << "owned entries share the master layout";
+    EXPECT_EQ(e.master_offset % kAlign, 0);
+    EXPECT_EQ(e.owner, 0);
+    EXPECT_EQ(e.numel, e.param.numel());
+    EXPECT_EQ(e.original_dtype, at::kFloat);
+  }
+  EXPECT_TRUE(layout[0].trainable && layout[1].trainable && layout[2].trainable);
+  EXPECT_FALSE(layout[3].trainable);
+  EXPECT_EQ(store.trainable_numel(0), 48);
+  EXPECT_EQ(store.owned_numel(0), 64);  // 48 + 4, aligned up
+  EXPECT_EQ(store.device_numel(0), 64);
+  EXPECT_EQ(store.total_owned_numel(), 64);
+
+  at::Tensor master = store.master(0);
+  ASSERT_EQ(master.scalar_type(), at::kFloat);
+  ASSERT_EQ(master.numel(), 64);
+  at::Tensor expected = at::zeros({64}, at::kFloat);
+  expected.narrow(0, 0, 15).copy_(flat(w));
+  expected.narrow(0, 16, 7).copy_(flat(b));
+  expected.narrow(0, 32, 16).copy_(flat(c));
+  expected.narrow(0, 48, 4).copy_(flat(frozen));
+  EXPECT_TRUE(at::equal(master, expected)) << "master:\n" << master << "\nexpected:\n" << expected;
+  // Padding is exactly zero.
+  EXPECT_EQ(master.narrow(0, 15, 1).item<float>(), 0.0f);
+  EXPECT_TRUE(at::equal(master.narrow(0, 23, 9), at::zeros({9})));
+  EXPECT_TRUE(at::equal(master.narrow(0, 52, 12), at::zeros({12})));
+
+  // Gradients and optimizer state: zeroed fp32 buffers of the owned size (Adam keeps two).
+  EXPECT_TRUE(at::equal(store.grad(0), at::zeros({64})));
+  EXPECT_EQ(store.optimizer().num_states(), 2);
+  EXPECT_TRUE(at::equal(store.state(0, 0), at::zeros({64})));
+  EXPECT_TRUE(at::equal(store.state(0, 1), at::zeros({64})));
+  EXPECT_EQ(store.steps_taken(0), 0);
+}
+
+TEST(ShardStore, CopiesValuesAndLeavesParametersUntouched) {
+  at::Tensor w = param({6}, 1.0);
+  at::Tensor original = w.detach().clone();
+  void* data = w.data_ptr();
+  ShardStore store({{w}}, OptimizerSpec{}, false, false);
+  EXPECT_EQ(w.data_ptr(), data) << "construction must not rebind the parameter";
+  EXPECT_NE(store.master(0).data_ptr(), data);
+  w.detach().add_(100.0f);  // the store holds a copy
+  EXPECT_TRUE(at::equal(store.master(0).narrow(0, 0, 6), original));
+}
+
+TEST(ShardStore, NumberOfStatesFollowsTheOptimizer) {
+  at::Tensor w = param({5}, 1.0);
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  ShardStore plain({{w}}, sgd, false, false);
+  EXPECT_EQ(plain.optimizer().num_states(), 0);
+  EXPECT_THROW(plain.state(0, 0), std::out_of_range);
+  sgd.momentum = 0.9;
+  ShardStore momentum({{w}}, sgd, false, false);
+  ASSERT_EQ(momentum.optimizer().num_states(), 1);
+  EXPECT_EQ(momentum.state(0, 0).numel(), momentum.owned_numel(0));
+}
+
+TEST(ShardStore, DuplicateWithinOneShardIsStoredOnce) {
+  at::Tensor w = param({5}, 1.0);
+  at::Tensor b = param({3}, 2.0);
+  ShardStore store({{w, b, w}}, OptimizerSpec{}, false, false);
+  ASSERT_EQ(store.layout(0).size(), 2u);
+  EXPECT_EQ(store.owned_numel(0), 32);
+  EXPECT_EQ(store.device_numel(0), 32);
+}
+
+// shard 0: frozen f0 (5), e (10x4, tied with shard 2), a (5), e again
+// shard 1: h (8), z (3, frozen, tied with shard 2)
+// shard 2: e (borrowed), g (6), z (borrowed)
+struct TiedModel {
+  at::Tensor f0 = param({5}, 1.0, false);
+  at::Tensor e = param({10, 4}, 2.0);
+  at::Tensor a = param({5}, 3.0);
+  at::Tensor h = param({8}, 4.0);
+  at::Tensor z = param({3}, 5.0, false);
+  at::Tensor g = param({6}, 6.0);
+  std::vector<std::vector<at::Tensor>> shards() const { return {{f0, e, a, e}, {h, z}, {e, g, z}}; }
+};
+
+TEST(ShardStore, TiedParameterIsOwnedByTheLowestShard) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, false, false);
+  ASSERT_EQ(store.num_shards(), 3);
+
+  // Shard 0 owns e (sorted before the frozen f0), a, f0.
+  const ParamEntry& e0 = entry_for(store, 0, m.e);
+  EXPECT_EQ(e0.owner, 0);
+  EXPECT_EQ(e0.master_offset, 0);
+  EXPECT_EQ(entry_for(store, 0, m.a).master_offset, 48);
+  EXPECT_EQ(entry_for(store, 0, m.f0).master_offset, 64);
+  EXPECT_EQ(store.owned_numel(0), 80);
+  EXPECT_EQ(store.trainable_numel(0), 64);
+  EXPECT_EQ(store.layout(0).size(), 3u);
+
+  EXPECT_EQ(entry_for(store, 1, m.h).master_offset, 0);
+  EXPECT_EQ(entry_for(store, 1, m.z).master_offset, 16);
+  EXPECT_EQ(store.owned_numel(1), 32);
+  EXPECT_EQ(store.trainable_numel(1), 16);
+
+  // Shard 2 owns only g; e and z are borrowed, appended after the owned part of its device layout.
+  ASSERT_EQ(store.layout(2).size(), 3u);
+  EXPECT_TRUE(store.layout(2)[0].param.is_same(m.g)) << "owned entries come first";
+  const ParamEntry& g2 = entry_for(store, 2, m.g);
+  EXPECT_EQ(g2.owner, 2);
+  EXPECT_EQ(g2.master_offset, 0);
+  EXPECT_EQ(store.owned_numel(2), 16);
+  EXPECT_EQ(store.master(2).numel(), 16) << "borrowed parameters have no master storage in the borrower";
+
+  const ParamEntry& e2 = entry_for(store, 2, m.e);
+  EXPECT_EQ(e2.owner, 0);
+  EXPECT_EQ(e2.master_offset, e0.master_offset) << "the borrower points at the owner's final (sorted) offset";
+  EXPECT_EQ(e2.device_offset, 16);
+  EXPECT_TRUE(e2.trainable);
+  const ParamEntry& z2 = entry_for(store, 2, m.z);
+  EXPECT_EQ(z2.owner, 1);
+  EXPECT_EQ(z2.master_offset, 16);
+  EXPECT_EQ(z2.device_offset, 64);  // 16 + 40, aligned
+  EXPECT_FALSE(z2.trainable);
+  EXPECT_EQ(store.device_numel(2), 80);  // 64 + 3, aligned
+  EXPECT_EQ(store.total_owned_numel(), 80 + 32 + 16);
+
+  // The owner's master holds the tied values once.
+  EXPECT_TRUE(at::equal(store.master(0).narrow(0, 0, 40), flat(m.e)));
+  EXPECT_TRUE(at::equal(store.master(1).narrow(0, 16, 3), flat(m.z)));
+}
+
+TEST(ShardStore, AccumulateGradsAddsOwnedAndRoutesBorrowedToTheOwner) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, false, false);
+  const at::Tensor g2 = at::arange(1, 81, at::kFloat);  // device layout of shard 2: 80 elements
+  store.accumulate_grads(2, g2);
+
+  // Owned part of shard 2 in one pass (padding included: it is zero on the device).
+  EXPECT_TRUE(at::equal(store.grad(2), g2.narrow(0, 0, 16)));
+  // The borrowed trainable e lands in shard 0 at e's master offset.
+  at::Tensor expected0 = at::zeros({80});
+  expected0.narrow(0, 0, 40).copy_(g2.narrow(0, 16, 40));
+  EXPECT_TRUE(at::equal(store.grad(0), expected0));
+  // The borrowed frozen z is not routed: the owner's gradient stays zero.
+  EXPECT_TRUE(at::equal(store.grad(1), at::zeros({32})));
+
+  // Contributions sum, from the owner's own pass and from a second micro-batch.
+  const at::Tensor g0 = at::full({80}, 0.5f);
+  store.accumulate_grads(0, g0);
+  store.accumulate_grads(2, g2);
+  EXPECT_TRUE(at::allclose(store.grad(2), g2.narrow(0, 0, 16) * 2));
+  expected0.mul_(2).add_(0.5f);
+  EXPECT_TRUE(at::allclose(store.grad(0), expected0));
+}
+
+TEST(ShardStore, AccumulateGradsRejectsWrongShapes) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, false, false);
+  EXPECT_THROW(store.accumulate_grads(2, at::zeros({16})), c10::Error) << "owned size is not the device size";
+  EXPECT_THROW(store.accumulate_grads(2, at::zeros({81})), c10::Error);
+  EXPECT_THROW(store.accumulate_grads(2, at::empty({80}, at::TensorOptions().device(at::kMeta))), c10::Error);
+  EXPECT_TRUE(at::equal(store.grad(2), at::zeros({16})));
+}
+
+TEST(ShardStore, BFloat16ShadowIsTheRoundedMaster) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, /*bf16=*/true, false);
+  EXPECT_TRUE(store.bf16());
+  EXPECT_EQ(store.compute_dtype(), at::kBFloat16);
+  for (int s = 0; s < store.num_shards(); ++s) {
+    const at::Tensor shadow = store.shadow(s);
+    ASSERT_EQ(shadow.scalar_type(), at::kBFloat16);
+    ASSERT_EQ(shadow.numel(), store.owned_numel(s));
+    EXPECT_TRUE(at::equal(shadow, store.master(s).to(at::kBFloat16))) << "shard " << s;
+    EXPECT_TRUE(store.transfer_source(s).is_same(store.shadow(s)));
+    EXPECT_EQ(store.master(s).scalar_type(), at::kFloat) << "the master stays fp32";
+  }
+  // The rounding is real: these values are not exactly representable in bf16.
+  EXPECT_FALSE(at::equal(store.shadow(0).to(at::kFloat), store.master(0)));
+
+  ShardStore fp32(m.shards(), OptimizerSpec{}, false, false);
+  EXPECT_EQ(fp32.compute_dtype(), at::kFloat);
+  EXPECT_TRUE(fp32.transfer_source(0).is_same(fp32.master(0)));
+}
+
+TEST(ShardStore, PinMemoryFallsBackWhenUnavailable) {
+  at::Tensor w = param({5}, 1.0);
+  ShardStore store({{w}}, OptimizerSpec{}, false, /*pin_memory=*/true);
+  // Either the transfer buffer really is pinned, or the store says it is not.
+  if (store.pinned()) EXPECT_TRUE(store.master(0).is_pinned());
+  EXPECT_TRUE(at::equal(store.master(0).narrow(0, 0, 5), flat(w)));
+  ShardStore unpinned({{w}}, OptimizerSpec{}, false, false);
+  EXPECT_FALSE(unpinned.pinned());
+}
+
+TEST(ShardStore, WriteBackGivesEachParameterAnIndependentMasterCopy) {
+  at::Tensor d = param({2, 3}, 1.0, true, at::kDouble);
+  at::Tensor hf = param({4}, 2.0, true, at::kHalf);
+  TiedModel m;
+  std::vector<std::vector<at::Tensor>> shards = m.shards();
+  shards[1].push_back(d);
+  shards[1].push_back(hf);
+  ShardStore store(shards, OptimizerSpec{}, false, false);
+  EXPECT_EQ(entry_for(store, 1, d).original_dtype, at::kDouble);
+  EXPECT_EQ(entry_for(store, 1, hf).original_dtype, at::kHalf);
+
+  // Training changed the master; the parameters carry stale gradients.
+  for (int s = 0; s < store.num_shards(); ++s) store.master(s).mul_(-2.0f).add_(0.25f);
+  for (const at::Tensor& p : {m.e, m.a, m.g, m.h, d}) p.mutable_grad() = at::ones_like(p);
+  const at::Tensor e_impl_holder = m.e;  // identity check: the same object survives
+  store.write_back();
+
+  std::vector<const void*> pointers;
+  for (int s = 0; s < store.num_shards(); ++s) {
+    for (const ParamEntry& e : store.layout(s)) {
+      if (e.owner != s) continue;
+      const at::Tensor& p = e.param;
+      SCOPED_TRACE(testing::Message() << "shard " << s << " offset " << e.master_offset);
+      EXPECT_EQ(p.scalar_type(), e.original_dtype);
+      EXPECT_TRUE(p.is_contiguous());
+      const at::Tensor expected = store.master(s).narrow(0, e.master_offset, e.numel).to(e.original_dtype);
+      EXPECT_TRUE(at::equal(p.detach().reshape({-1}), expected));
+      EXPECT_FALSE(p.grad().defined()) << "write_back drops the gradients";
+      EXPECT_EQ(p.requires_grad(), e.trainable);
+      // Its own storage: not a view of the master, nor shared with another parameter.
+      const auto* base = static_cast<const char*>(store.master(s).data_ptr());
+      const auto* ptr = static_cast<const char*>(p.data_ptr());
+      EXPECT_FALSE(ptr >= base && ptr < base + store.master(s).nbytes());
+      pointers.push_back(p.data_ptr());
+    }
+  }
+  std::sort(pointers.begin(), pointers.end());
+  EXPECT_EQ(std::adjacent_find(pointers.begin(), pointers.end()), pointers.end());
+  EXPECT_EQ(pointers.size(), 8u);
+
+  // The tie survives: the borrower's entry is the very same tensor object, holding the owner's value.
+  EXPECT_EQ(entry_for(store, 2, m.e).param.unsafeGetTensorImpl(), e_impl_holder.unsafeGetTensorImpl());
+  EXPECT_EQ(entry_for(store, 0, m.e).param.unsafeGetTensorImpl(), entry_for(store, 2, m.e).param.unsafeGetTensorImpl());
+  EXPECT_TRUE(at::equal(flat(m.e), store.master(0).narrow(0, 0, 40)));
+  EXPECT_EQ(m.e.sizes(), (std::vector<int64_t>{10, 4}));
+  EXPECT_TRUE(same_values(d, store.master(1).narrow(0, entry_for(store, 1, d).master_offset, 6).view({2, 3})));
+
+  // Independent: later changes to the master no longer reach the parameters.
+  const at::Tensor before = m.a.detach().clone();
+  store.master(0).zero_();
+  EXPECT_TRUE(at::equal(m.a.detach(), before));
+}
+
+TEST(ShardStore, RejectsInvalidParameters) {
+  const OptimizerSpec adam;
+  EXPECT_THROW(ShardStore({}, adam, false, false), c10::Error);
+  EXPECT_THROW(ShardStore({{at::Tensor()}}, adam, false, false), c10::Error);
+  at::Tensor meta = at::empty({4}, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+  EXPECT_THROW(ShardStore({{param({3}, 1.0)}, {meta}}, adam, false, false), c10::Error);
+  EXPECT_THROW(ShardStore({{at::arange(4, at::kLong)}}, adam, false, false), c10::Error);
+  EXPECT_THROW(ShardStore({{at::zeros({4}, at::kInt)}}, adam, false, false), c10::Error);
+  EXPECT_THROW(ShardStore({{at::zeros({4}, at::kBool)}}, adam, false, false), c10::Error);
+  EXPECT_THROW(ShardStore({{at::zeros({4}, at::kComplexFloat)}}, adam, false, false), c10::Error);
+  // Every floating dtype is accepted.
+  for (at::ScalarType t : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16})
+    EXPECT_NO_THROW(ShardStore({{at::zeros({4}, t)}}, adam, false, false)) << t;
+}
+
+TEST(ShardStore, EmptyShardHasNoElements) {
+  at::Tensor w = param({5}, 1.0);
+  ShardStore store({{w}, {}}, OptimizerSpec{}, false, false);
+  EXPECT_EQ(store.owned_numel(1), 0);
+  EXPECT_EQ(store.device_numel(1), 0);
+  EXPECT_EQ(store.master(1).numel(), 0);
+  store.accumulate_grads(1, at::zeros({0}));
+}
+
+}  // namespace

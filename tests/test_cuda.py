@@ -1,0 +1,54 @@
+"""The CUDA path: equivalence, the budget as the CUDA allocator sees it, and overlap. Skipped without a GPU."""
+import pytest
+import torch
+
+import hydra_torch as ht
+from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_batches(count):
+    return token_batches(count)
+
+
+@pytest.mark.parametrize("fraction", [0.4, 100.0])
+def test_cuda_training_matches_cpu_reference(fraction):
+    data = cuda_batches(10)
+    reference = tied_transformer(dropout=0.0)
+    train_plain(reference, data, lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    model = tied_transformer(dropout=0.0)
+    task = ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=3e-3), loss_fn=lm_loss, data=data)
+    result = ht.train([task], devices="cuda:0", memory_budget=int(fraction * model_bytes(model)))[0]
+    assert result.error is None
+    assert result.resident == (fraction > 1)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model[0].weight is model[-1].weight
+    # Different kernels (cuBLAS, SDPA) round differently from the CPU ones; TF32 is off by default.
+    assert max_relative_error(model, reference) <= 1e-3
+
+
+def test_cuda_allocations_stay_within_budget():
+    model = tied_transformer()
+    budget = int(0.5 * model_bytes(model))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=cuda_batches(4))
+    results = ht.train([task], devices="cuda:0", memory_budget=budget)
+    assert results[0].error is None
+    assert results.stats["high_water_bytes"] <= budget
+    # The arena is the engine's only allocation for weights and gradients: at most the budget. Activations
+    # and the batch come on top; at this size they are far smaller than the model.
+    arena_peak = torch.cuda.max_memory_allocated() - baseline
+    activation_allowance = 4 * 2**20
+    assert arena_peak <= budget + activation_allowance
+
+
+def test_cuda_bf16_trains():
+    model = tied_transformer(dropout=0.0)
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=cuda_batches(12), precision="bf16",
+                        optimizer=ht.optim.AdamW(lr=3e-3))
+    result = ht.train([task], devices="cuda:0", memory_budget=int(0.4 * model_bytes(model)))[0]
+    assert result.error is None
+    assert result.losses[-1] < result.losses[0]
