@@ -56,7 +56,7 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store) {
   TORCH_CHECK(spilled_need <= left, "memory budget too small: the largest shard needs ", spilled_need,
               " bytes on the device (its weights and gradients) but only ", left, " of the budget's ",
               pool_.budget(), " bytes are left; raise memory_budget or cut the model into smaller shards");
-  TORCH_CHECK(pool_.high_water() == 0, "add_model: every model must be added before training starts");
+  TORCH_CHECK(!pool_.started(), "add_model: every model must be added before training starts");
   Model model;
   model.store = std::move(store);
   model.resident = resident_need <= left;
@@ -93,7 +93,8 @@ Fence DeviceEngine::compute_point() const {
 Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
   Fence fence = worker_.submit(std::move(job));
   auto& jobs = models_[model].jobs;
-  jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const Fence& f) { return f.ready(); }), jobs.end());
+  // Finished jobs are forgotten, failed ones kept until synchronize() reports them.
+  jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const Fence& f) { return f.succeeded(); }), jobs.end());
   jobs.push_back(fence);
   return fence;
 }
@@ -102,7 +103,7 @@ void DeviceEngine::plan(int model, const std::vector<int>& shards) {
   for (int s : shards) upcoming_.push_back(key(model, s));
 }
 
-Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, bool must) {
+Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need) {
   for (;;) {
     if (std::optional<Allocation> allocation = pool_.allocate(bytes)) return std::move(*allocation);
     std::vector<core::EvictionCandidate> candidates;
@@ -110,7 +111,7 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, bool must
       for (int s = 0; s < static_cast<int>(models_[m].shards.size()); ++s)
         if (models_[m].shards[s].cached) candidates.push_back({key(m, s), models_[m].shards[s].pins > 0});
     std::optional<int64_t> victim = core::furthest_next_use(candidates, upcoming_);
-    if (victim && !must) {
+    if (victim && need == Need::kPrefetch) {
       // A prefetch may only displace a shard needed later than the one it brings in (Belady).
       auto position = [&](int64_t k) {
         auto it = std::find(upcoming_.begin(), upcoming_.end(), k);
@@ -119,7 +120,7 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, bool must
       if (position(*victim) <= position(key(model, shard))) victim.reset();
     }
     if (!victim) {
-      TORCH_CHECK(!must, "memory budget exhausted on ", device_, ": shard ", shard, " of model ", model, " needs ",
+      TORCH_CHECK(need != Need::kMust, "memory budget exhausted on ", device_, ": shard ", shard, " of model ", model, " needs ",
                   bytes, " bytes; ", pool_.in_use(), " of ", pool_.capacity(),
                   " are held by shards in use. Raise memory_budget or use smaller shards.");
       return Allocation{};
@@ -134,11 +135,11 @@ void DeviceEngine::evict(ShardState& state) {
   state.cached = state.stale = false;
 }
 
-bool DeviceEngine::load(int model, int shard, bool must) {
+bool DeviceEngine::load(int model, int shard, Need need) {
   ShardStore& store = *models_[model].store;
   ShardState& state = models_[model].shards[shard];
   const int64_t numel = store.device_numel(shard);
-  Allocation allocation = allocate(model, shard, numel * element_bytes(store), must);
+  Allocation allocation = allocate(model, shard, numel * element_bytes(store), need);
   if (!allocation.region.valid()) return false;
   state.weights = allocation.region;
   state.cached = true;
@@ -173,7 +174,7 @@ bool DeviceEngine::load(int model, int shard, bool must) {
 void DeviceEngine::prefetch(int model, int shard) {
   const ShardState& state = models_.at(model).shards.at(shard);
   if (models_[model].resident || state.cached) return;
-  load(model, shard, /*must=*/false);
+  load(model, shard, Need::kPrefetch);
 }
 
 void DeviceEngine::acquire(int model, int shard, bool with_grads) {
@@ -184,17 +185,30 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   ++state.pins;
   if (m.resident && !m.uploaded) upload_resident(model);
   if (!m.resident) {
-    if (!state.cached) load(model, shard, /*must=*/true);
+    if (!state.cached) load(model, shard, Need::kMust);
+    if (with_grads && !state.grads.valid()) allocate_grads(model, shard);
     state.ready.order_before(compute_stream());
-    if (with_grads && !state.grads.valid()) {
-      const int64_t numel = m.store->device_numel(shard);
-      Allocation allocation = allocate(model, shard, numel * element_bytes(*m.store), /*must=*/true);
-      for (const Fence& f : allocation.after) f.order_before(compute_stream());
-      state.grads = allocation.region;
-      grad_view(model, shard).zero_();
-    }
   }
   bind(model, shard, with_grads);
+}
+
+void DeviceEngine::allocate_grads(int model, int shard) {
+  ShardState& state = models_[model].shards[shard];
+  const int64_t bytes = models_[model].store->device_numel(shard) * element_bytes(*models_[model].store);
+  Allocation allocation = allocate(model, shard, bytes, Need::kEvictAny);
+  if (!allocation.region.valid()) {
+    // Every other shard is gone and the range next to this shard's weights is still too small: the arena is
+    // fragmented around them. The budget holds both (add_model checked), so place the gradients first in the
+    // emptied arena and copy the weights in again beside them.
+    evict(state);
+    allocation = allocate(model, shard, bytes, Need::kMust);
+    state.grads = allocation.region;
+    load(model, shard, Need::kMust);
+  } else {
+    state.grads = allocation.region;
+  }
+  for (const Fence& f : allocation.after) f.order_before(compute_stream());
+  grad_view(model, shard).zero_();
 }
 
 void DeviceEngine::release(int model, int shard) {

@@ -93,8 +93,12 @@ class DeviceEngine {
   static int64_t key(int model, int shard) { return (static_cast<int64_t>(model) << 32) | shard; }
   c10::Stream compute_stream() const;
   Fence compute_point() const;  // everything issued so far on the compute stream
-  Allocation allocate(int model, int shard, int64_t bytes, bool must);
-  bool load(int model, int shard, bool must);
+  // How hard an allocation tries: a prefetch only displaces shards needed later than its own (Belady); an
+  // allocation for the shard about to compute evicts any unpinned shard, and `kMust` fails loudly.
+  enum class Need { kPrefetch, kEvictAny, kMust };
+  Allocation allocate(int model, int shard, int64_t bytes, Need need);
+  bool load(int model, int shard, Need need);
+  void allocate_grads(int model, int shard);
   void upload_resident(int model);
   void bind(int model, int shard, bool with_grads);
   void step_resident(int model, int shard, double grad_scale);

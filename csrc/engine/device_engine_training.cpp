@@ -47,7 +47,7 @@ void DeviceEngine::upload_resident(int model) {
   for (int s = 0; s < store.num_shards(); ++s) {
     ShardState& state = m.shards[s];
     const int64_t numel = store.owned_numel(s);
-    auto region = [&](int64_t bytes) { return allocate(model, s, bytes, /*must=*/true).region; };
+    auto region = [&](int64_t bytes) { return allocate(model, s, bytes, Need::kMust).region; };
     state.home_weights = region(numel * element_bytes(store));
     state.home_grads = region(numel * element_bytes(store));
     home_view(model, s, state.home_weights, dtype).copy_(store.transfer_source(s));

@@ -47,6 +47,7 @@ class DevicePool {
   int64_t in_use() const { return arena_ ? arena_->in_use() : 0; }
   int64_t high_water() const { return arena_ ? arena_->high_water() : 0; }
   int64_t capacity() const { return arena_ ? arena_->capacity() : std::min(budget_, demand_); }
+  bool started() const { return arena_.has_value(); }
 
  private:
   void reclaim_ready();

@@ -36,6 +36,16 @@ class Fence {
       return true;
     }
   }
+  // Finished without an error.
+  bool succeeded() const {
+    if (!ready()) return false;
+    try {
+      issued_.get();
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
   // Blocks the calling thread until the work is done; rethrows the issuing job's exception.
   void wait() const {
     const DeviceEvent& event = issued_.get();

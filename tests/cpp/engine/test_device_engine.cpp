@@ -1,0 +1,880 @@
+// DevicePool, HostWorker and DeviceEngine on the CPU device: the budget, deferred reuse, copy ordering,
+// parameter binding, spilled vs resident models and gradient accumulation.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/alignment.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/device_engine.h"
+#include "engine/device_pool.h"
+#include "engine/fence.h"
+#include "engine/host_worker.h"
+#include "engine/shard_store.h"
+
+namespace {
+
+using hydra::engine::Allocation;
+using hydra::engine::DeviceEngine;
+using hydra::engine::DeviceEvent;
+using hydra::engine::DevicePool;
+using hydra::engine::Fence;
+using hydra::engine::HostWorker;
+using hydra::engine::OptimizerSpec;
+using hydra::engine::ParamEntry;
+using hydra::engine::Region;
+using hydra::engine::ShardStore;
+
+const c10::Device kCpu("cpu");
+
+bool op_registered(const char* name) { return c10::Dispatcher::singleton().findSchema({name, ""}).has_value(); }
+
+// A Fence the test finishes by hand: a range released after it stays in use until finish().
+struct ManualFence {
+  std::promise<DeviceEvent> promise;
+  Fence fence{promise.get_future().share()};
+  void finish() { promise.set_value(nullptr); }
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// DevicePool
+
+TEST(DevicePool, RejectsNonPositiveBudget) {
+  EXPECT_THROW(DevicePool(kCpu, 0), c10::Error);
+  EXPECT_THROW(DevicePool(kCpu, -512), c10::Error);
+}
+
+TEST(DevicePool, AllocationsNeverExceedTheBudget) {
+  DevicePool pool(kCpu, 5000);  // 9 units of 512 usable
+  EXPECT_EQ(pool.budget(), 5000);
+  std::vector<Region> regions;
+  for (int i = 0; i < 4; ++i) {
+    auto a = pool.allocate(1000);
+    ASSERT_TRUE(a.has_value()) << i;
+    EXPECT_EQ(a->region.bytes, 1024);
+    EXPECT_EQ(a->region.offset % 512, 0);
+    EXPECT_TRUE(a->after.empty());
+    regions.push_back(a->region);
+  }
+  EXPECT_EQ(pool.capacity(), 4608);
+  EXPECT_FALSE(pool.allocate(1000).has_value()) << "only 512 bytes are left";
+  auto last = pool.allocate(1);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->region.bytes, 512);
+  EXPECT_FALSE(pool.allocate(1).has_value());
+  EXPECT_EQ(pool.in_use(), 4608);
+  EXPECT_LE(pool.in_use(), pool.budget());
+  EXPECT_LE(pool.high_water(), pool.budget());
+  for (size_t i = 0; i < regions.size(); ++i)
+    for (size_t j = i + 1; j < regions.size(); ++j)
+      EXPECT_TRUE(regions[i].offset + regions[i].bytes <= regions[j].offset ||
+                  regions[j].offset + regions[j].bytes <= regions[i].offset);
+}
+
+TEST(DevicePool, DemandCapsTheArenaAndIsFixedAfterFirstUse) {
+  DevicePool pool(kCpu, 1 << 20);
+  pool.set_demand(3000);
+  EXPECT_EQ(pool.capacity(), 3000);  // not allocated yet: min(budget, demand)
+  auto a = pool.allocate(2048);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(pool.capacity(), 2560);  // rounded down to the 512-byte alignment
+  EXPECT_FALSE(pool.allocate(1024).has_value());
+  EXPECT_THROW(pool.set_demand(1 << 20), c10::Error);
+  EXPECT_EQ(pool.capacity(), 2560);
+}
+
+TEST(DevicePool, ViewsAreTypedAndDisjoint) {
+  DevicePool pool(kCpu, 4096);
+  auto a = pool.allocate(64 * 4);
+  auto b = pool.allocate(64 * 4);
+  ASSERT_TRUE(a && b);
+  at::Tensor va = pool.view(a->region, at::kFloat, 64);
+  at::Tensor vb = pool.view(b->region, at::kFloat, 64);
+  EXPECT_EQ(va.scalar_type(), at::kFloat);
+  EXPECT_EQ(va.numel(), 64);
+  EXPECT_EQ(va.device(), kCpu);
+  va.fill_(1.5f);
+  vb.fill_(-2.0f);
+  EXPECT_TRUE(at::equal(va, at::full({64}, 1.5f)));
+  EXPECT_TRUE(at::equal(pool.view(a->region, at::kFloat, 64), va)) << "a second view sees the same memory";
+  // A view starts at its region's offset in the arena, which is as aligned as the allocator's tensors.
+  const auto* base = static_cast<const char*>(pool.view(Region{0, 512}, at::kByte, 1).data_ptr());
+  EXPECT_EQ(static_cast<const char*>(va.data_ptr()) - base, a->region.offset);
+  EXPECT_EQ(static_cast<const char*>(vb.data_ptr()) - base, b->region.offset);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(vb.data_ptr()) % c10::gAlignment, 0u);
+  EXPECT_EQ(pool.view(a->region, at::kBFloat16, 256).numel(), 256);  // a region holds 512 bytes
+  EXPECT_THROW(pool.view(a->region, at::kFloat, 129), c10::Error);
+}
+
+TEST(DevicePool, PendingReleaseIsNotReusedWhileFreeSpaceRemains) {
+  DevicePool pool(kCpu, 3 * 1024);
+  auto a = pool.allocate(1024);
+  ASSERT_TRUE(a);
+  ASSERT_EQ(a->region.offset, 0);
+  ManualFence fa;
+  pool.release(a->region, fa.fence);
+  EXPECT_EQ(pool.in_use(), 1024) << "a pending range is still held";
+  auto b = pool.allocate(1024);
+  auto c = pool.allocate(1024);
+  ASSERT_TRUE(b && c);
+  EXPECT_NE(b->region.offset, 0);
+  EXPECT_NE(c->region.offset, 0);
+  EXPECT_TRUE(b->after.empty());
+  EXPECT_TRUE(c->after.empty());
+  // Only now, with nothing else left, is the range reused, ordered after the fence of its last user.
+  auto d = pool.allocate(1024);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->region.offset, 0);
+  ASSERT_EQ(d->after.size(), 1u);
+  EXPECT_FALSE(d->after[0].ready());
+  fa.finish();
+  EXPECT_TRUE(d->after[0].ready());
+  EXPECT_LE(pool.high_water(), pool.budget());
+}
+
+TEST(DevicePool, FinishedReleaseIsReusedWithoutOrdering) {
+  DevicePool pool(kCpu, 1024);
+  auto a = pool.allocate(1024);
+  ASSERT_TRUE(a);
+  ManualFence fa;
+  pool.release(a->region, fa.fence);
+  fa.finish();
+  auto b = pool.allocate(1024);
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->region.offset, 0);
+  EXPECT_TRUE(b->after.empty()) << "a finished release needs no ordering";
+  pool.release(b->region, Fence());  // a default Fence is already done
+  auto c = pool.allocate(512);
+  ASSERT_TRUE(c);
+  EXPECT_TRUE(c->after.empty());
+}
+
+TEST(DevicePool, PendingReleasesAreReclaimedOldestFirst) {
+  DevicePool pool(kCpu, 2048);
+  auto a = pool.allocate(1024);
+  auto b = pool.allocate(1024);
+  ASSERT_TRUE(a && b);
+  ManualFence fa, fb;
+  pool.release(a->region, fa.fence);
+  pool.release(b->region, fb.fence);
+  auto c = pool.allocate(1024);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->region.offset, a->region.offset) << "the oldest release goes first";
+  ASSERT_EQ(c->after.size(), 1u) << "only the reclaimed range's fence orders the new user";
+  fa.finish();
+  EXPECT_TRUE(c->after[0].ready());
+  auto d = pool.allocate(1024);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->region.offset, b->region.offset);
+  ASSERT_EQ(d->after.size(), 1u);
+  EXPECT_FALSE(d->after[0].ready());
+  fb.finish();
+  EXPECT_TRUE(d->after[0].ready());
+}
+
+TEST(DevicePool, FencesOfReclaimedRangesCarryOverAfterAFailedAllocation) {
+  DevicePool pool(kCpu, 2048);
+  auto a = pool.allocate(1024);
+  auto b = pool.allocate(1024);
+  ASSERT_TRUE(a && b);
+  ManualFence fa;
+  pool.release(a->region, fa.fence);
+  // Reclaiming a is not enough for 2048 bytes while b is held: nothing is returned...
+  EXPECT_FALSE(pool.allocate(2048).has_value());
+  // ...but whoever gets a's range next must still be ordered after a's last user.
+  auto c = pool.allocate(1024);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->region.offset, a->region.offset);
+  ASSERT_EQ(c->after.size(), 1u);
+  EXPECT_FALSE(c->after[0].ready());
+  fa.finish();
+  EXPECT_TRUE(c->after[0].ready());
+  EXPECT_THROW(pool.release(Region{}, Fence()), c10::Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// HostWorker and Fence
+
+TEST(Fence, DefaultAndNullEventFencesAreReady) {
+  Fence done;
+  EXPECT_TRUE(done.ready());
+  EXPECT_NO_THROW(done.wait());
+  Fence null_event{DeviceEvent{}};
+  EXPECT_TRUE(null_event.ready());
+  ManualFence pending;
+  EXPECT_FALSE(pending.fence.ready());
+  pending.finish();
+  EXPECT_TRUE(pending.fence.ready());
+}
+
+TEST(HostWorker, RunsJobsInSubmissionOrder) {
+  HostWorker worker;
+  std::mutex mutex;
+  std::vector<int> order;
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  // The first job holds the queue until everything is submitted, so the order is the queue's.
+  worker.submit([open]() -> DeviceEvent {
+    open.wait();
+    return nullptr;
+  });
+  std::vector<Fence> fences;
+  for (int i = 0; i < 200; ++i) {
+    fences.push_back(worker.submit([i, &mutex, &order]() -> DeviceEvent {
+      std::lock_guard<std::mutex> lock(mutex);
+      order.push_back(i);
+      return nullptr;
+    }));
+  }
+  EXPECT_FALSE(fences.back().ready());
+  gate.set_value();
+  worker.drain();
+  std::lock_guard<std::mutex> lock(mutex);
+  ASSERT_EQ(order.size(), 200u);
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(order[i], i);
+  for (const Fence& f : fences) EXPECT_TRUE(f.ready());
+}
+
+TEST(HostWorker, DrainWaitsForRunningAndQueuedJobs) {
+  HostWorker worker;
+  std::atomic<int> done{0};
+  for (int i = 0; i < 3; ++i) {
+    worker.submit([&done]() -> DeviceEvent {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      done.fetch_add(1);
+      return nullptr;
+    });
+  }
+  worker.drain();
+  EXPECT_EQ(done.load(), 3);
+  worker.drain();  // idle: returns at once
+  EXPECT_EQ(done.load(), 3);
+}
+
+TEST(HostWorker, JobExceptionSurfacesThroughItsFence) {
+  HostWorker worker;
+  Fence failed = worker.submit([]() -> DeviceEvent { throw std::runtime_error("copy failed: boom"); });
+  std::atomic<bool> later_ran{false};
+  Fence later = worker.submit([&later_ran]() -> DeviceEvent {
+    later_ran = true;
+    return nullptr;
+  });
+  worker.drain();  // rethrows nothing
+  EXPECT_TRUE(failed.ready()) << "a failed job is finished";
+  try {
+    failed.wait();
+    ADD_FAILURE() << "wait() must rethrow the job's exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "copy failed: boom");
+  }
+  EXPECT_THROW(failed.wait(), std::runtime_error) << "every wait rethrows";
+  EXPECT_TRUE(later_ran.load()) << "the worker survives a failing job";
+  EXPECT_NO_THROW(later.wait());
+}
+
+TEST(HostWorker, DestructorFinishesQueuedJobs) {
+  std::atomic<int> done{0};
+  {
+    HostWorker worker;
+    for (int i = 0; i < 20; ++i)
+      worker.submit([&done]() -> DeviceEvent {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        done.fetch_add(1);
+        return nullptr;
+      });
+  }
+  EXPECT_EQ(done.load(), 20);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// DeviceEngine helpers
+
+at::Tensor values(at::IntArrayRef sizes, double seed) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return at::arange(n, at::kDouble).mul(0.173).add(seed).sin().to(at::kFloat).reshape(sizes);
+}
+
+at::Tensor param(at::IntArrayRef sizes, double seed, bool trainable = true) {
+  return values(sizes, seed).set_requires_grad(trainable);
+}
+
+// Shard s: a [rows, 8] weight and a [rows] bias.
+std::vector<at::Tensor> linear_shard(int s, int64_t rows) {
+  return {param({rows, 8}, 10.0 * s + 1.0), param({rows}, 10.0 * s + 2.0)};
+}
+
+std::shared_ptr<ShardStore> make_store(std::vector<std::vector<at::Tensor>> shards, bool bf16 = false,
+                                       OptimizerSpec optimizer = OptimizerSpec{}) {
+  return std::make_shared<ShardStore>(shards, optimizer, bf16, /*pin_memory=*/false);
+}
+
+std::shared_ptr<ShardStore> equal_shards(int n, int64_t rows = 30) {
+  std::vector<std::vector<at::Tensor>> shards;
+  for (int s = 0; s < n; ++s) shards.push_back(linear_shard(s, rows));
+  return make_store(shards);
+}
+
+// What the engine's add_model accepts as the smallest budget for a spilled model.
+int64_t tight_budget(const ShardStore& store) { return DeviceEngine::min_spilled_bytes(store) + 2 * 512; }
+
+// Every parameter of `shard` is bound to device memory holding exactly its master value.
+void expect_bound_to_master(ShardStore& store, int shard) {
+  for (const ParamEntry& e : store.layout(shard)) {
+    SCOPED_TRACE(testing::Message() << "shard " << shard << " entry at device offset " << e.device_offset);
+    const at::Tensor expected =
+        store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel).view(e.param.sizes());
+    ASSERT_EQ(e.param.scalar_type(), store.compute_dtype());
+    ASSERT_EQ(e.param.sizes(), expected.sizes());
+    EXPECT_TRUE(at::equal(e.param.detach(), expected));
+    EXPECT_NE(e.param.data_ptr(), expected.data_ptr()) << "bound to device memory, not the host master";
+  }
+}
+
+// Distinct, exactly representable gradient per (shard, parameter index).
+float grad_value(int shard, size_t index) { return 0.5f * static_cast<float>(shard + 1) + 0.25f * index; }
+
+void write_grads(ShardStore& store, int shard) {
+  const auto& layout = store.layout(shard);
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const ParamEntry& e = layout[i];
+    if (!e.trainable) {
+      EXPECT_FALSE(e.param.grad().defined());
+      continue;
+    }
+    at::Tensor g = e.param.grad();
+    ASSERT_TRUE(g.defined()) << "acquire(with_grads) must bind a gradient view";
+    ASSERT_EQ(g.sizes(), e.param.sizes());
+    EXPECT_TRUE(at::equal(g, at::zeros_like(g))) << "fresh gradient buffers start at zero";
+    e.param.mutable_grad().fill_(grad_value(shard, i));
+  }
+}
+
+// The master gradients `micro_batches` passes of write_grads should leave: each trainable parameter gets
+// the sum of the values written in every shard that lists it, in its owner's buffer.
+std::vector<at::Tensor> expected_grads(ShardStore& store, int micro_batches) {
+  std::vector<at::Tensor> expected;
+  for (int s = 0; s < store.num_shards(); ++s) expected.push_back(at::zeros({store.owned_numel(s)}));
+  for (int s = 0; s < store.num_shards(); ++s) {
+    const auto& layout = store.layout(s);
+    for (size_t i = 0; i < layout.size(); ++i) {
+      const ParamEntry& e = layout[i];
+      if (!e.trainable) continue;
+      expected[e.owner].narrow(0, e.master_offset, e.numel).add_(grad_value(s, i) * micro_batches);
+    }
+  }
+  return expected;
+}
+
+// The runner's visit sequence for one optimizer step: forward 0..n-2 without gradients, the last shard with
+// gradients, backward n-2..0, prefetching the next shard at every visit.
+void run_step(DeviceEngine& engine, int model, ShardStore& store, int micro_batches, bool check_values = true,
+              bool step = false) {
+  const int n = store.num_shards();
+  std::vector<int> visits;
+  for (int mb = 0; mb < micro_batches; ++mb) {
+    for (int s = 0; s < n; ++s) visits.push_back(s);
+    for (int s = n - 2; s >= 0; --s) visits.push_back(s);
+  }
+  engine.plan(model, visits);
+  for (int mb = 0; mb < micro_batches; ++mb) {
+    const bool last = step && mb == micro_batches - 1;
+    for (int s = 0; s < n - 1; ++s) {
+      engine.acquire(model, s, /*with_grads=*/false);
+      engine.prefetch(model, s + 1);
+      if (check_values) expect_bound_to_master(store, s);
+      for (const ParamEntry& e : store.layout(s)) EXPECT_FALSE(e.param.grad().defined());
+      engine.release(model, s);
+    }
+    for (int s = n - 1; s >= 0; --s) {
+      engine.acquire(model, s, /*with_grads=*/true);
+      if (s > 0) engine.prefetch(model, s - 1);
+      if (check_values) expect_bound_to_master(store, s);
+      write_grads(store, s);
+      engine.backward_done(model, s, last);
+      engine.release(model, s);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// DeviceEngine: sizing
+
+TEST(DeviceEngine, SizingFormulas) {
+  auto store = equal_shards(4);  // 272 elements per shard
+  ASSERT_EQ(store->device_numel(0), 272);
+  EXPECT_EQ(DeviceEngine::min_spilled_bytes(*store), 2 * 272 * 4);
+  EXPECT_EQ(DeviceEngine::resident_bytes(*store), 4 * 272 * (2 * 4 + 2 * 4));  // weights+grads, Adam m and v
+  auto bf16 = make_store({linear_shard(0, 30), linear_shard(1, 60)}, /*bf16=*/true);
+  EXPECT_EQ(DeviceEngine::min_spilled_bytes(*bf16), 2 * bf16->device_numel(1) * 2);
+  EXPECT_EQ(DeviceEngine::resident_bytes(*bf16), bf16->total_owned_numel() * (2 * 2 + 4 + 2 * 4));
+}
+
+TEST(DeviceEngine, AddModelBelowMinimumThrowsAndLeavesTheEngineUsable) {
+  auto big = equal_shards(2, 60);
+  auto small = equal_shards(2, 30);
+  const int64_t budget = tight_budget(*small);
+  ASSERT_LT(budget, tight_budget(*big));
+  DeviceEngine engine(kCpu, budget);
+  EXPECT_THROW(engine.add_model(big), c10::Error);
+  const auto stats = engine.stats();
+  EXPECT_EQ(stats.budget_bytes, budget);
+  EXPECT_EQ(stats.high_water_bytes, 0);
+  // Nothing was committed for the rejected model: the whole budget is still there for this one.
+  const int id = engine.add_model(small);
+  EXPECT_EQ(id, 0);
+  EXPECT_FALSE(engine.resident(id));
+  run_step(engine, id, *small, 1);
+  engine.synchronize(id);
+  EXPECT_LE(engine.stats().high_water_bytes, budget);
+}
+
+TEST(DeviceEngine, NoModelMayBeAddedOnceTrainingStarted) {
+  DeviceEngine engine(kCpu, 1 << 22);
+  auto first = equal_shards(2);
+  const int m = engine.add_model(first);
+  EXPECT_EQ(engine.add_model(equal_shards(1, 4)), 1) << "before any upload, more models fit";
+  engine.acquire(m, 0, false);
+  engine.release(m, 0);
+  EXPECT_THROW(engine.add_model(equal_shards(1, 4)), c10::Error);
+  engine.acquire(m, 1, false);  // still usable
+  expect_bound_to_master(*first, 1);
+  engine.release(m, 1);
+}
+
+TEST(DeviceEngine, BudgetJustBelowTheSpilledMinimumIsRejected) {
+  auto store = equal_shards(3);
+  DeviceEngine below(kCpu, tight_budget(*store) - 1);
+  EXPECT_THROW(below.add_model(store), c10::Error);
+  DeviceEngine at_minimum(kCpu, tight_budget(*store));
+  EXPECT_NO_THROW(at_minimum.add_model(store));
+  EXPECT_THROW(DeviceEngine(kCpu, 0), c10::Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// DeviceEngine: spilled models
+
+TEST(DeviceEngine, SpilledAcquireBindsParametersToMasterValues) {
+  auto store = equal_shards(3);
+  std::vector<at::Tensor> originals;
+  for (int s = 0; s < 3; ++s)
+    for (const ParamEntry& e : store->layout(s)) originals.push_back(e.param.detach().clone());
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  for (int round = 0; round < 2; ++round) {
+    size_t k = 0;
+    for (int s = 0; s < 3; ++s) {
+      engine.acquire(m, s, false);
+      expect_bound_to_master(*store, s);
+      for (const ParamEntry& e : store->layout(s)) {
+        EXPECT_TRUE(at::equal(e.param.detach(), originals[k++])) << "the values the user constructed";
+        EXPECT_TRUE(e.param.requires_grad() == e.trainable);
+      }
+      engine.release(m, s);
+    }
+  }
+  EXPECT_THROW(engine.release(m, 0), c10::Error) << "release without acquire";
+}
+
+TEST(DeviceEngine, AcquireWaitsForQueuedPrefetchCopies) {
+  // Large shards so each copy takes a while on the worker; acquiring the last one right after queueing
+  // every prefetch must still see its complete values.
+  std::vector<std::vector<at::Tensor>> shards;
+  for (int s = 0; s < 4; ++s) shards.push_back({param({1 << 20}, 3.0 * s + 0.5)});
+  auto store = make_store(shards);
+  const int64_t shard_bytes = store->device_numel(0) * 4;
+  // Room to cache every shard, far below what resident training needs.
+  DeviceEngine engine(kCpu, DeviceEngine::min_spilled_bytes(*store) + 2 * 512 + 4 * (shard_bytes + 512));
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  engine.plan(m, {0, 1, 2, 3});
+  engine.prefetch(m, 0);
+  engine.prefetch(m, 1);
+  engine.prefetch(m, 2);
+  engine.prefetch(m, 3);
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 1}));
+  engine.acquire(m, 3, false);
+  expect_bound_to_master(*store, 3);
+  engine.release(m, 3);
+  for (int s = 0; s < 3; ++s) {
+    engine.acquire(m, s, false);
+    expect_bound_to_master(*store, s);
+    engine.release(m, s);
+  }
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 1})) << "prefetched shards are not copied again";
+  const auto stats = engine.stats();
+  EXPECT_EQ(stats.host_to_device_copies, 4);
+  EXPECT_EQ(stats.host_to_device_bytes, 4 * shard_bytes);
+}
+
+TEST(DeviceEngine, PrefetchIsBestEffortWhenTheBudgetIsFull) {
+  auto store = equal_shards(3);
+  DeviceEngine engine(kCpu, tight_budget(*store));  // one shard's weights and gradients
+  const int m = engine.add_model(store);
+  engine.plan(m, {2, 1, 0});
+  engine.acquire(m, 2, /*with_grads=*/true);  // fills the arena
+  const auto before = engine.stats();
+  EXPECT_NO_THROW(engine.prefetch(m, 1));
+  EXPECT_NO_THROW(engine.prefetch(m, 0));
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{0, 0, 1})) << "a prefetch that does not fit does nothing";
+  EXPECT_EQ(engine.stats().host_to_device_copies, before.host_to_device_copies);
+  expect_bound_to_master(*store, 2);  // the pinned shard was not disturbed
+  engine.backward_done(m, 2, false);
+  engine.release(m, 2);
+  engine.acquire(m, 1, true);
+  expect_bound_to_master(*store, 1);
+  engine.backward_done(m, 1, false);
+  engine.release(m, 1);
+  engine.synchronize(m);
+  EXPECT_LE(engine.stats().high_water_bytes, engine.stats().budget_bytes);
+}
+
+TEST(DeviceEngine, PrefetchNeverDisplacesAShardNeededSooner) {
+  auto store = equal_shards(3);
+  DeviceEngine engine(kCpu, tight_budget(*store));  // room for two shards' weights
+  const int m = engine.add_model(store);
+  engine.plan(m, {0, 1, 0});
+  engine.acquire(m, 0, false);
+  engine.release(m, 0);
+  engine.prefetch(m, 1);  // fits beside shard 0
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 0}));
+  engine.prefetch(m, 2);  // not planned: evicting 0 or 1, both needed, would be a loss
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 0}));
+  engine.acquire(m, 1, false);
+  expect_bound_to_master(*store, 1);
+  engine.release(m, 1);
+  engine.acquire(m, 0, false);
+  expect_bound_to_master(*store, 0);
+  engine.release(m, 0);
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 0})) << "both stayed cached";
+  engine.prefetch(m, 1);  // already cached: nothing to do
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 0}));
+}
+
+TEST(DeviceEngine, SpilledFullVisitSequenceStaysWithinTheBudget) {
+  auto store = equal_shards(4);
+  const int64_t budget = tight_budget(*store);
+  DeviceEngine engine(kCpu, budget);
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  run_step(engine, m, *store, /*micro_batches=*/2);
+  engine.synchronize(m);
+  const auto stats = engine.stats();
+  EXPECT_LE(stats.high_water_bytes, budget);
+  EXPECT_LE(stats.capacity_bytes, budget);
+  EXPECT_GT(stats.high_water_bytes, 0);
+  // The arena holds two shard buffers. Belady with the runner's prefetches: forward loads every shard,
+  // backward reloads all but the last; the second micro-batch starts with shard 0 still cached.
+  const std::vector<int64_t> loads = engine.shard_loads(m);
+  EXPECT_EQ(loads, (std::vector<int64_t>{3, 4, 4, 2}));
+  int64_t total = 0;
+  for (int64_t l : loads) total += l;
+  EXPECT_EQ(stats.host_to_device_copies, total);
+  EXPECT_EQ(stats.host_to_device_bytes, total * store->device_numel(0) * 4);
+  EXPECT_EQ(stats.device_to_host_copies, 0) << "a CPU device's gradients are read in place";
+  // Gradients of both micro-batches were accumulated on the host.
+  const auto expected = expected_grads(*store, 2);
+  for (int s = 0; s < 4; ++s) EXPECT_TRUE(at::equal(store->grad(s), expected[s])) << "shard " << s;
+}
+
+TEST(DeviceEngine, SpilledModelWithRoomForEveryShardLoadsEachOnce) {
+  auto store = equal_shards(4);
+  int64_t cache = 0;
+  for (int s = 0; s < 4; ++s) cache += store->device_numel(s) * 4 + 512;
+  const int64_t budget = tight_budget(*store) + cache;
+  ASSERT_LT(budget, DeviceEngine::resident_bytes(*store));
+  DeviceEngine engine(kCpu, budget);
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  for (int i = 0; i < 3; ++i) run_step(engine, m, *store, 2);
+  engine.synchronize(m);
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 1}));
+  EXPECT_LE(engine.stats().high_water_bytes, budget);
+  const auto expected = expected_grads(*store, 6);
+  for (int s = 0; s < 4; ++s) EXPECT_TRUE(at::equal(store->grad(s), expected[s])) << "shard " << s;
+}
+
+// shard 0 owns e (tied with shard 2) and a frozen f; shard 1 owns h and a frozen z (tied with shard 2).
+struct TiedModel {
+  at::Tensor e = param({10, 4}, 1.0);
+  at::Tensor f = param({5}, 2.0, false);
+  at::Tensor a = param({7}, 3.0);
+  at::Tensor h = param({8}, 4.0);
+  at::Tensor z = param({3}, 5.0, false);
+  at::Tensor g = param({6}, 6.0);
+  std::vector<std::vector<at::Tensor>> shards() const { return {{e, f, a}, {h, z}, {g, e, z}}; }
+};
+
+TEST(DeviceEngine, SpilledTiedParameterIsCopiedIntoTheBorrower) {
+  TiedModel t;
+  auto store = make_store(t.shards());
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  engine.acquire(m, 2, false);
+  expect_bound_to_master(*store, 2);
+  EXPECT_TRUE(at::equal(t.e.detach(), store->master(0).narrow(0, 0, 40).view({10, 4})));
+  EXPECT_TRUE(at::equal(t.z.detach(), store->master(1).narrow(0, 16, 3)));
+  engine.release(m, 2);
+}
+
+TEST(DeviceEngine, BackwardDoneAccumulatesDeviceGradientsIntoTheStore) {
+  TiedModel t;
+  auto store = make_store(t.shards());
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  run_step(engine, m, *store, /*micro_batches=*/1);
+  engine.synchronize(m);
+  // e: its own gradient from shard 0 plus the one written through shard 2's copy; frozen ones stay zero.
+  const float e_grad = grad_value(0, 0) + grad_value(2, 1);
+  EXPECT_TRUE(at::equal(store->grad(0).narrow(0, 0, 40), at::full({40}, e_grad)));
+  EXPECT_TRUE(at::equal(store->grad(1).narrow(0, 16, 3), at::zeros({3}))) << "z is frozen";
+  const auto expected = expected_grads(*store, 1);
+  for (int s = 0; s < 3; ++s)
+    EXPECT_TRUE(at::equal(store->grad(s), expected[s])) << "shard " << s << "\n" << store->grad(s);
+
+  // A second step accumulates on top; discard_grads forgets everything.
+  run_step(engine, m, *store, 1);
+  engine.synchronize(m);
+  const auto twice = expected_grads(*store, 2);
+  for (int s = 0; s < 3; ++s) EXPECT_TRUE(at::equal(store->grad(s), twice[s])) << "shard " << s;
+  engine.discard_grads(m);
+  for (int s = 0; s < 3; ++s) EXPECT_TRUE(at::equal(store->grad(s), at::zeros_like(store->grad(s))));
+  EXPECT_LE(engine.stats().high_water_bytes, engine.stats().budget_bytes);
+}
+
+TEST(DeviceEngine, BackwardDoneRequiresGradients) {
+  auto store = equal_shards(2);
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  engine.acquire(m, 1, /*with_grads=*/false);
+  EXPECT_THROW(engine.backward_done(m, 1, false), c10::Error);
+  engine.release(m, 1);
+}
+
+TEST(DeviceEngine, SpilledBFloat16BindsTheShadow) {
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30)}, /*bf16=*/true);
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  run_step(engine, m, *store, 1);  // binds bf16 views equal to the shadow, bf16 gradients
+  engine.synchronize(m);
+  const auto expected = expected_grads(*store, 1);
+  for (int s = 0; s < 2; ++s) EXPECT_TRUE(at::equal(store->grad(s), expected[s])) << "shard " << s;
+  EXPECT_EQ(engine.stats().host_to_device_bytes % 2, 0);
+}
+
+TEST(DeviceEngine, FinishWritesBackIndependentHostParameters) {
+  TiedModel t;
+  auto store = make_store(t.shards());
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  run_step(engine, m, *store, 1);
+  engine.finish(m);
+  for (int s = 0; s < 3; ++s) {
+    for (const ParamEntry& e : store->layout(s)) {
+      EXPECT_FALSE(e.param.grad().defined());
+      EXPECT_TRUE(at::equal(e.param.detach().reshape({-1}), store->master(e.owner).narrow(0, e.master_offset, e.numel)));
+    }
+  }
+  // Host tensors of their own: overwriting the store's master does not reach them.
+  const at::Tensor before = t.e.detach().clone();
+  store->master(0).zero_();
+  EXPECT_TRUE(at::equal(t.e.detach(), before));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// DeviceEngine: resident models
+
+TEST(DeviceEngine, ResidentModelLoadsEachShardOnce) {
+  TiedModel t;
+  auto store = make_store(t.shards());
+  const int64_t budget = 1 << 24;
+  DeviceEngine engine(kCpu, budget);
+  const int m = engine.add_model(store);
+  ASSERT_TRUE(engine.resident(m));
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{0, 0, 0})) << "nothing is uploaded before first use";
+  for (int cycle = 0; cycle < 5; ++cycle) {
+    for (int s = 0; s < 3; ++s) {
+      engine.acquire(m, s, cycle % 2 == 1);
+      expect_bound_to_master(*store, s);
+      engine.prefetch(m, (s + 1) % 3);  // a no-op for resident models
+      engine.release(m, s);
+    }
+  }
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1}));
+  // One copy of the tied weight on the device: bound from shard 0 and shard 2 to the same memory.
+  engine.acquire(m, 0, false);
+  const void* from_owner = t.e.data_ptr();
+  engine.release(m, 0);
+  engine.acquire(m, 2, false);
+  EXPECT_EQ(t.e.data_ptr(), from_owner);
+  engine.release(m, 2);
+  const auto stats = engine.stats();
+  EXPECT_LE(stats.high_water_bytes, budget);
+  EXPECT_LE(stats.capacity_bytes, budget);
+  EXPECT_GE(stats.high_water_bytes, DeviceEngine::resident_bytes(*store));
+  EXPECT_EQ(stats.host_to_device_copies, 3);
+}
+
+TEST(DeviceEngine, ResidentGradientsStayOnTheDevice) {
+  TiedModel t;
+  auto store = make_store(t.shards());
+  DeviceEngine engine(kCpu, 1 << 24);
+  const int m = engine.add_model(store);
+  ASSERT_TRUE(engine.resident(m));
+  engine.acquire(m, 2, true);
+  // A tied parameter's gradient is the owner's gradient buffer: one accumulator for every use.
+  t.e.mutable_grad().fill_(1.0f);
+  engine.backward_done(m, 2, false);
+  engine.release(m, 2);
+  engine.acquire(m, 0, true);
+  EXPECT_TRUE(at::equal(t.e.grad(), at::full({10, 4}, 1.0f)));
+  t.e.mutable_grad().add_(2.0f);
+  engine.backward_done(m, 0, false);
+  engine.release(m, 0);
+  engine.synchronize(m);
+  EXPECT_TRUE(at::equal(store->grad(0), at::zeros_like(store->grad(0)))) << "the host gradients are not used";
+  engine.discard_grads(m);
+  engine.acquire(m, 0, true);
+  EXPECT_TRUE(at::equal(t.e.grad(), at::zeros({10, 4})));
+  engine.release(m, 0);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Errors of queued host work
+
+// A host job that fails: the optimizer step of a spilled shard, while no optimizer op is registered.
+TEST(DeviceEngine, FailedHostStepSurfacesOnSynchronize) {
+  if (op_registered("hydra::adam_step")) GTEST_SKIP() << "needs hydra::adam_step to be absent to make a job fail";
+  auto store = equal_shards(2);
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  engine.plan(m, {1, 0});
+  engine.acquire(m, 1, true);
+  engine.backward_done(m, 1, /*step=*/true);
+  engine.release(m, 1);
+  EXPECT_THROW(engine.synchronize(m), c10::Error);
+  EXPECT_NO_THROW(engine.synchronize(m)) << "an error is reported once";
+}
+
+TEST(DeviceEngine, FailedHostStepSurvivesLaterSubmissions) {
+  if (op_registered("hydra::adam_step")) GTEST_SKIP() << "needs hydra::adam_step to be absent to make a job fail";
+  auto store = equal_shards(2);
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  engine.plan(m, {1, 0});
+  engine.acquire(m, 1, true);
+  engine.backward_done(m, 1, /*step=*/true);  // queues a job that throws
+  engine.release(m, 1);
+  engine.acquire(m, 0, true);  // queues shard 0's copy and waits for it: the failed job has run by now
+  engine.backward_done(m, 0, /*step=*/false);  // queues another job for the same model
+  engine.release(m, 0);
+  EXPECT_THROW(engine.synchronize(m), c10::Error)
+      << "the failed step's error was lost: DeviceEngine::submit drops finished fences, failed ones included";
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Fragmentation: the smallest accepted budget must be enough to train
+
+TEST(DeviceEngine, SmallestAcceptedBudgetTrainsMixedShardSizes) {
+  // Three small shards, then a large one: the forward pass caches the small ones below the large one's
+  // weights, leaving the large shard's gradients no contiguous range although the budget was accepted.
+  std::vector<std::vector<at::Tensor>> shards = {linear_shard(0, 12), linear_shard(1, 12), linear_shard(2, 12),
+                                                 linear_shard(3, 112)};
+  auto store = make_store(shards);
+  const int64_t budget = tight_budget(*store);
+  DeviceEngine engine(kCpu, budget);
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  EXPECT_NO_THROW(run_step(engine, m, *store, 1));
+  engine.synchronize(m);
+  EXPECT_LE(engine.stats().high_water_bytes, budget);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Optimizer steps: only when the op registrations are linked in
+
+TEST(DeviceEngine, SpilledSgdStepUpdatesTheMasterAndReloads) {
+  if (!op_registered("hydra::sgd_step")) GTEST_SKIP() << "hydra::sgd_step is not registered in this build";
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  sgd.lr = 0.5;
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30)}, false, sgd);
+  std::vector<at::Tensor> before;
+  for (int s = 0; s < 3; ++s) before.push_back(store->master(s).clone());
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  ASSERT_FALSE(engine.resident(m));
+  run_step(engine, m, *store, 1, /*check_values=*/true, /*step=*/true);
+  engine.synchronize(m);
+  const auto grads = expected_grads(*store, 1);
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(store->steps_taken(s), 1);
+    EXPECT_TRUE(at::allclose(store->master(s), before[s] - grads[s] * 0.5, 1e-6, 1e-6)) << "shard " << s;
+    EXPECT_TRUE(at::equal(store->grad(s), at::zeros_like(store->grad(s))));
+  }
+  const auto loads = engine.shard_loads(m);
+  engine.acquire(m, 1, false);  // the device copy predates the step: reloaded with the new weights
+  expect_bound_to_master(*store, 1);
+  engine.release(m, 1);
+  EXPECT_EQ(engine.shard_loads(m)[1], loads[1] + 1);
+}
+
+TEST(DeviceEngine, ResidentSgdStepIsWrittenBackByFinish) {
+  if (!op_registered("hydra::sgd_step")) GTEST_SKIP() << "hydra::sgd_step is not registered in this build";
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  sgd.lr = 0.25;
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30)}, false, sgd);
+  std::vector<at::Tensor> before;
+  for (int s = 0; s < 2; ++s) before.push_back(store->master(s).clone());
+  DeviceEngine engine(kCpu, 1 << 24);
+  const int m = engine.add_model(store);
+  ASSERT_TRUE(engine.resident(m));
+  run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true);
+  engine.finish(m);
+  const auto grads = expected_grads(*store, 1);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(store->steps_taken(s), 1);
+    EXPECT_TRUE(at::allclose(store->master(s), before[s] - grads[s] * 0.25, 1e-6, 1e-6)) << "shard " << s;
+    for (const ParamEntry& e : store->layout(s))
+      EXPECT_TRUE(at::equal(e.param.detach().reshape({-1}), store->master(s).narrow(0, e.master_offset, e.numel)));
+  }
+}
+
+TEST(DeviceEngine, SpilledAdamFirstStepMovesByLearningRate) {
+  if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
+  OptimizerSpec adam;
+  adam.lr = 1e-2;
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30)}, false, adam);
+  std::vector<at::Tensor> before;
+  for (int s = 0; s < 2; ++s) before.push_back(store->master(s).clone());
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  run_step(engine, m, *store, 1, true, /*step=*/true);
+  engine.synchronize(m);
+  for (int s = 0; s < 2; ++s) {
+    // Step 1 of bias-corrected Adam: m_hat = g, v_hat = g^2, so every trained element moves by lr * sign(g).
+    const int64_t n = store->trainable_numel(s);
+    const auto grads = expected_grads(*store, 1)[s].narrow(0, 0, n);
+    const at::Tensor moved = before[s].narrow(0, 0, n) - grads.sign() * adam.lr;
+    EXPECT_TRUE(at::allclose(store->master(s).narrow(0, 0, n), moved, 1e-5, 1e-6)) << "shard " << s;
+    EXPECT_EQ(store->steps_taken(s), 1);
+  }
+}
+
+}  // namespace
