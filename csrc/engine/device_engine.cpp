@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
 
 #include "core/eviction.h"
 #include "engine/optimizer_step.h"
@@ -90,8 +91,27 @@ Fence DeviceEngine::compute_point() const {
   return Fence(std::move(event));
 }
 
+bool DeviceEngine::current(int model, int shard) const {
+  const ShardState& state = models_[model].shards[shard];
+  return state.cached && state.version == models_[model].store->version(shard);
+}
+
 Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
-  Fence fence = worker_.submit(std::move(job));
+  static std::mutex order;  // one global submission order across devices (see ShardStore::exchange_last_job)
+  auto done = std::make_shared<std::promise<void>>();
+  Fence fence;
+  {
+    std::lock_guard<std::mutex> lock(order);
+    std::shared_future<void> previous = models_[model].store->exchange_last_job(done->get_future().share());
+    fence = worker_.submit([previous, done, job = std::move(job)]() -> DeviceEvent {
+      if (previous.valid()) previous.wait();
+      struct Signal {  // completes the chain however the job ends; its error travels in its own Fence
+        std::shared_ptr<std::promise<void>> promise;
+        ~Signal() { promise->set_value(); }
+      } signal{done};
+      return job();
+    });
+  }
   auto& jobs = models_[model].jobs;
   // Finished jobs are forgotten, failed ones kept until synchronize() reports them.
   jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const Fence& f) { return f.succeeded(); }), jobs.end());
@@ -132,7 +152,7 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need
 void DeviceEngine::evict(ShardState& state) {
   pool_.release(state.weights, state.last_use);
   state.weights = Region{};
-  state.cached = state.stale = false;
+  state.cached = false;
 }
 
 bool DeviceEngine::load(int model, int shard, Need need) {
@@ -143,6 +163,7 @@ bool DeviceEngine::load(int model, int shard, Need need) {
   if (!allocation.region.valid()) return false;
   state.weights = allocation.region;
   state.cached = true;
+  state.version = store.version(shard);
   at::Tensor target = pool_.view(state.weights, store.compute_dtype(), numel);
   // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
@@ -154,11 +175,12 @@ bool DeviceEngine::load(int model, int shard, Need need) {
                           store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
   state.ready = submit(model, [copies = std::move(copies), after = std::move(allocation.after), this]() -> DeviceEvent {
     if (!has_streams_) {
+      for (const Fence& f : after) f.order_reuse_before(compute_stream());  // host waits: no streams here
       for (auto& [dst, src] : copies) dst.copy_(src);
       return nullptr;
     }
     c10::StreamGuard guard(*copy_stream_);
-    for (const Fence& f : after) f.order_before(*copy_stream_);
+    for (const Fence& f : after) f.order_reuse_before(*copy_stream_);
     for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/true);
     auto event = std::make_shared<c10::Event>(device_.type());
     event->record(*copy_stream_);
@@ -172,8 +194,12 @@ bool DeviceEngine::load(int model, int shard, Need need) {
 }
 
 void DeviceEngine::prefetch(int model, int shard) {
-  const ShardState& state = models_.at(model).shards.at(shard);
-  if (models_[model].resident || state.cached) return;
+  ShardState& state = models_.at(model).shards.at(shard);
+  if (models_[model].resident || current(model, shard)) return;
+  if (state.cached) {
+    if (state.pins > 0) return;
+    evict(state);  // a copy from before the shard's last step
+  }
   load(model, shard, Need::kPrefetch);
 }
 
@@ -185,6 +211,8 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   ++state.pins;
   if (m.resident && !m.uploaded) upload_resident(model);
   if (!m.resident) {
+    TORCH_CHECK(state.pins == 1, "shard ", shard, " of model ", model, " acquired twice on ", device_);
+    if (state.cached && !current(model, shard)) evict(state);
     if (!state.cached) load(model, shard, Need::kMust);
     if (with_grads && !state.grads.valid()) allocate_grads(model, shard);
     state.ready.order_before(compute_stream());
@@ -207,7 +235,7 @@ void DeviceEngine::allocate_grads(int model, int shard) {
   } else {
     state.grads = allocation.region;
   }
-  for (const Fence& f : allocation.after) f.order_before(compute_stream());
+  for (const Fence& f : allocation.after) f.order_reuse_before(compute_stream());
   grad_view(model, shard).zero_();
 }
 
@@ -221,7 +249,7 @@ void DeviceEngine::release(int model, int shard) {
     pool_.release(state.grads, state.last_use);
     state.grads = Region{};
   }
-  if (state.stale && state.pins == 0) evict(state);
+  if (state.cached && state.pins == 0 && !current(model, shard)) evict(state);
 }
 
 }  // namespace hydra::engine

@@ -75,7 +75,8 @@ class DeviceEngine {
     // Spilled: a cached weight copy, and a gradient buffer while backward runs.
     Region weights, grads;
     Fence ready, last_use;
-    bool cached = false, stale = false;
+    bool cached = false;
+    int64_t version = 0;  // of the store's shard when copied in
     int pins = 0;
     int64_t loads = 0;
     // Resident: the shard's whole training state, in master layout.
@@ -105,6 +106,7 @@ class DeviceEngine {
   void step_spilled(int model, int shard, double grad_scale);
   Fence submit(int model, std::function<DeviceEvent()> job);
   void evict(ShardState& state);
+  bool current(int model, int shard) const;
   at::Tensor grad_view(int model, int shard);
   at::Tensor home_view(int model, int shard, const Region& region, at::ScalarType dtype);
 

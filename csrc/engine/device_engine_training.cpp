@@ -141,7 +141,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
   });
   pool_.release(state.grads, done);
   state.grads = Region{};
-  if (step) state.stale = true;  // the device copy predates the step: dropped on release
+  if (step) m.store->bump_version(shard);  // the device copy predates the step: dropped on release
 }
 
 void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
@@ -171,10 +171,8 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
     step_host(*owner, shard, grad_scale);
     return nullptr;
   });
-  if (state.cached) {
-    state.stale = true;
-    if (state.pins == 0) evict(state);
-  }
+  owner->bump_version(shard);
+  if (state.cached && state.pins == 0) evict(state);
 }
 
 double DeviceEngine::clip_and_step(int model, double max_norm) {

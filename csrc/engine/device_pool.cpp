@@ -27,32 +27,23 @@ void DevicePool::ensure_arena() {
   arena_.emplace(capacity, kAlignment);
 }
 
-void DevicePool::reclaim_ready() {
-  while (!pending_.empty() && pending_.front().second.ready()) {
-    arena_->release(pending_.front().first.offset);
-    pending_.pop_front();
-  }
-}
-
 std::optional<Allocation> DevicePool::allocate(int64_t bytes) {
   ensure_arena();
-  reclaim_ready();
-  for (;;) {
-    if (std::optional<int64_t> offset = arena_->allocate(bytes)) {
-      Allocation allocation{Region{*offset, arena_->rounded(bytes)}, std::move(unordered_)};
-      unordered_.clear();
-      return allocation;
-    }
-    if (pending_.empty()) return std::nullopt;
-    arena_->release(pending_.front().first.offset);
-    unordered_.push_back(std::move(pending_.front().second));
-    pending_.pop_front();
+  std::erase_if(released_, [](const auto& entry) { return entry.second.ready(); });
+  std::optional<int64_t> offset = arena_->allocate(bytes);
+  if (!offset) return std::nullopt;
+  Allocation allocation{Region{*offset, arena_->rounded(bytes)}, {}};
+  const int64_t end = allocation.region.offset + allocation.region.bytes;
+  for (const auto& [region, fence] : released_) {
+    if (region.offset < end && allocation.region.offset < region.offset + region.bytes) allocation.after.push_back(fence);
   }
+  return allocation;
 }
 
 void DevicePool::release(Region region, Fence after) {
   TORCH_CHECK(region.valid(), "DevicePool: release of an empty region");
-  pending_.emplace_back(region, std::move(after));
+  arena_->release(region.offset);
+  released_.emplace_back(region, std::move(after));
 }
 
 at::Tensor DevicePool::view(const Region& region, at::ScalarType dtype, int64_t numel) {

@@ -1,14 +1,14 @@
 // A device's byte budget, enforced: every shard buffer on the device is a range of one arena tensor of at
 // most `budget` bytes, so the bytes of resident weights, gradients and optimizer state can never exceed it.
 //
-// Releasing a range is deferred until the work that last touched it (a kernel, a copy) is done, so a new
-// buffer never overwrites memory something still reads. On CPU devices that work is already done.
+// A released range is free at once, but remembered with the work that last touched it (a kernel, a copy)
+// until that work is done: whoever is handed an overlapping range is also handed those fences, so a new
+// buffer never overwrites memory something still reads, and on a stream the wait stays on the device.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include <deque>
 #include <optional>
 #include <vector>
 
@@ -23,8 +23,8 @@ struct Region {
   bool valid() const { return offset >= 0; }
 };
 
-// A region and the work its first user must be ordered after: the last users of the released ranges it
-// reuses. On a stream that ordering is a device-side wait, so reusing memory never blocks the host.
+// A region and the work its first user must be ordered after: the unfinished last users of the released
+// ranges it overlaps.
 struct Allocation {
   Region region;
   std::vector<Fence> after;
@@ -36,7 +36,7 @@ class DevicePool {
 
   // The arena is allocated on first use at min(budget, demand): memory a workload cannot use stays free.
   void set_demand(int64_t bytes);
-  // Reuses finished releases first, then pending ones oldest first; nothing when even that is not enough.
+  // Nothing when no free range is large enough.
   std::optional<Allocation> allocate(int64_t bytes);
   void release(Region region, Fence after);
   // A typed, contiguous view of `numel` elements at the start of `region`.
@@ -50,7 +50,6 @@ class DevicePool {
   bool started() const { return arena_.has_value(); }
 
  private:
-  void reclaim_ready();
   void ensure_arena();
 
   c10::Device device_;
@@ -58,10 +57,7 @@ class DevicePool {
   int64_t demand_;
   std::optional<core::ArenaAllocator> arena_;
   at::Tensor storage_;
-  std::deque<std::pair<Region, Fence>> pending_;
-  // Fences of ranges released into the arena before their users finished; the next allocation, whatever
-  // range it gets, is ordered after all of them (conservative, never wrong).
-  std::vector<Fence> unordered_;
+  std::vector<std::pair<Region, Fence>> released_;  // released ranges whose last user may still run
 };
 
 }  // namespace hydra::engine

@@ -51,10 +51,19 @@ class Fence {
     const DeviceEvent& event = issued_.get();
     if (event) event->synchronize();
   }
-  // Orders `stream` after the work without blocking the host on the device part.
+  // Orders `stream` after the work without blocking the host on the device part; rethrows likewise.
   void order_before(const c10::Stream& stream) const {
     const DeviceEvent& event = issued_.get();
     if (event) event->block(stream);
+  }
+  // For memory reuse, where only the end of the work matters, not whether it succeeded: a failed job's
+  // error is reported through its own fence, not by whoever next uses the memory it touched.
+  void order_reuse_before(const c10::Stream& stream) const {
+    issued_.wait();
+    try {
+      order_before(stream);
+    } catch (...) {
+    }
   }
 
  private:

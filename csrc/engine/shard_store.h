@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <future>
 #include <vector>
 
 #include "engine/optimizer_spec.h"
@@ -55,6 +56,17 @@ class ShardStore {
 
   int64_t steps_taken(int shard) const { return steps_.at(shard); }
   void count_step(int shard) { ++steps_.at(shard); }
+  // Bumped when a step of the shard is submitted: a device copy of an older version is stale.
+  int64_t version(int shard) const { return versions_.at(shard); }
+  void bump_version(int shard) { ++versions_.at(shard); }
+
+  // The model's host jobs, on whichever device's worker, run in submission order: the previous job's
+  // completion is exchanged for the new one's. Callers hold a lock that also covers the enqueue, so the
+  // order is one global order and no two workers can wait on each other.
+  std::shared_future<void> exchange_last_job(std::shared_future<void> next) {
+    std::swap(last_job_, next);
+    return next;
+  }
 
   // Adds a shard's device-layout gradient (host-visible, compute dtype) into the master gradients:
   // the owned part in one pass, each borrowed parameter into its owner's buffer.
@@ -70,7 +82,8 @@ class ShardStore {
   bool bf16_;
   bool pinned_;
   std::vector<std::vector<ParamEntry>> layouts_;
-  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
+  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_, versions_;
+  std::shared_future<void> last_job_;
   std::vector<at::Tensor> master_, grad_, shadow_;
   std::vector<std::vector<at::Tensor>> state_;
 };

@@ -117,29 +117,26 @@ TEST(DevicePool, ViewsAreTypedAndDisjoint) {
   EXPECT_THROW(pool.view(a->region, at::kFloat, 129), c10::Error);
 }
 
-TEST(DevicePool, PendingReleaseIsNotReusedWhileFreeSpaceRemains) {
+TEST(DevicePool, ReusedRangeCarriesTheFenceOfItsUnfinishedLastUser) {
   DevicePool pool(kCpu, 3 * 1024);
   auto a = pool.allocate(1024);
-  ASSERT_TRUE(a);
-  ASSERT_EQ(a->region.offset, 0);
+  auto b = pool.allocate(1024);
+  ASSERT_TRUE(a && b);
   ManualFence fa;
   pool.release(a->region, fa.fence);
-  EXPECT_EQ(pool.in_use(), 1024) << "a pending range is still held";
-  auto b = pool.allocate(1024);
+  EXPECT_EQ(pool.in_use(), 1024) << "a released range is free at once";
+  // Best fit takes the exactly-sized hole a left, and must be ordered after a's last user.
   auto c = pool.allocate(1024);
-  ASSERT_TRUE(b && c);
-  EXPECT_NE(b->region.offset, 0);
-  EXPECT_NE(c->region.offset, 0);
-  EXPECT_TRUE(b->after.empty());
-  EXPECT_TRUE(c->after.empty());
-  // Only now, with nothing else left, is the range reused, ordered after the fence of its last user.
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->region.offset, a->region.offset);
+  ASSERT_EQ(c->after.size(), 1u);
+  EXPECT_FALSE(c->after[0].ready());
+  // The range that never held a needs no ordering.
   auto d = pool.allocate(1024);
   ASSERT_TRUE(d);
-  EXPECT_EQ(d->region.offset, 0);
-  ASSERT_EQ(d->after.size(), 1u);
-  EXPECT_FALSE(d->after[0].ready());
+  EXPECT_TRUE(d->after.empty());
   fa.finish();
-  EXPECT_TRUE(d->after[0].ready());
+  EXPECT_TRUE(c->after[0].ready());
   EXPECT_LE(pool.high_water(), pool.budget());
 }
 
