@@ -1,0 +1,182 @@
+// One pass over memory per update: every element's param/grad/state is loaded once and stored once,
+// which is what makes the fused step cheaper than torch.optim's chain of whole-tensor operations.
+//
+// Exactness: each arithmetic step mirrors the ATen CPU kernel that torch.optim would run (vectorised
+// path), including where ATen fuses a multiply-add (Tensor.add with alpha, lerp) and where it does not
+// (addcdiv, mul). Hence contraction of the remaining a*b+c into FMAs must stay off, and no
+// -ffast-math: either would change the last bit and drift from torch over many steps.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "ops/cpu/fused_optimizers.h"
+
+#include <cmath>
+
+// One binary, best vector ISA at run time. x86-64-v3/v4 rather than plain "avx2"/"avx512f" because those
+// alone do not enable FMA, and ATen's AVX2/AVX-512 kernels (which we must agree with) use FMA.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HYDRA_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HYDRA_MULTIVERSION
+#endif
+
+#if defined(__GNUC__)
+#define HYDRA_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define HYDRA_ALWAYS_INLINE inline
+#endif
+
+namespace hydra::kernels {
+namespace {
+
+HYDRA_ALWAYS_INLINE float load_grad(const float* grad, int64_t i) { return grad[i]; }
+HYDRA_ALWAYS_INLINE float load_grad(const uint16_t* grad, int64_t i) { return bf16_to_float(grad[i]); }
+
+// Scalars converted exactly as ATen converts Python floats for float32 tensors: computed in double,
+// then rounded once to float.
+struct AdamScalars {
+  float grad_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
+  bool use_l2, lerp_weight_small;
+
+  explicit AdamScalars(const AdamHyper& h) {
+    grad_scale = static_cast<float>(h.grad_scale);
+    const bool has_decay = h.weight_decay != 0.0;
+    decay = static_cast<float>(h.decoupled && has_decay ? 1.0 - h.lr * h.weight_decay : 1.0);
+    use_l2 = !h.decoupled && has_decay;
+    l2 = static_cast<float>(h.weight_decay);
+    // exp_avg.lerp_(grad, 1 - beta1): ATen's vectorised lerp is fma(w, end - start, start) for |w| < 0.5
+    // and fma(w - 1, end - start, end) otherwise.
+    const float weight = static_cast<float>(1.0 - h.beta1);
+    lerp_weight_small = std::abs(weight) < 0.5f;
+    lerp_coeff = lerp_weight_small ? weight : weight - 1.0f;
+    beta2 = static_cast<float>(h.beta2);
+    one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+    const double step = static_cast<double>(h.step);
+    const double bias_correction1 = 1.0 - std::pow(h.beta1, step);
+    const double bias_correction2 = 1.0 - std::pow(h.beta2, step);
+    bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+    eps = static_cast<float>(h.eps);
+    neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
+  }
+};
+
+template <bool kShadow, typename Grad>
+HYDRA_ALWAYS_INLINE void adam_loop(float* __restrict param, const Grad* __restrict grad, float* __restrict exp_avg,
+                                   float* __restrict exp_avg_sq, uint16_t* __restrict shadow, int64_t begin,
+                                   int64_t end, const AdamScalars s) {
+  for (int64_t i = begin; i < end; ++i) {
+    float g = load_grad(grad, i) * s.grad_scale;
+    float p = param[i] * s.decay;
+    g = s.use_l2 ? __builtin_fmaf(p, s.l2, g) : g;
+    const float m_old = exp_avg[i];
+    const float m = __builtin_fmaf(s.lerp_coeff, g - m_old, s.lerp_weight_small ? m_old : g);
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2): ATen's addcmul computes
+    // self + (value * t1) * t2, which its compiler contracts to one FMA.
+    const float v = __builtin_fmaf(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
+    const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
+    p = p + s.neg_step_size * m / denom;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    param[i] = p;
+    if constexpr (kShadow) shadow[i] = float_to_bf16_rne(p);
+  }
+}
+
+template <typename Grad>
+HYDRA_ALWAYS_INLINE void adam_dispatch(float* param, const Grad* grad, float* exp_avg, float* exp_avg_sq,
+                                       uint16_t* shadow, int64_t begin, int64_t end, const AdamHyper& h) {
+  const AdamScalars s(h);
+  if (shadow != nullptr) {
+    adam_loop<true>(param, grad, exp_avg, exp_avg_sq, shadow, begin, end, s);
+  } else {
+    adam_loop<false>(param, grad, exp_avg, exp_avg_sq, shadow, begin, end, s);
+  }
+}
+
+struct SgdScalars {
+  float grad_scale, weight_decay, momentum, one_minus_dampening, neg_lr;
+  bool use_weight_decay, nesterov;
+
+  explicit SgdScalars(const SgdHyper& h)
+      : grad_scale(static_cast<float>(h.grad_scale)),
+        weight_decay(static_cast<float>(h.weight_decay)),
+        momentum(static_cast<float>(h.momentum)),
+        one_minus_dampening(static_cast<float>(1.0 - h.dampening)),
+        neg_lr(static_cast<float>(-h.lr)),
+        // torch skips the decay term when it is zero; adding 0 * p would turn an infinite p into NaN.
+        use_weight_decay(h.weight_decay != 0.0),
+        nesterov(h.nesterov) {}
+};
+
+enum class Momentum { kNone, kFirstStep, kRunning };
+
+template <Momentum kMomentum, bool kShadow, typename Grad>
+HYDRA_ALWAYS_INLINE void sgd_loop(float* __restrict param, const Grad* __restrict grad, float* __restrict buf,
+                                  uint16_t* __restrict shadow, int64_t begin, int64_t end, const SgdScalars s) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float g = load_grad(grad, i) * s.grad_scale;
+    float p = param[i];
+    float d = s.use_weight_decay ? __builtin_fmaf(p, s.weight_decay, g) : g;
+    if constexpr (kMomentum != Momentum::kNone) {
+      float b = d;
+      if constexpr (kMomentum == Momentum::kRunning) b = __builtin_fmaf(d, s.one_minus_dampening, buf[i] * s.momentum);
+      buf[i] = b;
+      d = s.nesterov ? __builtin_fmaf(b, s.momentum, d) : b;
+    }
+    p = __builtin_fmaf(d, s.neg_lr, p);
+    param[i] = p;
+    if constexpr (kShadow) shadow[i] = float_to_bf16_rne(p);
+  }
+}
+
+template <Momentum kMomentum, typename Grad>
+HYDRA_ALWAYS_INLINE void sgd_shadow_dispatch(float* param, const Grad* grad, float* buf, uint16_t* shadow,
+                                             int64_t begin, int64_t end, const SgdScalars& s) {
+  if (shadow != nullptr) {
+    sgd_loop<kMomentum, true>(param, grad, buf, shadow, begin, end, s);
+  } else {
+    sgd_loop<kMomentum, false>(param, grad, buf, shadow, begin, end, s);
+  }
+}
+
+template <typename Grad>
+HYDRA_ALWAYS_INLINE void sgd_dispatch(float* param, const Grad* grad, float* buf, uint16_t* shadow, int64_t begin,
+                                      int64_t end, const SgdHyper& h) {
+  const SgdScalars s(h);
+  if (h.momentum == 0.0) {
+    sgd_shadow_dispatch<Momentum::kNone>(param, grad, buf, shadow, begin, end, s);
+  } else if (h.first_step) {
+    sgd_shadow_dispatch<Momentum::kFirstStep>(param, grad, buf, shadow, begin, end, s);
+  } else {
+    sgd_shadow_dispatch<Momentum::kRunning>(param, grad, buf, shadow, begin, end, s);
+  }
+}
+
+}  // namespace
+
+HYDRA_MULTIVERSION
+void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,
+               int64_t begin, int64_t end, const AdamHyper& h) {
+  adam_dispatch(param, grad, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
+}
+
+HYDRA_MULTIVERSION
+void adam_step(float* param, const uint16_t* grad_bf16, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,
+               int64_t begin, int64_t end, const AdamHyper& h) {
+  adam_dispatch(param, grad_bf16, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
+}
+
+HYDRA_MULTIVERSION
+void sgd_step(float* param, const float* grad, float* momentum_buf, uint16_t* shadow_bf16, int64_t begin,
+              int64_t end, const SgdHyper& h) {
+  sgd_dispatch(param, grad, momentum_buf, shadow_bf16, begin, end, h);
+}
+
+HYDRA_MULTIVERSION
+void sgd_step(float* param, const uint16_t* grad_bf16, float* momentum_buf, uint16_t* shadow_bf16, int64_t begin,
+              int64_t end, const SgdHyper& h) {
+  sgd_dispatch(param, grad_bf16, momentum_buf, shadow_bf16, begin, end, h);
+}
+
+}  // namespace hydra::kernels
