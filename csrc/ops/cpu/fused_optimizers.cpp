@@ -10,6 +10,7 @@
 #endif
 
 #include "ops/cpu/fused_optimizers.h"
+#include "ops/cpu/optimizer_scalars.h"
 
 #include <cmath>
 
@@ -32,34 +33,6 @@ namespace {
 
 HYDRA_ALWAYS_INLINE float load_grad(const float* grad, int64_t i) { return grad[i]; }
 HYDRA_ALWAYS_INLINE float load_grad(const uint16_t* grad, int64_t i) { return bf16_to_float(grad[i]); }
-
-// Scalars converted exactly as ATen converts Python floats for float32 tensors: computed in double,
-// then rounded once to float.
-struct AdamScalars {
-  float grad_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-  bool use_l2, lerp_weight_small;
-
-  explicit AdamScalars(const AdamHyper& h) {
-    grad_scale = static_cast<float>(h.grad_scale);
-    const bool has_decay = h.weight_decay != 0.0;
-    decay = static_cast<float>(h.decoupled && has_decay ? 1.0 - h.lr * h.weight_decay : 1.0);
-    use_l2 = !h.decoupled && has_decay;
-    l2 = static_cast<float>(h.weight_decay);
-    // exp_avg.lerp_(grad, 1 - beta1): ATen's vectorised lerp is fma(w, end - start, start) for |w| < 0.5
-    // and fma(w - 1, end - start, end) otherwise.
-    const float weight = static_cast<float>(1.0 - h.beta1);
-    lerp_weight_small = std::abs(weight) < 0.5f;
-    lerp_coeff = lerp_weight_small ? weight : weight - 1.0f;
-    beta2 = static_cast<float>(h.beta2);
-    one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-    const double step = static_cast<double>(h.step);
-    const double bias_correction1 = 1.0 - std::pow(h.beta1, step);
-    const double bias_correction2 = 1.0 - std::pow(h.beta2, step);
-    bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
-    eps = static_cast<float>(h.eps);
-    neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
-  }
-};
 
 template <bool kShadow, typename Grad>
 HYDRA_ALWAYS_INLINE void adam_loop(float* __restrict param, const Grad* __restrict grad, float* __restrict exp_avg,
@@ -93,21 +66,6 @@ HYDRA_ALWAYS_INLINE void adam_dispatch(float* param, const Grad* grad, float* ex
     adam_loop<false>(param, grad, exp_avg, exp_avg_sq, shadow, begin, end, s);
   }
 }
-
-struct SgdScalars {
-  float grad_scale, weight_decay, momentum, one_minus_dampening, neg_lr;
-  bool use_weight_decay, nesterov;
-
-  explicit SgdScalars(const SgdHyper& h)
-      : grad_scale(static_cast<float>(h.grad_scale)),
-        weight_decay(static_cast<float>(h.weight_decay)),
-        momentum(static_cast<float>(h.momentum)),
-        one_minus_dampening(static_cast<float>(1.0 - h.dampening)),
-        neg_lr(static_cast<float>(-h.lr)),
-        // torch skips the decay term when it is zero; adding 0 * p would turn an infinite p into NaN.
-        use_weight_decay(h.weight_decay != 0.0),
-        nesterov(h.nesterov) {}
-};
 
 enum class Momentum { kNone, kFirstStep, kRunning };
 
