@@ -13,6 +13,7 @@
 #include "ops/cpu/optimizer_scalars.h"
 
 #include <cmath>
+#include <utility>
 
 // One binary, best vector ISA at run time. x86-64-v3/v4 rather than plain "avx2"/"avx512f" because those
 // alone do not enable FMA, and ATen's AVX2/AVX-512 kernels (which we must agree with) use FMA.
@@ -34,16 +35,25 @@ namespace {
 HYDRA_ALWAYS_INLINE float load_grad(const float* grad, int64_t i) { return grad[i]; }
 HYDRA_ALWAYS_INLINE float load_grad(const uint16_t* grad, int64_t i) { return bf16_to_float(grad[i]); }
 
-template <bool kShadow, typename Grad>
+// Loop-invariant choices are template parameters, one loop per combination: GCC will not vectorise a
+// select whose condition is a scalar bool, and an unvectorised loop is several times slower.
+namespace adam_variant {
+constexpr unsigned kShadow = 1, kL2 = 2, kLerpWeightSmall = 4, kCount = 8;
+}
+
+template <unsigned kVariant, typename Grad>
 HYDRA_ALWAYS_INLINE void adam_loop(float* __restrict param, const Grad* __restrict grad, float* __restrict exp_avg,
                                    float* __restrict exp_avg_sq, uint16_t* __restrict shadow, int64_t begin,
-                                   int64_t end, const AdamScalars s) {
+                                   int64_t end, const AdamScalars& s) {
+  constexpr bool kShadow = kVariant & adam_variant::kShadow;
+  constexpr bool kL2 = kVariant & adam_variant::kL2;
+  constexpr bool kLerpWeightSmall = kVariant & adam_variant::kLerpWeightSmall;
   for (int64_t i = begin; i < end; ++i) {
     float g = load_grad(grad, i) * s.grad_scale;
     float p = param[i] * s.decay;
-    g = s.use_l2 ? __builtin_fmaf(p, s.l2, g) : g;
+    if constexpr (kL2) g = __builtin_fmaf(p, s.l2, g);
     const float m_old = exp_avg[i];
-    const float m = __builtin_fmaf(s.lerp_coeff, g - m_old, s.lerp_weight_small ? m_old : g);
+    const float m = __builtin_fmaf(s.lerp_coeff, g - m_old, kLerpWeightSmall ? m_old : g);
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2): ATen's addcmul computes
     // self + (value * t1) * t2, which its compiler contracts to one FMA.
     const float v = __builtin_fmaf(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
@@ -56,31 +66,40 @@ HYDRA_ALWAYS_INLINE void adam_loop(float* __restrict param, const Grad* __restri
   }
 }
 
-template <typename Grad>
-HYDRA_ALWAYS_INLINE void adam_dispatch(float* param, const Grad* grad, float* exp_avg, float* exp_avg_sq,
-                                       uint16_t* shadow, int64_t begin, int64_t end, const AdamHyper& h) {
+template <typename Grad, unsigned... kVariants>
+HYDRA_ALWAYS_INLINE void adam_dispatch(std::integer_sequence<unsigned, kVariants...>, float* param, const Grad* grad,
+                                       float* exp_avg, float* exp_avg_sq, uint16_t* shadow, int64_t begin,
+                                       int64_t end, const AdamHyper& h) {
   const AdamScalars s(h);
-  if (shadow != nullptr) {
-    adam_loop<true>(param, grad, exp_avg, exp_avg_sq, shadow, begin, end, s);
-  } else {
-    adam_loop<false>(param, grad, exp_avg, exp_avg_sq, shadow, begin, end, s);
-  }
+  const unsigned variant = (shadow != nullptr ? adam_variant::kShadow : 0u) | (s.use_l2 ? adam_variant::kL2 : 0u) |
+                           (s.lerp_weight_small ? adam_variant::kLerpWeightSmall : 0u);
+  ((variant == kVariants && (adam_loop<kVariants>(param, grad, exp_avg, exp_avg_sq, shadow, begin, end, s), true)) ||
+   ...);
 }
 
-enum class Momentum { kNone, kFirstStep, kRunning };
+namespace sgd_variant {
+constexpr unsigned kShadow = 1, kWeightDecay = 2, kNesterov = 4;
+// Two bits: no momentum, first step (buffer := gradient), running buffer.
+constexpr unsigned kMomentumShift = 3, kNoMomentum = 0, kFirstStep = 1, kRunning = 2, kCount = 3 << kMomentumShift;
+}
 
-template <Momentum kMomentum, bool kShadow, typename Grad>
+template <unsigned kVariant, typename Grad>
 HYDRA_ALWAYS_INLINE void sgd_loop(float* __restrict param, const Grad* __restrict grad, float* __restrict buf,
-                                  uint16_t* __restrict shadow, int64_t begin, int64_t end, const SgdScalars s) {
+                                  uint16_t* __restrict shadow, int64_t begin, int64_t end, const SgdScalars& s) {
+  constexpr bool kShadow = kVariant & sgd_variant::kShadow;
+  constexpr bool kWeightDecay = kVariant & sgd_variant::kWeightDecay;
+  constexpr bool kNesterov = kVariant & sgd_variant::kNesterov;
+  constexpr unsigned kMomentum = kVariant >> sgd_variant::kMomentumShift;
   for (int64_t i = begin; i < end; ++i) {
     const float g = load_grad(grad, i) * s.grad_scale;
     float p = param[i];
-    float d = s.use_weight_decay ? __builtin_fmaf(p, s.weight_decay, g) : g;
-    if constexpr (kMomentum != Momentum::kNone) {
+    // torch skips a zero decay term: adding 0 * p would turn an infinite p into NaN.
+    float d = kWeightDecay ? __builtin_fmaf(p, s.weight_decay, g) : g;
+    if constexpr (kMomentum != sgd_variant::kNoMomentum) {
       float b = d;
-      if constexpr (kMomentum == Momentum::kRunning) b = __builtin_fmaf(d, s.one_minus_dampening, buf[i] * s.momentum);
+      if constexpr (kMomentum == sgd_variant::kRunning) b = __builtin_fmaf(d, s.one_minus_dampening, buf[i] * s.momentum);
       buf[i] = b;
-      d = s.nesterov ? __builtin_fmaf(b, s.momentum, d) : b;
+      d = kNesterov ? __builtin_fmaf(b, s.momentum, d) : b;
     }
     p = __builtin_fmaf(d, s.neg_lr, p);
     param[i] = p;
@@ -88,27 +107,18 @@ HYDRA_ALWAYS_INLINE void sgd_loop(float* __restrict param, const Grad* __restric
   }
 }
 
-template <Momentum kMomentum, typename Grad>
-HYDRA_ALWAYS_INLINE void sgd_shadow_dispatch(float* param, const Grad* grad, float* buf, uint16_t* shadow,
-                                             int64_t begin, int64_t end, const SgdScalars& s) {
-  if (shadow != nullptr) {
-    sgd_loop<kMomentum, true>(param, grad, buf, shadow, begin, end, s);
-  } else {
-    sgd_loop<kMomentum, false>(param, grad, buf, shadow, begin, end, s);
-  }
-}
-
-template <typename Grad>
-HYDRA_ALWAYS_INLINE void sgd_dispatch(float* param, const Grad* grad, float* buf, uint16_t* shadow, int64_t begin,
-                                      int64_t end, const SgdHyper& h) {
+template <typename Grad, unsigned... kVariants>
+HYDRA_ALWAYS_INLINE void sgd_dispatch(std::integer_sequence<unsigned, kVariants...>, float* param, const Grad* grad,
+                                      float* buf, uint16_t* shadow, int64_t begin, int64_t end, const SgdHyper& h) {
   const SgdScalars s(h);
-  if (h.momentum == 0.0) {
-    sgd_shadow_dispatch<Momentum::kNone>(param, grad, buf, shadow, begin, end, s);
-  } else if (h.first_step) {
-    sgd_shadow_dispatch<Momentum::kFirstStep>(param, grad, buf, shadow, begin, end, s);
-  } else {
-    sgd_shadow_dispatch<Momentum::kRunning>(param, grad, buf, shadow, begin, end, s);
-  }
+  const unsigned momentum = h.momentum == 0.0 ? sgd_variant::kNoMomentum
+                            : h.first_step    ? sgd_variant::kFirstStep
+                                              : sgd_variant::kRunning;
+  const unsigned variant = (shadow != nullptr ? sgd_variant::kShadow : 0u) |
+                           (s.use_weight_decay ? sgd_variant::kWeightDecay : 0u) |
+                           (s.nesterov && momentum != sgd_variant::kNoMomentum ? sgd_variant::kNesterov : 0u) |
+                           (momentum << sgd_variant::kMomentumShift);
+  ((variant == kVariants && (sgd_loop<kVariants>(param, grad, buf, shadow, begin, end, s), true)) || ...);
 }
 
 }  // namespace
@@ -116,25 +126,25 @@ HYDRA_ALWAYS_INLINE void sgd_dispatch(float* param, const Grad* grad, float* buf
 HYDRA_MULTIVERSION
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,
                int64_t begin, int64_t end, const AdamHyper& h) {
-  adam_dispatch(param, grad, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
+  adam_dispatch(std::make_integer_sequence<unsigned, adam_variant::kCount>(), param, grad, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
 }
 
 HYDRA_MULTIVERSION
 void adam_step(float* param, const uint16_t* grad_bf16, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,
                int64_t begin, int64_t end, const AdamHyper& h) {
-  adam_dispatch(param, grad_bf16, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
+  adam_dispatch(std::make_integer_sequence<unsigned, adam_variant::kCount>(), param, grad_bf16, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
 }
 
 HYDRA_MULTIVERSION
 void sgd_step(float* param, const float* grad, float* momentum_buf, uint16_t* shadow_bf16, int64_t begin,
               int64_t end, const SgdHyper& h) {
-  sgd_dispatch(param, grad, momentum_buf, shadow_bf16, begin, end, h);
+  sgd_dispatch(std::make_integer_sequence<unsigned, sgd_variant::kCount>(), param, grad, momentum_buf, shadow_bf16, begin, end, h);
 }
 
 HYDRA_MULTIVERSION
 void sgd_step(float* param, const uint16_t* grad_bf16, float* momentum_buf, uint16_t* shadow_bf16, int64_t begin,
               int64_t end, const SgdHyper& h) {
-  sgd_dispatch(param, grad_bf16, momentum_buf, shadow_bf16, begin, end, h);
+  sgd_dispatch(std::make_integer_sequence<unsigned, sgd_variant::kCount>(), param, grad_bf16, momentum_buf, shadow_bf16, begin, end, h);
 }
 
 }  // namespace hydra::kernels
