@@ -99,6 +99,22 @@ def test_sgd_matches_torch_optim(grad_dtype, momentum, dampening, nesterov, weig
     assert torch.equal(shadow.view(torch.int16), param.to(torch.bfloat16).view(torch.int16))
 
 
+def _overlapping_halves(numel=64, offset=32):
+    storage = torch.zeros(numel + offset)
+    return storage[:numel], storage[offset:]
+
+
+def test_state_in_disjoint_views_of_one_buffer_is_accepted():
+    # The engine keeps exp_avg and exp_avg_sq in one flat allocation; disjoint views must work and match.
+    param, grad, exp_avg, exp_avg_sq, shadow, *hyper = _adam_args()
+    flat = torch.cat([exp_avg, exp_avg_sq])
+    state_avg, state_avg_sq = flat[:64], flat[64:]
+    param_copy = param.clone()
+    torch.ops.hydra.adam_step(param, grad, exp_avg, exp_avg_sq, shadow, *hyper)
+    torch.ops.hydra.adam_step(param_copy, grad, state_avg, state_avg_sq, None, *hyper)
+    assert torch.equal(param, param_copy) and torch.equal(state_avg, exp_avg) and torch.equal(state_avg_sq, exp_avg_sq)
+
+
 def _bad_adam_calls():
     def with_(**changes):
         names = ["param", "grad", "exp_avg", "exp_avg_sq", "shadow", "lr", "beta1", "beta2", "eps",
@@ -107,6 +123,7 @@ def _bad_adam_calls():
         for name, change in changes.items():
             args[name] = change(args)
         return args
+    first, second = _overlapping_halves()
     return {
         "param not contiguous": ("param must be contiguous", with_(param=lambda a: torch.randn(4, 16).t())),
         "param float64": ("param must be a float32", with_(param=lambda a: a["param"].double())),
@@ -115,7 +132,8 @@ def _bad_adam_calls():
         "exp_avg_sq wrong size": ("exp_avg_sq has 65 elements", with_(exp_avg_sq=lambda a: torch.zeros(65))),
         "exp_avg bfloat16": ("exp_avg must be Float", with_(exp_avg=lambda a: a["exp_avg"].bfloat16())),
         "shadow float32": ("shadow must be BFloat16", with_(shadow=lambda a: torch.zeros(64))),
-        "exp_avg is param": ("must not share storage", with_(exp_avg=lambda a: a["param"])),
+        "exp_avg is param": ("must not overlap", with_(exp_avg=lambda a: a["param"])),
+        "exp_avg_sq overlaps exp_avg": ("must not overlap", with_(exp_avg=lambda a: first, exp_avg_sq=lambda a: second)),
         "step 0": ("step must be >= 1", with_(step=lambda a: 0)),
         "negative lr": ("lr must be >= 0", with_(lr=lambda a: -1e-3)),
         "beta2 1": ("beta2 must be in", with_(beta2=lambda a: 1.0)),

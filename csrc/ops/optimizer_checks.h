@@ -2,10 +2,12 @@
 // tensor is written, so a rejected call leaves parameters and optimizer state exactly as they were.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <optional>
 
 namespace hydra::ops {
@@ -30,13 +32,17 @@ inline void check_shadow(const std::optional<at::Tensor>& shadow, const at::Tens
   if (shadow.has_value()) check_buffer(*shadow, "shadow", param, at::kBFloat16);
 }
 
-// The fused kernel reads each element once; a tensor written through one argument and read through
-// another would see half-updated values, so mutated buffers must not share memory with any input.
+// The kernels promise the compiler that no two buffers overlap (that is what lets them vectorise), and a
+// buffer written through one argument and read through another would see half-updated values. Views of
+// one storage are fine (e.g. exp_avg and exp_avg_sq carved from one flat state buffer) as long as their
+// bytes are disjoint.
 inline void check_no_overlap(std::initializer_list<const at::Tensor*> tensors) {
   for (auto a = tensors.begin(); a != tensors.end(); ++a) {
     for (auto b = std::next(a); b != tensors.end(); ++b) {
-      if (!(*a)->defined() || !(*b)->defined() || (*a)->numel() == 0) continue;
-      TORCH_CHECK(!(*a)->is_alias_of(**b), "optimizer buffers must not share storage");
+      if (!(*a)->defined() || !(*b)->defined()) continue;
+      const at::MemOverlapStatus status = at::get_overlap_status(**a, **b);
+      TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+                  "optimizer buffers must not overlap in memory");
     }
   }
 }

@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "ops/cpu/fused_optimizers.h"
 #include "ops/optimizer_checks.h"
 
