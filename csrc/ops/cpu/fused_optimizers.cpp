@@ -2,9 +2,11 @@
 // which is what makes the fused step cheaper than torch.optim's chain of whole-tensor operations.
 //
 // Exactness: each arithmetic step mirrors the ATen CPU kernel that torch.optim would run (vectorised
-// path), including where ATen fuses a multiply-add (Tensor.add with alpha, lerp) and where it does not
-// (addcdiv, mul). Hence contraction of the remaining a*b+c into FMAs must stay off, and no
+// path), including where ATen fuses a multiply-add (Tensor.add with alpha, lerp, addcmul) and where it
+// does not (addcdiv, mul). Hence contraction of the remaining a*b+c into FMAs must stay off, and no
 // -ffast-math: either would change the last bit and drift from torch over many steps.
+// std::sqrt vectorises only under -fno-math-errno (setup.py passes it; GCC ignores it in pragmas).
+// Without it the Adam loops stay scalar: slower, same results.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #endif
@@ -39,6 +41,7 @@ HYDRA_ALWAYS_INLINE float load_grad(const uint16_t* grad, int64_t i) { return bf
 // select whose condition is a scalar bool, and an unvectorised loop is several times slower.
 namespace adam_variant {
 constexpr unsigned kShadow = 1, kL2 = 2, kLerpWeightSmall = 4, kCount = 8;
+constexpr auto kAll = std::make_integer_sequence<unsigned, kCount>();
 }
 
 template <unsigned kVariant, typename Grad>
@@ -81,6 +84,7 @@ namespace sgd_variant {
 constexpr unsigned kShadow = 1, kWeightDecay = 2, kNesterov = 4;
 // Two bits: no momentum, first step (buffer := gradient), running buffer.
 constexpr unsigned kMomentumShift = 3, kNoMomentum = 0, kFirstStep = 1, kRunning = 2, kCount = 3 << kMomentumShift;
+constexpr auto kAll = std::make_integer_sequence<unsigned, kCount>();
 }
 
 template <unsigned kVariant, typename Grad>
@@ -126,25 +130,25 @@ HYDRA_ALWAYS_INLINE void sgd_dispatch(std::integer_sequence<unsigned, kVariants.
 HYDRA_MULTIVERSION
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,
                int64_t begin, int64_t end, const AdamHyper& h) {
-  adam_dispatch(std::make_integer_sequence<unsigned, adam_variant::kCount>(), param, grad, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
+  adam_dispatch(adam_variant::kAll, param, grad, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
 }
 
 HYDRA_MULTIVERSION
 void adam_step(float* param, const uint16_t* grad_bf16, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,
                int64_t begin, int64_t end, const AdamHyper& h) {
-  adam_dispatch(std::make_integer_sequence<unsigned, adam_variant::kCount>(), param, grad_bf16, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
+  adam_dispatch(adam_variant::kAll, param, grad_bf16, exp_avg, exp_avg_sq, shadow_bf16, begin, end, h);
 }
 
 HYDRA_MULTIVERSION
 void sgd_step(float* param, const float* grad, float* momentum_buf, uint16_t* shadow_bf16, int64_t begin,
               int64_t end, const SgdHyper& h) {
-  sgd_dispatch(std::make_integer_sequence<unsigned, sgd_variant::kCount>(), param, grad, momentum_buf, shadow_bf16, begin, end, h);
+  sgd_dispatch(sgd_variant::kAll, param, grad, momentum_buf, shadow_bf16, begin, end, h);
 }
 
 HYDRA_MULTIVERSION
 void sgd_step(float* param, const uint16_t* grad_bf16, float* momentum_buf, uint16_t* shadow_bf16, int64_t begin,
               int64_t end, const SgdHyper& h) {
-  sgd_dispatch(std::make_integer_sequence<unsigned, sgd_variant::kCount>(), param, grad_bf16, momentum_buf, shadow_bf16, begin, end, h);
+  sgd_dispatch(sgd_variant::kAll, param, grad_bf16, momentum_buf, shadow_bf16, begin, end, h);
 }
 
 }  // namespace hydra::kernels
