@@ -35,16 +35,22 @@ def _extension():
     cpu_sources = [s for s in _sources("csrc/**/*.cpp") if f"{os.sep}cuda{os.sep}" not in s]
     use_cuda, why = _want_cuda()
     print(f"hydra-torch: building {'CPU + CUDA' if use_cuda else 'CPU only'} ({why})", file=sys.stderr)
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+    # -fno-math-errno: sqrt that may set errno cannot be vectorised (GCC ignores it in pragmas); it changes no
+    # result, unlike -ffast-math, which the exact optimizer kernels must not have.
+    # -fopenmp: at::parallel_for is a header template that runs serially unless the caller's TU is built with
+    # OpenMP; the extension then shares the libgomp.so.1 torch has already loaded.
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function"]
+    link = ["-fopenmp"]
     define_macros = [("HYDRA_TORCH_BUILT_TORCH_VERSION", f'"{torch.__version__}"')]
     if not use_cuda:
         return CppExtension("hydra_torch._C", cpu_sources, include_dirs=[os.path.join(HERE, "csrc")],
-                            extra_compile_args={"cxx": cxx}, define_macros=define_macros)
+                            extra_compile_args={"cxx": cxx}, extra_link_args=link,
+                            define_macros=define_macros)
     cuda_sources = _sources("csrc/**/cuda/*.cu") + _sources("csrc/**/cuda/*.cpp")
     define_macros.append(("HYDRA_WITH_CUDA", "1"))
     return CUDAExtension("hydra_torch._C", cpu_sources + cuda_sources, include_dirs=[os.path.join(HERE, "csrc")],
                          extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
-                         define_macros=define_macros)
+                         extra_link_args=link, define_macros=define_macros)
 
 
 setup(
