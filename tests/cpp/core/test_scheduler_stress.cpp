@@ -29,7 +29,7 @@ std::vector<TaskSpec> stress_tasks() {
   std::mt19937 rng(3);
   for (int t = 0; t < 10; ++t) {
     const int shards = 1 + static_cast<int>(rng() % 5);
-    const int64_t micro_batches = 1 + static_cast<int64_t>(rng() % 4);
+    const int64_t micro_batches = 2 + static_cast<int64_t>(rng() % 6);
     // Tasks 2 and 7 live on one device, as a task whose state cannot move would.
     const std::optional<int> device = t == 2 ? std::optional<int>(1) : t == 7 ? std::optional<int>(3) : std::nullopt;
     tasks.push_back(TaskSpec{shards, micro_batches, device});
