@@ -1,0 +1,96 @@
+// Scheduler and simulator benchmark. Prints markdown tables for benchmarks/RESULTS.md.
+//
+// Build and run (torch-free, from the repository root):
+//   mkdir -p build && g++ -std=c++20 -O2 -Icsrc benchmarks/bench_scheduler.cpp csrc/core/*.cpp -pthread -o build/bench_scheduler \
+//     && build/bench_scheduler
+//
+// (a) Simulated makespan of the paper-shaped workload (12 models: four each of 24/36/48 shards, per-shard
+//     times +-30%, 8 micro-batches) for every policy, against the lower bound max(work/G, longest chain),
+//     and LRTF's strong-scaling speedup over G=1. (b) Cost of one scheduling decision: next()+complete()
+//     single-threaded over 12 tasks.
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "core/scheduler.h"
+#include "core/simulator.h"
+#include "core/synthetic_workload.h"
+
+using namespace hydra::core;
+
+namespace {
+
+constexpr PolicyKind kPolicies[] = {PolicyKind::kLrtf, PolicyKind::kFifo, PolicyKind::kRoundRobin, PolicyKind::kRandom};
+
+double makespan(const SyntheticWorkload& workload, int devices, PolicyKind policy, Mode mode, double transfer) {
+  SimulationConfig config{workload.tasks, workload.compute(), transfer > 0 ? workload.transfer(transfer) : UnitSeconds{},
+                          devices, policy, mode, 1};
+  return simulate(config).makespan;
+}
+
+void simulated_makespans() {
+  const SyntheticWorkload workload = paper_workload();
+  const UnitSeconds compute = workload.compute();
+  const double lrtf_one = makespan(workload, 1, PolicyKind::kLrtf, Mode::kSharp, 0.0);
+  std::printf("### (a) Simulated makespan / lower bound (no transfers)\n\n");
+  std::printf("| G | bound (s) | lrtf | fifo | round_robin | random | task parallel | model parallel | "
+              "lrtf speedup vs G=1 | speedup / G |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int devices : {1, 2, 4, 8, 16, 64}) {
+    const double bound = lower_bound(workload.tasks, compute, devices);
+    std::printf("| %d | %.3f", devices, bound);
+    double lrtf = 0.0;
+    for (PolicyKind policy : kPolicies) {
+      const double span = makespan(workload, devices, policy, Mode::kSharp, 0.0);
+      if (policy == PolicyKind::kLrtf) lrtf = span;
+      std::printf(" | %.3f", span / bound);
+    }
+    std::printf(" | %.3f", makespan(workload, devices, PolicyKind::kLrtf, Mode::kTaskParallel, 0.0) / bound);
+    std::printf(" | %.3f", makespan(workload, devices, PolicyKind::kLrtf, Mode::kModelParallel, 0.0) / bound);
+    std::printf(" | %.2f | %.3f |\n", lrtf_one / lrtf, lrtf_one / lrtf / devices);
+  }
+
+  std::printf("\n### (a') LRTF with weight copies of 0.5x / 2x a shard's forward time (double buffering)\n\n");
+  std::printf("| G | makespan/bound, copy 0.5x fwd | exposed copy share | makespan/bound, copy 2x fwd | "
+              "exposed copy share |\n|---|---|---|---|---|\n");
+  for (int devices : {1, 2, 4, 8, 16, 64}) {
+    const double bound = lower_bound(workload.tasks, compute, devices);
+    std::printf("| %d", devices);
+    for (double fraction : {0.5, 2.0}) {
+      SimulationConfig config{workload.tasks, compute, workload.transfer(fraction), devices, PolicyKind::kLrtf,
+                              Mode::kSharp, 1};
+      const SimulationResult result = simulate(config);
+      double busy = 0.0;
+      for (const TraceEntry& entry : result.trace) busy += entry.end - entry.start;
+      std::printf(" | %.3f | %.3f", result.makespan / bound, result.exposed_transfer_seconds / busy);
+    }
+    std::printf(" |\n");
+  }
+}
+
+void decision_cost() {
+  const SyntheticWorkload workload = paper_workload();
+  std::printf("\n### (b) Decision cost: next()+complete(), one thread, 12 tasks\n\n");
+  std::printf("| policy | pairs | ns per pair |\n|---|---|---|\n");
+  for (PolicyKind policy : kPolicies) {
+    int64_t pairs = 0;
+    const auto start = std::chrono::steady_clock::now();
+    auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    while (elapsed() < 0.5) {
+      Scheduler scheduler(workload.tasks, 1, policy, 1);
+      while (auto unit = scheduler.try_next(0)) {
+        scheduler.complete(0, *unit, 1e-3 * (1 + unit->shard % 3));
+        ++pairs;
+      }
+    }
+    std::printf("| %s | %lld | %.0f |\n", policy_name(policy).data(), static_cast<long long>(pairs),
+                elapsed() * 1e9 / static_cast<double>(pairs));
+  }
+}
+
+}  // namespace
+
+int main() {
+  simulated_makespans();
+  decision_cost();
+  return 0;
+}

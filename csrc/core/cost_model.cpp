@@ -1,0 +1,162 @@
+#include "core/cost_model.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace hydra::core {
+
+// Why the mean of all observations (after the first):
+// - A shard's duration is stationary over a run: same shapes, same kernels, every step. The plain mean is
+//   then the minimum-variance estimate and its error shrinks as 1/sqrt(n), epoch after epoch.
+// - An exponential average weights only the last ~1/alpha samples: its noise never shrinks, and a
+//   transient (an eval pass contending for the device, a throttled minute) drags it away from the truth
+//   for as long as the transient lasts. The original Hydra's estimates drifted across epochs this way.
+// - The first call of each shard is not representative (lazy initialisation, allocator growth, kernel
+//   autotuning make it many times slower), and one 100x sample would take ~1000 samples to wash out of a
+//   mean. So a key's first sample is its estimate only until a second one arrives, then it is dropped.
+
+namespace {
+
+double phase_weight(Phase phase) { return CostModel::kPhaseWeight[static_cast<size_t>(phase)]; }
+
+Phase phase_at(int num_shards, int64_t position) {
+  if (position < num_shards - 1) return Phase::kForward;
+  if (position == num_shards - 1) return Phase::kForwardBackward;
+  return Phase::kBackward;
+}
+
+}  // namespace
+
+CostModel::CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds)
+    : default_forward_seconds_(default_forward_seconds) {
+  if (!(default_forward_seconds > 0.0) || !std::isfinite(default_forward_seconds)) {
+    throw std::invalid_argument("CostModel: default_forward_seconds must be positive and finite");
+  }
+  tasks_.reserve(tasks.size());
+  for (const TaskSpec& spec : tasks) {
+    if (spec.num_shards < 1) throw std::invalid_argument("CostModel: num_shards must be >= 1");
+    TaskState state;
+    state.spec = spec;
+    const auto per = static_cast<size_t>(units_per_micro_batch(spec.num_shards));
+    state.stats.resize(per);
+    state.estimate.resize(per);
+    state.suffix.resize(per);
+    tasks_.push_back(std::move(state));
+  }
+}
+
+void CostModel::check_key(int task, int shard, Phase phase) const {
+  if (task < 0 || task >= num_tasks()) {
+    throw std::invalid_argument("CostModel: task " + std::to_string(task) + " out of range [0, " +
+                                std::to_string(num_tasks()) + ")");
+  }
+  const int n = tasks_[static_cast<size_t>(task)].spec.num_shards;
+  if (shard < 0 || shard >= n) {
+    throw std::invalid_argument("CostModel: shard " + std::to_string(shard) + " out of range for task " +
+                                std::to_string(task) + " with " + std::to_string(n) + " shards");
+  }
+  if (phase == Phase::kForwardBackward && shard != n - 1) {
+    throw std::invalid_argument("CostModel: forward-backward only exists for the last shard");
+  }
+  if (phase != Phase::kForwardBackward && shard == n - 1) {
+    throw std::invalid_argument("CostModel: the last shard only runs forward-backward");
+  }
+}
+
+void CostModel::observe(int task, int shard, Phase phase, double seconds) {
+  check_key(task, shard, phase);
+  if (!(seconds >= 0.0) || !std::isfinite(seconds)) {
+    throw std::invalid_argument("CostModel: observed duration must be finite and >= 0, got " +
+                                std::to_string(seconds));
+  }
+  TaskState& state = tasks_[static_cast<size_t>(task)];
+  KeyStats& key = state.stats[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))];
+  if (key.count == 0) {
+    key.first = seconds;
+    ++state.observed_keys;
+  } else {
+    key.sum_after_first += seconds;
+  }
+  ++key.count;
+  state.dirty = true;
+  global_forward_sum_ += seconds / phase_weight(phase);
+  ++global_forward_count_;
+  ++global_version_;
+}
+
+double CostModel::global_forward_seconds() const {
+  return global_forward_count_ > 0 ? global_forward_sum_ / static_cast<double>(global_forward_count_)
+                                   : default_forward_seconds_;
+}
+
+const CostModel::TaskState& CostModel::refreshed(int task) const {
+  const TaskState& state = tasks_[static_cast<size_t>(task)];
+  const bool uses_global_prior = state.observed_keys == 0;
+  if (!state.dirty && (!uses_global_prior || state.global_version == global_version_)) return state;
+
+  // Priors, most specific first: the mean of this task's observed units of the same phase; else this
+  // task's observed units converted through kPhaseWeight; else every task's observations, likewise.
+  const int n = state.spec.num_shards;
+  std::array<double, 3> phase_sum{};
+  std::array<int64_t, 3> phase_count{};
+  double forward_equivalent_sum = 0.0;
+  for (int64_t p = 0; p < static_cast<int64_t>(state.stats.size()); ++p) {
+    const KeyStats& key = state.stats[static_cast<size_t>(p)];
+    if (key.count == 0) continue;
+    const Phase phase = phase_at(n, p);
+    phase_sum[static_cast<size_t>(phase)] += key.mean();
+    ++phase_count[static_cast<size_t>(phase)];
+    forward_equivalent_sum += key.mean() / phase_weight(phase);
+  }
+  const double task_forward = state.observed_keys > 0
+                                  ? forward_equivalent_sum / static_cast<double>(state.observed_keys)
+                                  : global_forward_seconds();
+
+  double running = 0.0;
+  for (int64_t p = static_cast<int64_t>(state.stats.size()) - 1; p >= 0; --p) {
+    const KeyStats& key = state.stats[static_cast<size_t>(p)];
+    const auto phase = static_cast<size_t>(phase_at(n, p));
+    double value;
+    if (key.count > 0) {
+      value = key.mean();
+    } else if (phase_count[phase] > 0) {
+      value = phase_sum[phase] / static_cast<double>(phase_count[phase]);
+    } else {
+      value = task_forward * kPhaseWeight[phase];
+    }
+    state.estimate[static_cast<size_t>(p)] = value;
+    running += value;
+    state.suffix[static_cast<size_t>(p)] = running;
+  }
+  state.dirty = false;
+  state.global_version = global_version_;
+  return state;
+}
+
+double CostModel::estimate(int task, int shard, Phase phase) const {
+  check_key(task, shard, phase);
+  const TaskState& state = refreshed(task);
+  return state.estimate[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))];
+}
+
+int64_t CostModel::observations(int task, int shard, Phase phase) const {
+  check_key(task, shard, phase);
+  const TaskState& state = tasks_[static_cast<size_t>(task)];
+  return state.stats[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))].count;
+}
+
+double CostModel::remaining_seconds(int task, int64_t next_index) const {
+  if (task < 0 || task >= num_tasks()) {
+    throw std::invalid_argument("CostModel::remaining_seconds: task " + std::to_string(task) + " out of range");
+  }
+  const TaskState& state = refreshed(task);
+  const int64_t per = units_per_micro_batch(state.spec.num_shards);
+  if (next_index < 0) next_index = 0;
+  if (next_index >= state.spec.micro_batches * per) return 0.0;
+  const int64_t micro_batch = next_index / per;
+  const int64_t whole_after = state.spec.micro_batches - micro_batch - 1;
+  return state.suffix[static_cast<size_t>(next_index % per)] + static_cast<double>(whole_after) * state.suffix[0];
+}
+
+}  // namespace hydra::core

@@ -1,0 +1,73 @@
+// Online duration estimates per (task, shard, phase), and the remaining time of a task's chain.
+//
+// Estimator: the mean of every observation except a key's first one (see cost_model.cpp for why neither
+// an exponential average nor the first sample). Unobserved units get a prior scaled by the phase's cost
+// relative to a forward pass (kPhaseWeight). Not thread-safe, const methods included (they refresh a
+// cache): the Scheduler calls it under its mutex.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "core/unit.h"
+
+namespace hydra::core {
+
+class CostModel {
+ public:
+  // Cost of a phase in forward passes, used only for priors. Backward re-runs the shard's forward from
+  // its checkpointed input (1) and then back-propagates (~2 forwards of FLOPs): 3. FB(n-1) is one forward
+  // and one backward with no recompute: also 3.
+  static constexpr std::array<double, 3> kPhaseWeight = {1.0, 3.0, 3.0};
+
+  // default_forward_seconds: the prior for a forward unit before anything at all has been observed. Its
+  // scale is irrelevant to scheduling (every task shares it), only its use in remaining_seconds.
+  explicit CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds = 1.0);
+
+  // Throws std::invalid_argument for an unknown task/shard, FB on a shard other than the last, or a
+  // negative / non-finite duration.
+  void observe(int task, int shard, Phase phase, double seconds);
+
+  double estimate(int task, int shard, Phase phase) const;
+  int64_t observations(int task, int shard, Phase phase) const;
+
+  // Estimated seconds of units next_index .. end of the task's chain. O(1) while the task's estimates are
+  // unchanged; the first call after an observation of the task rebuilds its O(num_shards) cache.
+  double remaining_seconds(int task, int64_t next_index) const;
+
+  int num_tasks() const { return static_cast<int>(tasks_.size()); }
+  const TaskSpec& spec(int task) const { return tasks_.at(static_cast<size_t>(task)).spec; }
+
+ private:
+  struct KeyStats {
+    int64_t count = 0;
+    double first = 0.0;
+    double sum_after_first = 0.0;
+    double mean() const { return count == 1 ? first : sum_after_first / static_cast<double>(count - 1); }
+  };
+  struct TaskState {
+    TaskSpec spec;
+    std::vector<KeyStats> stats;  // indexed by position_in_micro_batch
+    int64_t observed_keys = 0;
+    // Cache, valid while !dirty and (the task has its own observations or global_version matches).
+    mutable bool dirty = true;
+    mutable uint64_t global_version = 0;
+    mutable std::vector<double> estimate;  // per position
+    mutable std::vector<double> suffix;    // suffix[p] = sum of estimate[p..end of micro-batch]
+  };
+
+  void check_key(int task, int shard, Phase phase) const;
+  const TaskState& refreshed(int task) const;
+  double global_forward_seconds() const;
+
+  std::vector<TaskState> tasks_;
+  double default_forward_seconds_;
+  // Mean forward-equivalent seconds (seconds / kPhaseWeight) of every observation of every task: the prior
+  // of tasks that have observed nothing yet. Versioned so those tasks' caches refresh when it moves.
+  double global_forward_sum_ = 0.0;
+  int64_t global_forward_count_ = 0;
+  uint64_t global_version_ = 1;
+};
+
+}  // namespace hydra::core

@@ -1,0 +1,101 @@
+// SHARP scheduler: hands each device's worker thread the next unit of some task, under a policy.
+//
+// A task's units run strictly in order, one at a time: a task handed out by next() is `running` until
+// its unit is complete()d, and only then can any device get its following unit. Between two units the
+// task may move to another device (unless TaskSpec::device pins it), and a device may switch to another
+// task after every unit: that alternation is what keeps every device busy with >= G tasks.
+//
+// Thread-safe: one mutex guards everything and one condition variable wakes waiting workers. Decisions
+// are O(num_tasks) plus the cost model's O(num_shards) cache refresh of the task just completed.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "core/cost_model.h"
+#include "core/policy.h"
+#include "core/unit.h"
+
+namespace hydra::core {
+
+class Scheduler {
+ public:
+  // Throws std::invalid_argument: no tasks, num_devices < 1, num_shards < 1, micro_batches < 1, or a
+  // task's device outside [0, num_devices).
+  Scheduler(std::vector<TaskSpec> tasks, int num_devices, PolicyKind policy, uint64_t seed = 0);
+
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Blocks until a unit is ready for `device`, marks its task running there and returns it. Returns
+  // nullopt once no unit will ever come for this device (every task allowed on it has finished or
+  // failed) or after cancel().
+  std::optional<Unit> next(int device);
+
+  // next() without waiting: nullopt when nothing is ready right now (also when nothing ever will be; ask
+  // has_work() to tell them apart). The discrete-event simulator drives the scheduler through this.
+  std::optional<Unit> try_next(int device);
+
+  // The unit the policy would give `device` if it asked now, for prefetching its shard during the current
+  // unit. Tasks running on other devices are left out; the task running on `device` itself is considered
+  // as if its unit had just completed (it usually continues here, by affinity). Changes nothing.
+  std::optional<Unit> peek(int device) const;
+
+  // `unit` must be the one next() gave `device`. Feeds its duration to the cost model, makes the task
+  // ready again (or finished, or failed if fail() came meanwhile) and wakes waiting workers.
+  void complete(int device, const Unit& unit, double seconds);
+
+  // Drops the task's remaining units. A unit already running still completes normally.
+  void fail(int task);
+
+  // Every current and future next() returns nullopt promptly (Ctrl-C). complete() is still accepted.
+  void cancel();
+
+  int64_t remaining_units(int task) const;  // 0 once finished or failed
+  // True once the task will never run again: all units done, or failed with no unit still running.
+  bool finished(int task) const;
+  bool failed(int task) const;
+  double remaining_seconds(int task) const;  // estimate, 0 once finished or failed
+  // Some task allowed on `device` still has units to run (it may be running elsewhere right now).
+  bool has_work(int device) const;
+  // Estimate of one unit's duration under the current cost model.
+  double estimate(const Unit& unit) const;
+
+  int num_tasks() const { return static_cast<int>(tasks_.size()); }
+  int num_devices() const { return num_devices_; }
+
+ private:
+  enum class State : uint8_t { kIdle, kRunning, kDone };
+  struct TaskState {
+    TaskSpec spec;
+    int64_t total_units = 0;
+    int64_t next_index = 0;  // the running unit's index while running
+    State state = State::kIdle;
+    bool failed = false;
+    int running_device = -1;
+    int last_device = -1;
+    uint64_t ready_sequence = 0;
+  };
+
+  void check_task(int task) const;
+  void check_device(int device) const;
+  bool allowed(const TaskState& task, int device) const;
+  bool has_work_locked(int device) const;
+  std::optional<Unit> take_locked(int device);
+
+  std::vector<TaskState> tasks_;
+  int num_devices_;
+  CostModel cost_model_;  // before policy_: its initialiser validates the specs, so errors name the task
+  Policy policy_;
+  bool cancelled_ = false;
+  uint64_t event_sequence_ = 0;
+  std::vector<Candidate> candidates_;  // reused by take_locked to avoid an allocation per decision
+
+  mutable std::mutex mutex_;
+  std::condition_variable ready_;
+};
+
+}  // namespace hydra::core

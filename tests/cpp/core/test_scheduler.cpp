@@ -1,0 +1,279 @@
+// Scheduler: unit mapping, policies, blocking/fail/cancel semantics, device restriction, and a
+// multi-threaded stress test whose trace must respect every chain's order (also run under TSan).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <future>
+#include <stdexcept>
+#include <vector>
+
+#include "core/policy.h"
+#include "core/scheduler.h"
+#include "core/unit.h"
+
+namespace {
+
+using namespace hydra::core;
+using namespace std::chrono_literals;
+
+TaskSpec spec(int shards, int64_t micro_batches, std::optional<int> device = std::nullopt) {
+  return TaskSpec{shards, micro_batches, device};
+}
+
+// Runs next(device) on another thread; fails the test instead of hanging if it does not return in time.
+std::optional<Unit> next_within(Scheduler& scheduler, int device, std::chrono::milliseconds limit = 5000ms) {
+  auto pending = std::async(std::launch::async, [&] { return scheduler.next(device); });
+  if (pending.wait_for(limit) != std::future_status::ready) {
+    scheduler.cancel();  // release the worker so the test can end
+    ADD_FAILURE() << "next(" << device << ") did not return within " << limit.count() << " ms";
+  }
+  return pending.get();
+}
+
+TEST(UnitAt, FourShardsRunForwardThenForwardBackwardThenBackward) {
+  const std::vector<std::pair<int, Phase>> expected = {
+      {0, Phase::kForward},  {1, Phase::kForward},  {2, Phase::kForward}, {3, Phase::kForwardBackward},
+      {2, Phase::kBackward}, {1, Phase::kBackward}, {0, Phase::kBackward}};
+  for (int64_t mb = 0; mb < 3; ++mb) {
+    for (int64_t p = 0; p < 7; ++p) {
+      const Unit unit = unit_at(5, 4, mb * 7 + p);
+      EXPECT_EQ(unit.task, 5);
+      EXPECT_EQ(unit.index, mb * 7 + p);
+      EXPECT_EQ(unit.micro_batch, mb);
+      EXPECT_EQ(unit.shard, expected[static_cast<size_t>(p)].first) << "position " << p;
+      EXPECT_EQ(unit.phase, expected[static_cast<size_t>(p)].second) << "position " << p;
+      EXPECT_EQ(position_in_micro_batch(4, unit.shard, unit.phase), p);
+    }
+  }
+}
+
+TEST(UnitAt, OneShardIsOneForwardBackwardPerMicroBatch) {
+  for (int64_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(unit_at(0, 1, i), (Unit{0, i, 0, Phase::kForwardBackward, i}));
+  }
+  EXPECT_EQ(total_units(spec(1, 4)), 4);
+  EXPECT_EQ(total_units(spec(48, 8)), 8 * 95);
+}
+
+TEST(UnitAt, RejectsBadArguments) {
+  EXPECT_THROW(unit_at(0, 0, 0), std::invalid_argument);
+  EXPECT_THROW(unit_at(0, 2, -1), std::invalid_argument);
+}
+
+TEST(ParsePolicy, KnowsEveryNameAndListsThemOnError) {
+  for (auto kind : {PolicyKind::kLrtf, PolicyKind::kFifo, PolicyKind::kRoundRobin, PolicyKind::kRandom}) {
+    EXPECT_EQ(parse_policy(policy_name(kind)), kind);
+  }
+  try {
+    parse_policy("shortest");
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& error) {
+    const std::string message = error.what();
+    for (const char* name : {"shortest", "lrtf", "fifo", "round_robin", "random"}) {
+      EXPECT_NE(message.find(name), std::string::npos) << message;
+    }
+  }
+}
+
+TEST(SchedulerConstruction, RejectsBadInputWithClearMessages) {
+  auto message = [](auto make) {
+    try {
+      make();
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("no exception");
+  };
+  EXPECT_NE(message([] { Scheduler({}, 1, PolicyKind::kLrtf); }).find("no tasks"), std::string::npos);
+  EXPECT_NE(message([] { Scheduler({spec(2, 1)}, 0, PolicyKind::kLrtf); }).find("num_devices"), std::string::npos);
+  EXPECT_NE(message([] { Scheduler({spec(2, 1), spec(0, 1)}, 1, PolicyKind::kLrtf); }).find("task 1: num_shards"),
+            std::string::npos);
+  EXPECT_NE(message([] { Scheduler({spec(2, 0)}, 1, PolicyKind::kLrtf); }).find("micro_batches"), std::string::npos);
+  EXPECT_NE(message([] { Scheduler({spec(2, 1, 2)}, 2, PolicyKind::kLrtf); }).find("device 2 out of range"),
+            std::string::npos);
+}
+
+TEST(Scheduler, OneDeviceRunsEveryUnitInOrderThenStops) {
+  Scheduler scheduler({spec(3, 2)}, 1, PolicyKind::kLrtf);
+  for (int64_t i = 0; i < 10; ++i) {
+    const auto unit = scheduler.next(0);
+    ASSERT_TRUE(unit);
+    EXPECT_EQ(*unit, unit_at(0, 3, i));
+    EXPECT_EQ(scheduler.remaining_units(0), 10 - i);
+    scheduler.complete(0, *unit, 0.001);
+  }
+  EXPECT_TRUE(scheduler.finished(0));
+  EXPECT_EQ(scheduler.remaining_units(0), 0);
+  EXPECT_EQ(scheduler.remaining_seconds(0), 0.0);
+  EXPECT_FALSE(next_within(scheduler, 0));
+}
+
+TEST(Scheduler, CompleteRejectsAUnitThatIsNotRunningThere) {
+  Scheduler scheduler({spec(2, 1), spec(2, 1)}, 2, PolicyKind::kLrtf);
+  const auto unit = scheduler.next(0);
+  ASSERT_TRUE(unit);
+  EXPECT_THROW(scheduler.complete(1, *unit, 1.0), std::invalid_argument);
+  Unit later = *unit;
+  later.index += 1;
+  EXPECT_THROW(scheduler.complete(0, later, 1.0), std::invalid_argument);
+  EXPECT_THROW(scheduler.complete(0, *unit, -1.0), std::invalid_argument);
+  scheduler.complete(0, *unit, 1.0);  // still running after the rejected reports
+  EXPECT_THROW(scheduler.complete(0, *unit, 1.0), std::invalid_argument);
+}
+
+TEST(Scheduler, LrtfStartsWithTheTaskWithMostWork) {
+  Scheduler scheduler({spec(2, 1), spec(4, 2), spec(3, 2)}, 1, PolicyKind::kLrtf);
+  EXPECT_EQ(scheduler.next(0)->task, 1);
+}
+
+TEST(Scheduler, LrtfFollowsMeasuredTimes) {
+  // Same shape; measurements decide. Task 0's unit takes 10 s: 2 x 10 s remain, while task 1 is estimated
+  // from the global prior (10 s) at 3 units = 30 s. Once task 1 measures 1 s, task 0 is the longest.
+  Scheduler scheduler({spec(1, 3), spec(1, 3)}, 1, PolicyKind::kLrtf);
+  auto unit = scheduler.next(0);
+  ASSERT_EQ(unit->task, 0);
+  scheduler.complete(0, *unit, 10.0);
+  EXPECT_DOUBLE_EQ(scheduler.remaining_seconds(0), 20.0);
+  EXPECT_DOUBLE_EQ(scheduler.remaining_seconds(1), 30.0);
+  unit = scheduler.next(0);
+  ASSERT_EQ(unit->task, 1);
+  scheduler.complete(0, *unit, 1.0);
+  EXPECT_EQ(scheduler.next(0)->task, 0);
+}
+
+TEST(Policy, LrtfPrefersTheResidentTaskOnlyWithinOnePercent) {
+  const Policy policy(PolicyKind::kLrtf, 3, 1, 0);
+  const std::vector<Candidate> near = {{0, 100.0, 0, false}, {1, 99.5, 0, true}, {2, 50.0, 0, false}};
+  EXPECT_EQ(near[policy.choose(0, near)].task, 1);
+  const std::vector<Candidate> far = {{0, 100.0, 0, false}, {1, 98.0, 0, true}};
+  EXPECT_EQ(far[policy.choose(0, far)].task, 0);
+  const std::vector<Candidate> tie = {{2, 7.0, 0, false}, {1, 7.0, 0, false}, {0, 3.0, 0, false}};
+  EXPECT_EQ(tie[policy.choose(0, tie)].task, 1);
+}
+
+TEST(Policy, FifoTakesTheEarliestReadyThenTheResidentTask) {
+  const Policy policy(PolicyKind::kFifo, 3, 1, 0);
+  const std::vector<Candidate> waiting = {{0, 9.0, 5, true}, {1, 1.0, 2, false}, {2, 1.0, 3, false}};
+  EXPECT_EQ(waiting[policy.choose(0, waiting)].task, 1);
+  const std::vector<Candidate> tie = {{0, 0.0, 1, false}, {2, 0.0, 1, true}};
+  EXPECT_EQ(tie[policy.choose(0, tie)].task, 2);
+}
+
+TEST(Policy, RoundRobinCyclesPerDevice) {
+  Policy policy(PolicyKind::kRoundRobin, 4, 2, 0);
+  const std::vector<Candidate> all = {{0, 0, 0, false}, {1, 0, 0, false}, {2, 0, 0, false}, {3, 0, 0, false}};
+  std::vector<int> picked;
+  for (int i = 0; i < 5; ++i) {
+    const int task = all[policy.choose(0, all)].task;
+    policy.commit(0, task);
+    picked.push_back(task);
+  }
+  EXPECT_EQ(picked, (std::vector<int>{0, 1, 2, 3, 0}));
+  EXPECT_EQ(all[policy.choose(1, all)].task, 0);  // device 1 has its own position
+  const std::vector<Candidate> some = {{0, 0, 0, false}, {3, 0, 0, false}};
+  EXPECT_EQ(some[policy.choose(0, some)].task, 3);  // after 0 comes 1, 2 (absent), then 3
+}
+
+TEST(Policy, RandomIsDeterministicGivenTheSeedAndChooseHasNoSideEffects) {
+  const std::vector<Candidate> all = {{0, 0, 0, false}, {1, 0, 0, false}, {2, 0, 0, false}, {3, 0, 0, false}};
+  auto sequence = [&](uint64_t seed) {
+    Policy policy(PolicyKind::kRandom, 4, 1, seed);
+    std::vector<int> picked;
+    for (int i = 0; i < 32; ++i) {
+      const size_t first = policy.choose(0, all);
+      EXPECT_EQ(policy.choose(0, all), first);
+      policy.commit(0, all[first].task);
+      picked.push_back(all[first].task);
+    }
+    return picked;
+  };
+  EXPECT_EQ(sequence(7), sequence(7));
+  EXPECT_NE(sequence(7), sequence(8));
+}
+
+class PeekMatchesNext : public ::testing::TestWithParam<PolicyKind> {};
+
+TEST_P(PeekMatchesNext, WhenNothingChangesInBetween) {
+  Scheduler scheduler({spec(2, 2), spec(3, 1), spec(1, 4)}, 1, GetParam(), 11);
+  for (;;) {
+    const auto peeked = scheduler.peek(0);
+    const auto unit = scheduler.next(0);
+    EXPECT_EQ(peeked, unit);
+    if (!unit) break;
+    scheduler.complete(0, *unit, 0.01 * (unit->shard + 1));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPolicies, PeekMatchesNext,
+                         ::testing::Values(PolicyKind::kLrtf, PolicyKind::kFifo, PolicyKind::kRoundRobin,
+                                           PolicyKind::kRandom));
+
+TEST(Scheduler, PeekDuringAUnitSeesTheRunningTaskAsIfDone) {
+  Scheduler scheduler({spec(3, 1)}, 2, PolicyKind::kLrtf);
+  const auto unit = scheduler.next(0);
+  EXPECT_EQ(scheduler.peek(0), unit_at(0, 3, 1));
+  EXPECT_FALSE(scheduler.peek(1));  // running elsewhere: not device 1's to prefetch
+}
+
+TEST(Scheduler, WaitsWhileTheOnlyTaskRunsElsewhere) {
+  Scheduler scheduler({spec(2, 1)}, 2, PolicyKind::kLrtf);
+  const auto first = scheduler.next(0);
+  auto waiting = std::async(std::launch::async, [&] { return scheduler.next(1); });
+  EXPECT_EQ(waiting.wait_for(50ms), std::future_status::timeout);
+  scheduler.complete(0, *first, 1.0);
+  ASSERT_EQ(waiting.wait_for(5s), std::future_status::ready);
+  EXPECT_EQ(waiting.get(), unit_at(0, 2, 1));
+}
+
+TEST(Scheduler, RestrictedTaskOnlyRunsOnItsDevice) {
+  Scheduler scheduler({spec(2, 2, 1), spec(1, 1)}, 2, PolicyKind::kLrtf);
+  auto unit = scheduler.next(0);
+  ASSERT_EQ(unit->task, 1);  // task 0 is the longer, but it lives on device 1
+  EXPECT_EQ(scheduler.peek(0), std::nullopt);
+  scheduler.complete(0, *unit, 1.0);
+  EXPECT_FALSE(next_within(scheduler, 0));  // only task 0 is left, and device 0 may never run it
+  EXPECT_EQ(scheduler.next(1)->task, 0);
+}
+
+TEST(Scheduler, FailOfARunningTaskLetsItsUnitCompleteAndReleasesWaiters) {
+  Scheduler scheduler({spec(2, 3), spec(1, 1, 0)}, 2, PolicyKind::kLrtf);
+  const auto other = scheduler.next(0);  // task 0 (longest)
+  ASSERT_EQ(other->task, 0);
+  auto waiting = std::async(std::launch::async, [&] { return scheduler.next(1); });
+  EXPECT_EQ(waiting.wait_for(50ms), std::future_status::timeout);
+  scheduler.fail(0);  // running: its unit completes, nothing more is handed out
+  EXPECT_EQ(scheduler.remaining_units(0), 0);
+  EXPECT_FALSE(scheduler.finished(0));
+  scheduler.complete(0, *other, 1.0);
+  ASSERT_EQ(waiting.wait_for(5s), std::future_status::ready);
+  EXPECT_FALSE(waiting.get());
+  EXPECT_TRUE(scheduler.finished(0));
+  EXPECT_TRUE(scheduler.failed(0));
+  EXPECT_EQ(scheduler.next(0)->task, 1);
+}
+
+TEST(Scheduler, FailOfAnIdleTaskIsImmediate) {
+  Scheduler scheduler({spec(2, 3), spec(1, 1)}, 1, PolicyKind::kLrtf);
+  scheduler.fail(0);
+  EXPECT_TRUE(scheduler.finished(0));
+  EXPECT_EQ(scheduler.remaining_seconds(0), 0.0);
+  EXPECT_EQ(scheduler.next(0)->task, 1);
+}
+
+TEST(Scheduler, CancelReleasesEveryWaiterPromptly) {
+  Scheduler scheduler({spec(2, 1)}, 3, PolicyKind::kLrtf);
+  const auto running = scheduler.next(0);
+  std::vector<std::future<std::optional<Unit>>> waiting;
+  for (int d = 1; d < 3; ++d) waiting.push_back(std::async(std::launch::async, [&, d] { return scheduler.next(d); }));
+  std::this_thread::sleep_for(20ms);
+  scheduler.cancel();
+  for (auto& pending : waiting) {
+    ASSERT_EQ(pending.wait_for(5s), std::future_status::ready);
+    EXPECT_FALSE(pending.get());
+  }
+  scheduler.complete(0, *running, 1.0);  // the running unit may still report
+  EXPECT_FALSE(scheduler.next(0));
+  EXPECT_FALSE(scheduler.peek(0));
+}
+
+}  // namespace
