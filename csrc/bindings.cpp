@@ -3,6 +3,7 @@
 // non-tensor objects with pybind11. Every call that may wait releases the GIL.
 #include <torch/extension.h>
 
+#include "bindings_scheduler.h"
 #include "engine/device_engine.h"
 #include "engine/optimizer_spec.h"
 #include "engine/shard_store.h"
@@ -32,6 +33,7 @@ py::dict stats_dict(const EngineStats& s) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hydra-torch native engine";
   m.attr("built_torch_version") = HYDRA_TORCH_BUILT_TORCH_VERSION;
+  hydra::bind_scheduler(m);
   using release_gil = py::call_guard<py::gil_scoped_release>;
 
   py::class_<OptimizerSpec> spec(m, "OptimizerSpec");
@@ -67,11 +69,11 @@ PYBIND11_MODULE(_C, m) {
              return std::make_unique<DeviceEngine>(c10::Device(device), budget);
            }),
            py::arg("device"), py::arg("budget_bytes"))
-      .def("add_model", &DeviceEngine::add_model)
+      .def("add_model", &DeviceEngine::add_model, py::arg("store"), py::arg("allow_resident") = true)
       .def("resident", &DeviceEngine::resident)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
       .def_static("resident_bytes", &DeviceEngine::resident_bytes)
-      .def("plan", &DeviceEngine::plan)
+      .def("plan", py::overload_cast<const std::vector<std::pair<int, int>>&>(&DeviceEngine::plan))
       .def("prefetch", &DeviceEngine::prefetch, release_gil())
       .def("acquire", &DeviceEngine::acquire, py::arg("model"), py::arg("shard"), py::arg("with_grads"), release_gil())
       .def("release", &DeviceEngine::release, release_gil())
@@ -82,5 +84,7 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize", &DeviceEngine::synchronize, release_gil())
       .def("finish", &DeviceEngine::finish, release_gil())
       .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
+      .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
+      .def("free_bytes", &DeviceEngine::free_bytes)
       .def("shard_loads", &DeviceEngine::shard_loads);
 }

@@ -1,6 +1,7 @@
-"""ht.train: the one call that trains a list of tasks."""
+"""ht.train: trains a list of tasks on one or more devices in one call."""
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 
@@ -8,16 +9,18 @@ import torch
 
 from hydra_torch import _C
 from hydra_torch.memory import parse_budget
+from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
-from hydra_torch.runner import TaskRunner
+from hydra_torch.runner import RngState, TaskRunner
 from hydra_torch.task import ModelTask
-
-SCHEDULES = ("lrtf",)
+from hydra_torch.workers import DeviceSlot, device_worker
 
 
 def resolve_devices(devices) -> list[torch.device]:
+    """"auto" (the first GPU, else the CPU), a device, or a list of devices. Repeating "cpu" k times gives
+    k virtual CPU devices (one intra-op thread each)."""
     if devices == "auto":
-        return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
+        return [torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")]
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
     try:
@@ -26,37 +29,46 @@ def resolve_devices(devices) -> list[torch.device]:
         raise ValueError(f"cannot read devices={devices!r}: {error}") from None
     if not resolved:
         raise ValueError("devices is empty")
+    out = []
     for device in resolved:
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {device} was asked for but CUDA is not available")
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+            if device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {device} does not exist: {torch.cuda.device_count()} CUDA devices")
+            if device in out:
+                raise ValueError(f"device {device} is listed twice")
         elif device.type != "cpu":
             raise ValueError(f"unsupported device {device}: use CPU or CUDA devices")
-    if len(resolved) > 1:
-        raise ValueError("training across several devices at once is not available yet: pass one device")
-    return [torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
-            for d in resolved]
+        out.append(device)
+    if any(d.type == "cpu" for d in out) and any(d.type == "cuda" for d in out):
+        raise ValueError("mixing CPU and CUDA devices in one call is not supported")
+    return out
 
 
-def _pin(pin_memory, device: torch.device) -> bool:
+def _pin(pin_memory, devices) -> bool:
     if pin_memory == "auto":
-        return device.type != "cpu"  # a CPU device copies host to host: pinning buys nothing
+        return any(d.type != "cpu" for d in devices)  # a CPU device copies host to host: pinning buys nothing
     return bool(pin_memory)
 
 
-def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto") -> Results:
-    """Trains every task and returns their results; the user's modules hold the trained weights.
+def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
+          progress: bool = True, seed: int = 0) -> Results:
+    """Trains every task concurrently and returns their results; the user's modules hold the trained weights.
 
-    devices: "auto" (the first GPU, else the CPU), or a device such as "cuda:0" or "cpu".
-    memory_budget: bytes of training state the device may hold: an int, "8GiB", "512MB", or a fraction of
-    free memory ("0.8", "80%"). A model whose whole training state fits stays resident; otherwise its
-    shards are spilled to host memory and visit the device in turn.
+    devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
+        like ["cpu"] * 4 gives four virtual CPU devices with one thread each.
+    memory_budget: per device, the bytes of training state it may hold: an int, "8GiB", "512MB", or a fraction
+        of free memory ("0.8", "80%"). A model whose whole training state fits stays resident on one device;
+        otherwise its shards are spilled to host memory and visit the devices in turn.
+    schedule: which ready task a free device runs next: "lrtf" (longest remaining time first), "fifo",
+        "round_robin" or "random" (seeded by `seed`).
     pin_memory: "auto" (pin host buffers for accelerator devices), True or False.
+    progress: tqdm progress bars, one per task and a total.
 
-    Tasks run one after another here. A task that fails (say a NaN loss) keeps its last good weights and
-    records its error in its result; the others still run.
+    A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
+    the others finish. Ctrl-C stops every device after its current unit and writes the weights back.
     """
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
@@ -65,47 +77,101 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         raise TypeError("train() takes a non-empty list of ModelTask")
     if len({t.name for t in tasks}) != len(tasks):
         raise ValueError("task names must be unique")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: use one of {SCHEDULES}")
-    (device,) = resolve_devices(devices)
-    budget = parse_budget(memory_budget, device)
-    pin = _pin(pin_memory, device)
-
-    engine = _C.DeviceEngine(str(device), budget)
-    stores, ids = [], []
-    for task in tasks:
-        store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
-        if pin and not store.pinned:
-            warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
-                          "synchronous and slower", RuntimeWarning, stacklevel=2)
-        try:
-            ids.append(engine.add_model(store))
-        except RuntimeError as error:
-            raise ValueError(f"task {task.name!r}: {error}") from None
-        stores.append(store)
-
-    results = []
-    for task, model_id in zip(tasks, ids):
-        results.append(_train_one(task, engine, model_id, device))
-    return Results(results, str(device), engine.stats())
-
-
-def _train_one(task: ModelTask, engine, model_id: int, device: torch.device) -> TaskResult:
-    runner = TaskRunner(task, engine, model_id, device)
-    buffers = task.buffers()
-    originals = [getattr(module, name).device for module, name in buffers]
-    start = time.perf_counter()
-    error = None
+    if len({id(t.model) for t in tasks}) != len(tasks):
+        raise ValueError("each task needs a model of its own: two tasks share one model object")
     try:
-        for module, name in buffers:
-            module._buffers[name] = module._buffers[name].to(device)
-        runner.run()
-    except Exception as caught:  # the task ends; its last good weights are kept and written back below
-        error = caught
-        warnings.warn(f"task {task.name!r} stopped: {caught}", RuntimeWarning, stacklevel=3)
+        _C.parse_policy(schedule)
+    except ValueError as error:
+        raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
+    resolved = resolve_devices(devices)
+    budgets = [parse_budget(memory_budget, d) for d in resolved]
+    pin = _pin(pin_memory, resolved)
+
+    engines = [_C.DeviceEngine(str(d), b) for d, b in zip(resolved, budgets)]
+    start_rng = RngState(resolved[0])
+    runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
+    for runner in runners:
+        _place(runner, engines, budgets, pin)
+    specs = [(r.n, r.micro_batches, r.home) for r in runners]
+    scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
+    slots = [DeviceSlot(i, d, e, scheduler, runners) for i, (d, e) in enumerate(zip(resolved, engines))]
+
+    trace, lock = [], threading.Lock()
+    threads_per_device = 1 if len(resolved) > 1 and resolved[0].type == "cpu" else None
+    bars = Progress(runners, progress)
+    threads = [threading.Thread(target=device_worker, args=(slot, trace, lock, threads_per_device),
+                                name=f"hydra-{slot.device}", daemon=True) for slot in slots]
+    threads_before = torch.get_num_threads()
+    start = time.perf_counter()
+    interrupted = None
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.1)
+    except KeyboardInterrupt as interrupt:  # stop after the current units; weights are written back below
+        interrupted = interrupt
+        scheduler.cancel()
+        for thread in threads:
+            thread.join()
     finally:
-        engine.finish(model_id)
-        for (module, name), where in zip(buffers, originals):
-            module._buffers[name] = module._buffers[name].to(where)
-    return TaskResult(task.name, runner.losses, runner.steps, runner.epochs_done, time.perf_counter() - start,
-                      engine.resident(model_id), list(engine.shard_loads(model_id)), error)
+        torch.set_num_threads(threads_before)
+        wall = time.perf_counter() - start
+        bars.close(runners)
+        results = _finish(runners, engines, trace, start, resolved, wall)
+    if interrupted is not None:
+        raise interrupted
+    for result in results:
+        if result.error is not None:
+            warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=2)
+    return results
+
+
+def _place(runner: TaskRunner, engines, budgets, pin: bool):
+    """Registers the task's state with the engines: resident on the device with the most room if it fits
+    there, else spilled and runnable on every device."""
+    task = runner.task
+    store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
+    if pin and not store.pinned:
+        warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
+                      "synchronous and slower", RuntimeWarning, stacklevel=3)
+    roomiest = max(range(len(engines)), key=lambda i: engines[i].free_bytes())
+    try:
+        model = engines[roomiest].add_model(store)
+        runner.model_ids[roomiest] = model
+        if engines[roomiest].resident(model):
+            runner.home = roomiest if len(engines) > 1 else None
+            return
+        for i, engine in enumerate(engines):
+            if i != roomiest:
+                runner.model_ids[i] = engine.add_model(store, allow_resident=False)
+    except RuntimeError as error:
+        raise ValueError(f"task {task.name!r}: {error}") from None
+
+
+def _finish(runners, engines, trace, start, devices, wall) -> Results:
+    results = []
+    for runner in runners:
+        home = runner.home if runner.home is not None else next(iter(runner.model_ids))
+        try:
+            if runner.error is not None:
+                runner.discard_unfinished_step(engines)
+            for slot_index, model in runner.model_ids.items():
+                if slot_index != home:
+                    engines[slot_index].synchronize(model)
+        except Exception as error:  # a host job of the task failed after its last unit
+            runner.error = runner.error or error
+        try:
+            engines[home].finish(runner.model_ids[home])  # writes the weights back even when it raises
+        except Exception as error:
+            runner.error = runner.error or error
+        runner.restore_buffers()
+        ends = [e.end for e in trace if e.task == runner.index]
+        loads = [sum(col) for col in zip(*(engines[i].shard_loads(m) for i, m in runner.model_ids.items()))]
+        results.append(TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
+                                  (max(ends) - start) if ends else 0.0,
+                                  any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
+                                  runner.error))
+    return Results(results, [str(d) for d in devices], [e.stats() for e in engines], sorted(trace, key=lambda e: e.start),
+                   wall)

@@ -1,4 +1,4 @@
-"""What ht.train returns: a result per task, and the devices' memory and copy statistics."""
+"""What ht.train returns: a result per task, the schedule trace, and memory and copy statistics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +9,10 @@ class TaskResult:
     name: str
     losses: list[float]          # one per optimizer step: the mean over its micro-batches
     steps: int
-    epochs: int
-    wall_time: float             # seconds
-    resident: bool               # True: the whole training state stayed on the device
-    shard_loads: list[int]       # copies of each shard to the device
+    epochs: int                  # epochs completed
+    wall_time: float             # seconds from the start of training to the task's last unit
+    resident: bool               # True: the whole training state stayed on one device
+    shard_loads: list[int]       # copies of each shard to a device, all devices together
     error: BaseException | None = None
 
     @property
@@ -25,10 +25,25 @@ class TaskResult:
 
 
 @dataclass
+class TraceEntry:
+    device: int
+    task: int
+    task_name: str
+    unit: int                    # the unit's index in its task's chain
+    shard: int
+    phase: str                   # forward, forward_backward or backward
+    start: float                 # perf_counter seconds
+    end: float
+    bytes_copied: int            # host-to-device bytes the unit's device copied meanwhile (prefetches too)
+
+
+@dataclass
 class Results:
     tasks: list[TaskResult]
-    device: str
-    stats: dict = field(default_factory=dict)   # budget, arena capacity, high-water mark, bytes copied
+    devices: list[str]
+    stats: list[dict] = field(default_factory=list)   # per device: budget, arena, high-water, bytes copied
+    trace: list[TraceEntry] = field(default_factory=list)
+    wall_time: float = 0.0
 
     def __iter__(self):
         return iter(self.tasks)
@@ -49,3 +64,35 @@ class Results:
         """The task with the lowest final training loss, among those that finished without error."""
         finished = [t for t in self.tasks if t.ok and t.losses]
         return min(finished, key=lambda t: t.final_loss) if finished else None
+
+    def utilisation(self) -> dict[str, float]:
+        """Per device, the fraction of the run's wall time it spent running units."""
+        if not self.trace:
+            return {device: 0.0 for device in self.devices}
+        start = min(e.start for e in self.trace)
+        span = max(e.end for e in self.trace) - start
+        busy = [0.0] * len(self.devices)
+        for e in self.trace:
+            busy[e.device] += e.end - e.start
+        return {device: (busy[i] / span if span > 0 else 0.0) for i, device in enumerate(self.devices)}
+
+    def summary(self) -> str:
+        lines = [f"{'task':<16} {'steps':>6} {'final loss':>11} {'seconds':>8}  status"]
+        for t in self.tasks:
+            status = "ok" if t.ok else f"failed: {t.error}"
+            lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.wall_time:>8.1f}  {status}")
+        for device, share in self.utilisation().items():
+            lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s")
+        if self.best is not None:
+            lines.append(f"best: {self.best.name} (final loss {self.best.final_loss:.4f})")
+        return "\n".join(lines)
+
+    def plot_schedule(self, path=None):
+        """A Gantt chart of the trace: one row per device, one colour per task. Saved to `path` if given;
+        returns the matplotlib figure."""
+        from hydra_torch.plotting import schedule_figure
+
+        figure = schedule_figure(self)
+        if path is not None:
+            figure.savefig(path, dpi=120, bbox_inches="tight")
+        return figure

@@ -1,19 +1,24 @@
-"""The training loop of one task on one device: shards in order, boundary checkpoints, native memory.
+"""One task's training, executed unit by unit wherever the scheduler sends it.
 
-Forward runs shards 0..n-1 under no_grad, keeping only each shard's input. The last shard runs with
-autograd and its loss is back-propagated at once (it is never recomputed). Backward then visits shards
-n-2..0, re-running each one's forward from its saved input with the RNG state it had the first time (so
-dropout draws the same mask), and hands the input gradient down. Everything about memory and copies is the
-engine's: one native call per shard visit.
+A micro-batch is 2n-1 units for n shards: forward F(0)..F(n-2) under no_grad, keeping each shard's input
+and the RNG state it started with; FB(n-1), the last shard's forward, loss and backward (never
+recomputed); then backward B(n-2)..B(0), each re-running its shard's forward from the saved input with the
+same RNG state (so dropout draws the same mask) and back-propagating the gradient handed down from the
+shard above. Units of one task run in order, one at a time, but may run on different devices: boundary
+tensors follow the task. Memory and copies are the device engine's: one native call per shard visit.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hydra_torch import _C
 from hydra_torch.task import ModelTask
+
+FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
 
 
 class NonFiniteLossError(RuntimeError):
@@ -30,130 +35,214 @@ def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-class _RngState:
-    """The global generators a shard's forward may draw from: the CPU one, and the device's."""
+def _to(tree, device):
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
+
+
+class RngState:
+    """The global generators a shard may draw from: the CPU one, and the CUDA device's."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
-    def restore(self):
+    def restore(self, device: torch.device):
         torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+        if self.cuda is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(self.cuda, device)
+
+
+@dataclass
+class _MicroBatch:
+    batch: object
+    x: object
+    count: int                       # micro-batches in this optimizer step
+    last: bool                       # the step's last micro-batch: its backward triggers the step
+    saved: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+    grad: list | None = None
+    loss: float = 0.0
+    after_forward: RngState | None = None
+
+
+def step_groups(task: ModelTask):
+    """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each."""
+    steps = 0
+    for epoch in range(task.epochs):
+        group, groups = [], []
+        for batch in task.data:
+            group.append(batch)
+            if len(group) == task.accumulate:
+                groups.append(group)
+                group = []
+        if group:
+            groups.append(group)
+        for i, g in enumerate(groups):
+            if task.max_steps is not None and steps >= task.max_steps:
+                return
+            steps += 1
+            yield epoch, g, i == len(groups) - 1
+
+
+def count_micro_batches(task: ModelTask) -> int:
+    size = len(task.data)
+    per_epoch = [task.accumulate] * (size // task.accumulate) + ([size % task.accumulate] if size % task.accumulate else [])
+    groups = per_epoch * task.epochs
+    if task.max_steps is not None:
+        groups = groups[:task.max_steps]
+    return sum(groups)
 
 
 class TaskRunner:
-    def __init__(self, task: ModelTask, engine, model_id: int, device: torch.device):
+    def __init__(self, task: ModelTask, index: int, start_rng: RngState):
         self.task = task
-        self.engine = engine
-        self.id = model_id
-        self.device = device
+        self.index = index
+        self.n = task.num_shards
         self.compute_dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
+        self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
+        self.home: int | None = None          # the slot holding its resident state, if any
         self.losses: list[float] = []
         self.steps = 0
         self.epochs_done = 0
+        self.error: BaseException | None = None
+        self.micro_batches = count_micro_batches(task)
+        self.on_step = None                   # called after each optimizer step (progress bars)
+        self._groups = step_groups(task)
+        self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
+        self._mb: _MicroBatch | None = None
+        self._rng = start_rng
+        self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
+                          if b is not None] for group in task.modules]
 
-    # -- data --------------------------------------------------------------------------------------------
-    def _to_device(self, batch):
-        return tree_map(lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+    # -- the scheduler's view -------------------------------------------------------------------------------
+    def upcoming(self, unit) -> list[int]:
+        """Shards of this unit and the rest of its micro-batch, in visit order."""
+        n, position = self.n, unit.index % (2 * self.n - 1)
+        order = list(range(n)) + list(range(n - 2, -1, -1))
+        return order[position:]
 
-    def step_groups(self):
-        """Lists of `accumulate` batches, each one optimizer step; a shorter last group is a step too."""
-        for epoch in range(self.task.epochs):
-            group = []
-            for batch in self.task.data:
-                group.append(batch)
-                if len(group) == self.task.accumulate:
-                    yield group
-                    group = []
-            if group:
-                yield group
-            self.epochs_done = epoch + 1
+    def run_unit(self, unit, slot):
+        """Runs one unit on `slot` (engine + device); `slot.prefetch()` is called once the unit's own shard
+        is in place, to bring in the shard planned next on that device."""
+        device, s = slot.device, unit.shard
+        self._rng.restore(device)
+        self._place_buffers(s, device)
+        if unit.phase == FORWARD:
+            if s == 0:
+                self._begin_micro_batch(device)
+            self._forward(s, slot)
+        elif unit.phase == FORWARD_BACKWARD:
+            if self.n == 1:
+                self._begin_micro_batch(device)
+            self._forward_backward(slot)
+            if self.n == 1:
+                self._end_micro_batch(slot)
+        else:
+            self._backward(s, slot)
+            if s == 0:
+                self._mb.after_forward.restore(device)
+                self._end_micro_batch(slot)
+        self._rng = RngState(device)
 
-    def run(self):
-        for group in self.step_groups():
-            if self.task.max_steps is not None and self.steps >= self.task.max_steps:
-                break
-            self.train_step(group)
-
-    # -- one optimizer step --------------------------------------------------------------------------------
-    def train_step(self, group):
-        n, engine = self.task.num_shards, self.engine
-        visits = list(range(n)) + list(range(n - 2, -1, -1))
-        engine.plan(self.id, visits * len(group))
-        clip = self.task.clip_grad_norm
-        total = 0.0
-        try:
-            for j, batch in enumerate(group):
-                last = j == len(group) - 1
-                total += self._micro_batch(batch, len(group), step=last and clip is None)
-            if clip is not None:
-                engine.clip_and_step(self.id, float(clip))
-        except BaseException:
-            engine.discard_grads(self.id)
-            raise
-        self.steps += 1
-        self.losses.append(total / len(group))
-
-    def _micro_batch(self, batch, count: int, step: bool) -> float:
-        n, engine, modules = self.task.num_shards, self.engine, self.task.modules
-        batch = self._to_device(batch)
+    # -- micro-batches and steps -------------------------------------------------------------------------------
+    def _begin_micro_batch(self, device):
+        if self._group is None or self._position == len(self._group):
+            epoch, self._group, self._epoch_end = next(self._groups)
+            self._epoch = epoch
+            self._position, self._loss_sum = 0, 0.0
+        batch = _to(self._group[self._position], device)
+        self._position += 1
         x = self.task.inputs(batch)
         if self.compute_dtype != torch.float32:
             x = tree_map(lambda t: t.to(self.compute_dtype) if _floating(t) else t, x)
-        saved, rng = [], []
-        for s in range(n - 1):
-            engine.acquire(self.id, s, with_grads=False)
-            try:
-                engine.prefetch(self.id, s + 1)
-                rng.append(_RngState(self.device))
-                with torch.no_grad():
-                    y = _run_shard(modules[s], x)
-            finally:
-                engine.release(self.id, s)
-            saved.append(x)
-            x = y
+        self._mb = _MicroBatch(batch, x, len(self._group), self._position == len(self._group))
 
-        grad = None
-        engine.acquire(self.id, n - 1, with_grads=True)
+    def _end_micro_batch(self, slot):
+        mb = self._mb
+        self._loss_sum += mb.loss
+        self._mb = None
+        if not mb.last:
+            return
+        if self.task.clip_grad_norm is not None:
+            slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm))
+        self.steps += 1
+        self.losses.append(self._loss_sum / mb.count)
+        if self._epoch_end:
+            self.epochs_done = self._epoch + 1
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def discard_unfinished_step(self, engines):
+        """After a failure: the gradients of a step that will never complete must not linger."""
+        for slot_index, model_id in self.model_ids.items():
+            engines[slot_index].discard_grads(model_id)
+
+    # -- units -------------------------------------------------------------------------------------------------
+    def _forward(self, s, slot):
+        engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
+        x = _to(mb.x, slot.device)
+        engine.acquire(mid, s, with_grads=False)
         try:
-            if n > 1:
-                engine.prefetch(self.id, n - 2)
-            x_in = self._requires_grad(x)
+            slot.prefetch()
+            mb.rng[s] = RngState(slot.device)
+            with torch.no_grad():
+                y = _run_shard(self.task.modules[s], x)
+        finally:
+            engine.release(mid, s)
+        mb.saved[s], mb.x = x, y
+
+    def _forward_backward(self, slot):
+        engine, mid, mb, s = slot.engine, self.model_ids[slot.index], self._mb, self.n - 1
+        x_in = self._requires_grad(_to(mb.x, slot.device))
+        mb.x = None
+        engine.acquire(mid, s, with_grads=True)
+        try:
+            slot.prefetch()
             with torch.enable_grad():
-                out = _run_shard(modules[n - 1], x_in)
+                out = _run_shard(self.task.modules[s], x_in)
                 if self.compute_dtype != torch.float32:
                     out = tree_map(lambda t: t.float() if _floating(t) else t, out)
-                loss = self.task.loss_fn(out, batch)
-                value = self._check_loss(loss)
-            after_forward = _RngState(self.device)
-            (loss / count).backward()
-            grad = self._input_grads(x_in)
-            engine.backward_done(self.id, n - 1, step=step)
+                loss = self.task.loss_fn(out, mb.batch)
+                mb.loss = self._check_loss(loss)
+            mb.after_forward = RngState(slot.device)
+            (loss / mb.count).backward()
+            mb.grad = self._input_grads(x_in)
+            engine.backward_done(mid, s, step=self._steps_now(mb))
         finally:
-            engine.release(self.id, n - 1)
+            engine.release(mid, s)
 
-        for s in range(n - 2, -1, -1):
-            engine.acquire(self.id, s, with_grads=True)
-            try:
-                if s > 0:
-                    engine.prefetch(self.id, s - 1)
-                rng[s].restore()
-                x_in = self._requires_grad(saved[s])
-                with torch.enable_grad():
-                    y = _run_shard(modules[s], x_in)
-                    outputs, _ = tree_flatten(y)
-                    pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                grad = self._input_grads(x_in) if s > 0 else None
-                engine.backward_done(self.id, s, step=step)
-            finally:
-                engine.release(self.id, s)
-        after_forward.restore()
-        return value
+    def _backward(self, s, slot):
+        engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
+        x_in = self._requires_grad(_to(mb.saved.pop(s), slot.device))
+        grad = _to(mb.grad, slot.device)
+        engine.acquire(mid, s, with_grads=True)
+        try:
+            slot.prefetch()
+            mb.rng.pop(s).restore(slot.device)
+            with torch.enable_grad():
+                outputs, _ = tree_flatten(_run_shard(self.task.modules[s], x_in))
+                pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            mb.grad = self._input_grads(x_in) if s > 0 else None
+            engine.backward_done(mid, s, step=self._steps_now(mb))
+        finally:
+            engine.release(mid, s)
+
+    def _steps_now(self, mb) -> bool:
+        return mb.last and self.task.clip_grad_norm is None
+
+    def _place_buffers(self, s, device):
+        for module, name in self._buffers[s]:
+            buffer = module._buffers[name]
+            if buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+    def restore_buffers(self):
+        for shard in self._buffers:
+            for module, name in shard:
+                module._buffers[name] = module._buffers[name].cpu()
 
     @staticmethod
     def _requires_grad(x):

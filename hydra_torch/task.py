@@ -57,10 +57,9 @@ class ModelTask:
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
-        if data is None or not hasattr(data, "__iter__"):
-            raise TypeError("data must be an iterable of batches")
-        if epochs > 1 and iter(data) is data:
-            raise ValueError("data is a one-shot iterator but epochs > 1: pass a list or a DataLoader")
+        if data is None or not hasattr(data, "__iter__") or not hasattr(data, "__len__"):
+            raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
+                            "plans each task's remaining work from its length")
 
         groups = sharding.split(model, shards)
         params = sharding.shard_parameters(groups)

@@ -65,8 +65,8 @@ def test_unknown_precision_and_optimizer_arguments():
         ht.ModelTask(model, loss_fn=lm_loss, data=[], accumulate=0)
     with pytest.raises(ValueError, match="unknown schedule"):
         ht.train([ht.ModelTask(model, loss_fn=lm_loss, data=[])], devices="cpu", schedule="fastest")
-    with pytest.raises(ValueError, match="one-shot iterator"):
-        ht.ModelTask(model, loss_fn=lm_loss, data=iter(token_batches(2)), epochs=2)
+    with pytest.raises(TypeError, match="sized iterable"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=iter(token_batches(2)))
 
 
 def test_non_scalar_loss_stops_the_task_before_any_update():

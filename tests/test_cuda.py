@@ -37,7 +37,7 @@ def test_cuda_allocations_stay_within_budget():
     task = ht.ModelTask(model, loss_fn=lm_loss, data=cuda_batches(4))
     results = ht.train([task], devices="cuda:0", memory_budget=budget)
     assert results[0].error is None
-    assert results.stats["high_water_bytes"] <= budget
+    assert results.stats[0]["high_water_bytes"] <= budget
     # The arena is the engine's only allocation for weights and gradients: at most the budget. Activations
     # and the batch come on top; at this size they are far smaller than the model.
     arena_peak = torch.cuda.max_memory_allocated() - baseline

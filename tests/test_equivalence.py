@@ -44,7 +44,7 @@ def test_spilled_matches_plain_pytorch(name):
     assert model[0].weight is model[-1].weight, "the tie between embedding and head must survive training"
     assert max_relative_error(model, reference) <= 1e-5
     assert result.losses == pytest.approx(reference_losses, rel=1e-5)
-    assert results.stats["high_water_bytes"] <= budget
+    assert results.stats[0]["high_water_bytes"] <= budget
 
 
 def test_resident_matches_plain_pytorch():

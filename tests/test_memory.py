@@ -20,7 +20,7 @@ def test_high_water_never_exceeds_budget(fraction, precision):
     budget = int(fraction * model_bytes(model))
     _, results = run(budget, precision=precision, accumulate=2)
     assert results[0].error is None
-    stats = results.stats
+    stats = results.stats[0]
     assert 0 < stats["high_water_bytes"] <= stats["capacity_bytes"] <= budget
 
 
@@ -30,7 +30,7 @@ def test_resident_model_is_copied_once():
     result = results[0]
     assert result.resident
     assert result.shard_loads == [1] * len(result.shard_loads)
-    assert results.stats["host_to_device_copies"] == len(result.shard_loads)
+    assert results.stats[0]["host_to_device_copies"] == len(result.shard_loads)
 
 
 def test_spilled_model_streams_weights():
@@ -42,7 +42,7 @@ def test_spilled_model_streams_weights():
     # a 40% budget also cannot keep every shard from its forward to its backward.
     assert min(result.shard_loads) >= 3
     assert sum(result.shard_loads) > 3 * len(result.shard_loads)
-    assert results.stats["host_to_device_bytes"] > 3 * model_bytes(model)
+    assert results.stats[0]["host_to_device_bytes"] > 3 * model_bytes(model)
 
 
 def test_budget_parsing():

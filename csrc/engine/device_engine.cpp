@@ -49,7 +49,7 @@ int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
   return store.total_owned_numel() * per_element;
 }
 
-int DeviceEngine::add_model(std::shared_ptr<ShardStore> store) {
+int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_resident) {
   TORCH_CHECK(store, "add_model: no store");
   const int64_t left = pool_.budget() - committed_bytes_;
   const int64_t resident_need = resident_bytes(*store) + kResidentSlack * store->num_shards();
@@ -60,7 +60,7 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store) {
   TORCH_CHECK(!pool_.started(), "add_model: every model must be added before training starts");
   Model model;
   model.store = std::move(store);
-  model.resident = resident_need <= left;
+  model.resident = allow_resident && resident_need <= left;
   model.shards.resize(model.store->num_shards());
   committed_bytes_ += model.resident ? resident_need : spilled_need;
   models_.push_back(std::move(model));
@@ -119,8 +119,15 @@ Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
   return fence;
 }
 
+void DeviceEngine::plan(const std::vector<std::pair<int, int>>& visits) {
+  upcoming_.clear();
+  for (const auto& [model, shard] : visits) upcoming_.push_back(key(model, shard));
+}
+
 void DeviceEngine::plan(int model, const std::vector<int>& shards) {
-  for (int s : shards) upcoming_.push_back(key(model, s));
+  std::vector<std::pair<int, int>> visits;
+  for (int s : shards) visits.emplace_back(model, s);
+  plan(visits);
 }
 
 Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need) {

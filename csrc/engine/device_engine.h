@@ -40,15 +40,18 @@ class DeviceEngine {
   DeviceEngine(c10::Device device, int64_t budget_bytes);
   ~DeviceEngine();
 
-  // Validates that the model can train within what the budget has left and decides resident or spilled.
-  // Throws, changing nothing, when even its largest shard cannot fit. Returns the model's id.
-  int add_model(std::shared_ptr<ShardStore> store);
+  // Validates that the model can train within what the budget has left and decides resident (when allowed
+  // and it fits) or spilled. Throws, changing nothing, when even its largest shard cannot fit. Returns the
+  // model's id on this device. A model that may run on several devices must be spilled on all of them.
+  int add_model(std::shared_ptr<ShardStore> store, bool allow_resident = true);
   bool resident(int model) const { return models_.at(model).resident; }
   // The smallest budget a spilled model needs: its largest shard's weights and gradients at once.
   static int64_t min_spilled_bytes(const ShardStore& store);
   static int64_t resident_bytes(const ShardStore& store);
 
-  // Announces shard visits in the order they will happen, so eviction can look ahead.
+  // The shard visits expected next on this device, in order, replacing the previous plan; eviction looks
+  // ahead through it and each acquire consumes its visit.
+  void plan(const std::vector<std::pair<int, int>>& visits);
   void plan(int model, const std::vector<int>& shards);
   void prefetch(int model, int shard);
   void acquire(int model, int shard, bool with_grads);
@@ -61,12 +64,17 @@ class DeviceEngine {
   double clip_and_step(int model, double max_norm);
   // Forgets the gradients accumulated since the last step (a failed micro-batch must not leak into one).
   void discard_grads(int model);
-  // Waits for all of the model's queued work, rethrowing its first error.
+  // Waits for all of the model's queued host work, on every device (the model's jobs form one chain),
+  // rethrowing the first error of the jobs queued here.
   void synchronize(int model);
-  // Brings device-resident state home and points the user's parameters at host tensors again.
+  // Brings device-resident state home and points the user's parameters at host tensors again; does so
+  // even when a queued job failed, then rethrows that job's error.
   void finish(int model);
 
   EngineStats stats() const;
+  int64_t host_to_device_bytes() const { return stats_.host_to_device_bytes; }
+  // What the budget has left after the models added so far (their resident state or spilled working set).
+  int64_t free_bytes() const { return pool_.budget() - committed_bytes_; }
   // How many times each of the model's shards was copied to the device.
   std::vector<int64_t> shard_loads(int model) const;
 

@@ -216,6 +216,8 @@ void DeviceEngine::discard_grads(int model) {
 }
 
 void DeviceEngine::synchronize(int model) {
+  // An empty job at the end of the model's chain finishes after every earlier job, whichever device ran it.
+  submit(model, []() -> DeviceEvent { return nullptr; });
   worker_.drain();
   std::vector<Fence> jobs = std::move(models_.at(model).jobs);
   models_[model].jobs.clear();
@@ -223,7 +225,12 @@ void DeviceEngine::synchronize(int model) {
 }
 
 void DeviceEngine::finish(int model) {
-  synchronize(model);
+  std::exception_ptr failure;
+  try {
+    synchronize(model);
+  } catch (...) {
+    failure = std::current_exception();
+  }
   Model& m = models_.at(model);
   ShardStore& store = *m.store;
   if (m.resident && m.uploaded) {
@@ -240,6 +247,7 @@ void DeviceEngine::finish(int model) {
     }
   }
   store.write_back();
+  if (failure) std::rethrow_exception(failure);
 }
 
 EngineStats DeviceEngine::stats() const {

@@ -1,0 +1,48 @@
+"""Progress bars: one per task and a total, in a terminal or a notebook (tqdm.auto picks)."""
+from __future__ import annotations
+
+import threading
+
+
+class Progress:
+    def __init__(self, runners, enabled: bool):
+        self._lock = threading.Lock()
+        self._bars = {}
+        self._total = None
+        if not enabled:
+            return
+        from tqdm.auto import tqdm
+
+        steps = [self._expected_steps(r) for r in runners]
+        self._total = tqdm(total=sum(steps), desc="all tasks", unit="step", position=0, dynamic_ncols=True)
+        for i, (runner, total) in enumerate(zip(runners, steps)):
+            self._bars[runner.index] = tqdm(total=total, desc=runner.task.name, unit="step", position=i + 1,
+                                            leave=True, dynamic_ncols=True)
+            runner.on_step = self.step
+
+    @staticmethod
+    def _expected_steps(runner) -> int:
+        task = runner.task
+        per_epoch = -(-len(task.data) // task.accumulate)
+        steps = per_epoch * task.epochs
+        return min(steps, task.max_steps) if task.max_steps is not None else steps
+
+    def step(self, runner):
+        with self._lock:
+            bar = self._bars.get(runner.index)
+            if bar is None:
+                return
+            bar.update(1)
+            bar.set_postfix(loss=f"{runner.losses[-1]:.4f}", refresh=False)
+            self._total.update(1)
+
+    def close(self, runners):
+        with self._lock:
+            for runner in runners:
+                bar = self._bars.get(runner.index)
+                if bar is not None and runner.error is not None:
+                    bar.set_postfix_str(f"failed: {type(runner.error).__name__}")
+            for bar in self._bars.values():
+                bar.close()
+            if self._total is not None:
+                self._total.close()

@@ -1,0 +1,68 @@
+"""One thread per device: ask the scheduler for a unit, run it, report its duration."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hydra_torch.results import TraceEntry
+
+
+@dataclass
+class DeviceSlot:
+    index: int
+    device: torch.device
+    engine: object            # _C.DeviceEngine
+    scheduler: object = None  # _C.Scheduler
+    runners: list = None      # TaskRunner per task id
+
+    def prefetch(self):
+        """Brings in the shard of the unit this device is planned to run next, possibly another task's."""
+        planned = self.scheduler.peek(self.index)
+        if planned is None:
+            return
+        model = self.runners[planned.task].model_ids.get(self.index)
+        if model is not None:
+            self.engine.prefetch(model, planned.shard)
+
+    def plan(self, runner, unit):
+        """Tells the engine which shard visits come next here, so eviction keeps the right ones."""
+        visits = [(runner.model_ids[self.index], s) for s in runner.upcoming(unit)]
+        planned = self.scheduler.peek(self.index)
+        if planned is not None and planned.task != unit.task:
+            model = self.runners[planned.task].model_ids.get(self.index)
+            if model is not None:
+                visits.insert(1, (model, planned.shard))
+        self.engine.plan(visits)
+
+
+def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
+    if slot.device.type == "cuda":
+        torch.cuda.set_device(slot.device)
+    if threads_per_device is not None:
+        torch.set_num_threads(threads_per_device)
+    while True:
+        unit = slot.scheduler.next(slot.index)
+        if unit is None:
+            return
+        runner = slot.runners[unit.task]
+        start = time.perf_counter()
+        copied = slot.engine.host_to_device_bytes()
+        try:
+            slot.plan(runner, unit)
+            runner.run_unit(unit, slot)
+            if slot.device.type == "cuda":
+                # The scheduler's cost model needs the unit's device time, not the time to enqueue it.
+                torch.cuda.current_stream(slot.device).synchronize()
+        except Exception as error:  # the task ends; the others go on
+            with lock:
+                runner.error = error
+            slot.scheduler.fail(unit.task)
+        end = time.perf_counter()
+        slot.scheduler.complete(slot.index, unit, max(end - start, 1e-9))
+        with lock:
+            trace.append(TraceEntry(slot.index, unit.task, runner.task.name, unit.index, unit.shard,
+                                    str(unit.phase).rsplit(".", 1)[-1], start, end,
+                                    slot.engine.host_to_device_bytes() - copied))
