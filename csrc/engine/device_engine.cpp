@@ -51,18 +51,25 @@ int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
 
 int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_resident) {
   TORCH_CHECK(store, "add_model: no store");
-  const int64_t left = pool_.budget() - committed_bytes_;
+  // One unit computes at a time on a device, so spilled models share one working set: the largest shard's
+  // weights and gradients among them. Resident models each keep their whole state.
   const int64_t resident_need = resident_bytes(*store) + kResidentSlack * store->num_shards();
   const int64_t spilled_need = min_spilled_bytes(*store) + kSpilledSlack;
-  TORCH_CHECK(spilled_need <= left, "memory budget too small: the largest shard needs ", spilled_need,
-              " bytes on the device (its weights and gradients) but only ", left, " of the budget's ",
-              pool_.budget(), " bytes are left; raise memory_budget or cut the model into smaller shards");
+  const int64_t reserve = std::max(spilled_reserve_, spilled_need);
+  TORCH_CHECK(resident_committed_ + reserve <= pool_.budget(), "memory budget too small: the largest shard needs ",
+              spilled_need, " bytes on the device (its weights and gradients) but only ",
+              pool_.budget() - resident_committed_, " of the budget's ", pool_.budget(),
+              " bytes are left; raise memory_budget or cut the model into smaller shards");
   TORCH_CHECK(!pool_.started(), "add_model: every model must be added before training starts");
   Model model;
   model.store = std::move(store);
-  model.resident = allow_resident && resident_need <= left;
+  model.resident = allow_resident && resident_committed_ + spilled_reserve_ + resident_need <= pool_.budget();
   model.shards.resize(model.store->num_shards());
-  committed_bytes_ += model.resident ? resident_need : spilled_need;
+  if (model.resident) {
+    resident_committed_ += resident_need;
+  } else {
+    spilled_reserve_ = reserve;
+  }
   models_.push_back(std::move(model));
   // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
   // cached plus one shard's gradients.
@@ -200,7 +207,15 @@ bool DeviceEngine::load(int model, int shard, Need need) {
   return true;
 }
 
+void DeviceEngine::start() {
+  if (pool_.started()) return;
+  // Resident state first, from the start of the arena, so it never splits the space spilled shards share.
+  for (int i = 0; i < static_cast<int>(models_.size()); ++i)
+    if (models_[i].resident) upload_resident(i);
+}
+
 void DeviceEngine::prefetch(int model, int shard) {
+  start();
   ShardState& state = models_.at(model).shards.at(shard);
   if (models_[model].resident || current(model, shard)) return;
   if (state.cached) {
@@ -216,7 +231,7 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
   if (it != upcoming_.end()) upcoming_.erase(it);
   ++state.pins;
-  if (m.resident && !m.uploaded) upload_resident(model);
+  start();
   if (!m.resident) {
     TORCH_CHECK(state.pins == 1, "shard ", shard, " of model ", model, " acquired twice on ", device_);
     if (state.cached && !current(model, shard)) evict(state);

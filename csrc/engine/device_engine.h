@@ -74,7 +74,7 @@ class DeviceEngine {
   EngineStats stats() const;
   int64_t host_to_device_bytes() const { return stats_.host_to_device_bytes; }
   // What the budget has left after the models added so far (their resident state or spilled working set).
-  int64_t free_bytes() const { return pool_.budget() - committed_bytes_; }
+  int64_t free_bytes() const { return pool_.budget() - resident_committed_ - spilled_reserve_; }
   // How many times each of the model's shards was copied to the device.
   std::vector<int64_t> shard_loads(int model) const;
 
@@ -108,6 +108,7 @@ class DeviceEngine {
   Allocation allocate(int model, int shard, int64_t bytes, Need need);
   bool load(int model, int shard, Need need);
   void allocate_grads(int model, int shard);
+  void start();  // on first use: uploads every resident model
   void upload_resident(int model);
   void bind(int model, int shard, bool with_grads);
   void step_resident(int model, int shard, double grad_scale);
@@ -125,7 +126,8 @@ class DeviceEngine {
   std::vector<Model> models_;
   std::deque<int64_t> upcoming_;
   at::Tensor staging_;  // pinned host landing buffer for gradient copies, one shard at a time
-  int64_t committed_bytes_ = 0;  // resident state plus the working set spilled models need
+  int64_t resident_committed_ = 0;  // the resident models' whole state
+  int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
   EngineStats stats_;
   HostWorker worker_;  // last member: destroyed first, so no job outlives what it captures
 };

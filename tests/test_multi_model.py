@@ -1,0 +1,147 @@
+"""Several models in one ht.train call, on several (virtual CPU) devices: same results as alone."""
+import _thread
+import threading
+
+import pytest
+import torch
+
+import hydra_torch as ht
+from models import lm_loss, model_bytes, tied_transformer, token_batches
+
+LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
+
+
+def make_tasks(data, fail_task=None, seeds=(0, 1, 2, 3), **options):
+    tasks, models = [], []
+    for i, (lr, seed) in enumerate(zip(LEARNING_RATES, seeds)):
+        model = tied_transformer(seed=seed, dropout=0.0)
+        loss_fn = lm_loss
+        if i == fail_task:
+            def loss_fn(out, batch, calls=[0]):
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise RuntimeError("boom in loss_fn")
+                return lm_loss(out, batch)
+        tasks.append(ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=lr), loss_fn=loss_fn, data=data,
+                                  name=f"lr{lr:g}", **options))
+        models.append(model)
+    return tasks, models
+
+
+def train_alone(data, index, budget, **options):
+    """The same model trained by itself on one device with one thread, as each virtual device has."""
+    model = tied_transformer(seed=index, dropout=0.0)
+    task = ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=LEARNING_RATES[index]), loss_fn=lm_loss, data=data,
+                        **options)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = ht.train([task], devices="cpu", memory_budget=budget, progress=False)[0]
+    finally:
+        torch.set_num_threads(threads)
+    return model, result
+
+
+def check_trace(results):
+    by_task, by_device = {}, {}
+    for e in results.trace:
+        by_task.setdefault(e.task, []).append(e)
+        by_device.setdefault(e.device, []).append(e)
+    for entries in by_task.values():
+        entries.sort(key=lambda e: e.start)
+        assert [e.unit for e in entries] == list(range(len(entries))), "a task's units run in order, each once"
+        for a, b in zip(entries, entries[1:]):
+            assert a.end <= b.start, "a task never runs two units at once"
+    for entries in by_device.values():
+        entries.sort(key=lambda e: e.start)
+        for a, b in zip(entries, entries[1:]):
+            assert a.end <= b.start, "a device runs one unit at a time"
+    return by_task, by_device
+
+
+@pytest.mark.parametrize("schedule", ["lrtf", "fifo", "round_robin", "random"])
+def test_four_models_on_two_devices_match_training_alone(schedule):
+    data = token_batches(6)
+    budget = int(0.45 * model_bytes(tied_transformer()))
+    tasks, models = make_tasks(data, accumulate=2)
+    results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, schedule=schedule, progress=False)
+    by_task, by_device = check_trace(results)
+    assert len(by_device) == 2, "both devices ran units"
+    assert sum(len(set(e.device for e in entries)) > 1 for entries in by_task.values()) >= 1, \
+        "with spilled models, tasks move between devices"
+    for i, (model, result) in enumerate(zip(models, results)):
+        assert result.error is None and not result.resident and result.steps == 3
+        alone, alone_result = train_alone(data, i, budget, accumulate=2)
+        assert result.losses == alone_result.losses
+        for a, b in zip(model.parameters(), alone.parameters()):
+            assert torch.equal(a, b), f"task {i} differs from training alone"
+        assert model[0].weight is model[-1].weight
+    for stats in results.stats:
+        assert stats["high_water_bytes"] <= budget
+
+
+def test_one_failing_task_does_not_disturb_the_others():
+    data = token_batches(4)
+    budget = int(0.45 * model_bytes(tied_transformer()))
+    tasks, models = make_tasks(data, fail_task=1)
+    with pytest.warns(RuntimeWarning, match="boom in loss_fn"):
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, progress=False)
+    check_trace(results)
+    assert isinstance(results[1].error, RuntimeError) and results[1].steps == 2
+    for i in (0, 2, 3):
+        assert results[i].error is None and results[i].steps == 4
+        alone, _ = train_alone(data, i, budget)
+        assert all(torch.equal(a, b) for a, b in zip(models[i].parameters(), alone.parameters()))
+    failed_alone, _ = train_alone(data[:2], 1, budget)
+    assert all(torch.equal(a, b) for a, b in zip(models[1].parameters(), failed_alone.parameters())), \
+        "the failed task keeps the weights of its last good step"
+    assert results.best is not None and results.best.name != "lr0.003"
+
+
+def test_resident_models_spread_over_devices():
+    data = token_batches(3)
+    tasks, models = make_tasks(data)
+    results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=200 * model_bytes(models[0]), progress=False)
+    by_task, _ = check_trace(results)
+    assert all(r.resident and r.shard_loads == [1] * len(r.shard_loads) for r in results)
+    assert all(len({e.device for e in entries}) == 1 for entries in by_task.values()), "resident tasks stay home"
+    assert {entries[0].device for entries in by_task.values()} == {0, 1}
+    for i, model in enumerate(models):
+        alone, _ = train_alone(data, i, 200 * model_bytes(models[0]))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alone.parameters()))
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_weights():
+    data = token_batches(40)
+    calls = [0]
+
+    def interrupting_loss(out, batch):
+        calls[0] += 1
+        if calls[0] == 5:
+            _thread.interrupt_main()
+        return lm_loss(out, batch)
+
+    tasks, models = make_tasks(data)
+    tasks[0].loss_fn = interrupting_loss
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt):
+        ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
+    assert threading.active_count() == before, "every worker thread joined"
+    for model in models:
+        assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in model.parameters())
+        assert model[0].weight is model[-1].weight
+
+
+def test_schedule_chart_and_summary(tmp_path):
+    pytest.importorskip("matplotlib")
+    data = token_batches(2)
+    tasks, _ = make_tasks(data)
+    results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(tied_transformer())),
+                       progress=False)
+    path = tmp_path / "schedule.png"
+    results.plot_schedule(path)
+    assert path.stat().st_size > 1000
+    utilisation = results.utilisation()
+    assert set(utilisation) == {"cpu", "cpu"} or len(utilisation) >= 1
+    assert all(0.0 < u <= 1.0 for u in utilisation.values())
+    assert "best:" in results.summary()
