@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hydra_torch import optim, sharding
+from hydra_torch.integrations import adapt
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -25,8 +26,10 @@ def _default_inputs(batch):
 class ModelTask:
     """A model, its optimizer, loss and data.
 
-    model: an nn.Sequential, a list of modules, or any module with explicit ``shards=[[m, ...], ...]``.
-    loss_fn(output, batch) -> scalar tensor, where output is the last shard's output.
+    model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
+    explicit ``shards=[[m, ...], ...]``.
+    loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
+    model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
     takes (default: batch[0] for tuples, batch["input_ids"] for dicts, else the batch itself).
     accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n).
@@ -36,7 +39,8 @@ class ModelTask:
 
     _names = itertools.count()
 
-    def __init__(self, model, *, loss_fn: Callable[[Any, Any], torch.Tensor], data: Iterable, optimizer=None,
+    def __init__(self, model, *, data: Iterable, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 optimizer=None,
                  epochs: int = 1, name: str | None = None, precision: str = "fp32", shards=None,
                  accumulate: int = 1, clip_grad_norm: float | None = None,
                  inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None):
@@ -46,6 +50,8 @@ class ModelTask:
                             f"{type(optimizer).__name__}: hydra-torch steps shards natively")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
+        adapter = adapt(model)
+        loss_fn = loss_fn if loss_fn is not None else (adapter.loss_fn if adapter else None)
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(output, batch)")
         if inputs is not None and not callable(inputs):
@@ -61,7 +67,9 @@ class ModelTask:
             raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
                             "plans each task's remaining work from its length")
 
-        groups = sharding.split(model, shards)
+        if adapter is not None and len(data) > 0:
+            adapter.check_batch(next(iter(data)))
+        groups = sharding.split(adapter.pieces if adapter else model, shards)
         params = sharding.shard_parameters(groups)
         if not any(params):
             raise ValueError("the model has no parameters to train")
@@ -79,7 +87,8 @@ class ModelTask:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.data = data
-        self.inputs = inputs or _default_inputs
+        self.inputs = inputs or (adapter.inputs if adapter else _default_inputs)
+        self.adapter = adapter
         self.epochs = epochs
         self.accumulate = accumulate
         self.clip_grad_norm = clip_grad_norm

@@ -1,0 +1,93 @@
+"""Hugging Face GPT-2 (GPT2LMHeadModel) as pieces: embeddings, each block, final norm + LM head.
+
+The pieces hold the model's own submodules, so training updates the user's model in place and the tie
+between `wte` and `lm_head` stays a tie (the engine stores the shared weight once and sums its gradients).
+Between pieces travels (hidden_states, causal_mask, position_ids): the mask comes from the model's own
+`create_causal_mask`, so padding in `attention_mask` and the attention implementation behave as in HF.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def supports(model) -> bool:
+    from transformers import GPT2LMHeadModel
+
+    return isinstance(model, GPT2LMHeadModel)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.wte, self.wpe, self.drop = model.transformer.wte, model.transformer.wpe, model.transformer.drop
+        self.config = model.config
+
+    def forward(self, inputs):
+        from transformers.masking_utils import create_causal_mask
+
+        input_ids, attention_mask = inputs
+        embeds = self.wte(input_ids)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = embeds + self.wpe(position_ids)
+        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                  cache=None, position_ids=position_ids)
+        return self.drop(hidden), mask, position_ids
+
+
+class Block(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        hidden, mask, position_ids = inputs
+        return self.block(hidden, None, mask, use_cache=False, position_ids=position_ids), mask, position_ids
+
+
+class Head(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+    def forward(self, inputs):
+        return self.lm_head(self.ln_f(inputs[0]))
+
+
+def causal_lm_loss(logits, batch):
+    """Hugging Face's causal-LM loss: predict token t+1 from tokens <= t, mean over labels != -100."""
+    labels = batch["labels"].to(logits.device)
+    return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def adapter(model):
+    from hydra_torch.integrations.adapter import Adapter
+
+    config = model.config
+    if getattr(config, "add_cross_attention", False):
+        raise TypeError("not supported: GPT2LMHeadModel with cross-attention (add_cross_attention=True)")
+
+    def inputs(batch):
+        return batch["input_ids"], batch.get("attention_mask")
+
+    def check_batch(batch):
+        if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+            raise KeyError("a GPT-2 batch is a dict with 'input_ids' and 'labels' (and optionally 'attention_mask')")
+        ids = batch["input_ids"]
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got {tuple(ids.shape)} {ids.dtype}")
+        if ids.shape[1] > config.n_positions:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's n_positions={config.n_positions}")
+        if ids.numel() and (int(ids.max()) >= config.vocab_size or int(ids.min()) < 0):
+            raise ValueError(f"token ids must lie in [0, {config.vocab_size}) (the model's vocab_size); found "
+                             f"[{int(ids.min())}, {int(ids.max())}]: does the tokenizer match the model?")
+        if batch["labels"].shape != ids.shape:
+            raise ValueError(f"labels {tuple(batch['labels'].shape)} must have the shape of input_ids {tuple(ids.shape)}")
+
+    pieces = [Embeddings(model), *[Block(b) for b in model.transformer.h], Head(model)]
+    return Adapter(pieces, inputs, causal_lm_loss, check_batch,
+                   f"GPT-2: embeddings, {len(model.transformer.h)} blocks, final norm + LM head")
