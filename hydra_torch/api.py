@@ -173,5 +173,7 @@ def _finish(runners, engines, trace, start, devices, wall) -> Results:
                                   (max(ends) - start) if ends else 0.0,
                                   any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
                                   runner.error))
-    return Results(results, [str(d) for d in devices], [e.stats() for e in engines], sorted(trace, key=lambda e: e.start),
-                   wall)
+    names = [str(d) for d in devices]
+    if len(set(names)) < len(names):  # virtual devices: number them
+        names = [f"{name}[{i}]" for i, name in enumerate(names)]
+    return Results(results, names, [e.stats() for e in engines], sorted(trace, key=lambda e: e.start), wall)
