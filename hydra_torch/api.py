@@ -142,6 +142,7 @@ def _place(runner: TaskRunner, engines, budgets, pin: bool):
         runner.model_ids[roomiest] = model
         if engines[roomiest].resident(model):
             runner.home = roomiest if len(engines) > 1 else None
+            runner.keep_graphs = True
             return
         for i, engine in enumerate(engines):
             if i != roomiest:

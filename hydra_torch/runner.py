@@ -102,6 +102,10 @@ class TaskRunner:
         self.compute_dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
         self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
         self.home: int | None = None          # the slot holding its resident state, if any
+        # Resident weights never move, so forward can keep each shard's autograd graph and backward need
+        # not recompute it (as plain PyTorch). Spilled weights leave the device: graphs would point at
+        # reused memory, so forward keeps only inputs and backward recomputes.
+        self.keep_graphs = False
         self.losses: list[float] = []
         self.steps = 0
         self.epochs_done = 0
@@ -182,15 +186,18 @@ class TaskRunner:
     def _forward(self, s, slot):
         engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
         x = _to(mb.x, slot.device)
+        if self.keep_graphs and s > 0:
+            x = self._requires_grad(x)
         engine.acquire(mid, s, with_grads=False)
         try:
             slot.prefetch()
             mb.rng[s] = RngState(slot.device)
-            with torch.no_grad():
+            with torch.set_grad_enabled(self.keep_graphs):
                 y = _run_shard(self.task.modules[s], x)
         finally:
             engine.release(mid, s)
-        mb.saved[s], mb.x = x, y
+        mb.saved[s] = (x, y) if self.keep_graphs else x
+        mb.x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y) if self.keep_graphs else y
 
     def _forward_backward(self, slot):
         engine, mid, mb, s = slot.engine, self.model_ids[slot.index], self._mb, self.n - 1
@@ -214,14 +221,20 @@ class TaskRunner:
 
     def _backward(self, s, slot):
         engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
-        x_in = self._requires_grad(_to(mb.saved.pop(s), slot.device))
+        saved = mb.saved.pop(s)
         grad = _to(mb.grad, slot.device)
         engine.acquire(mid, s, with_grads=True)
         try:
             slot.prefetch()
-            mb.rng.pop(s).restore(slot.device)
+            rng = mb.rng.pop(s)
             with torch.enable_grad():
-                outputs, _ = tree_flatten(_run_shard(self.task.modules[s], x_in))
+                if self.keep_graphs:
+                    x_in, y = saved
+                else:
+                    x_in = self._requires_grad(_to(saved, slot.device))
+                    rng.restore(slot.device)
+                    y = _run_shard(self.task.modules[s], x_in)
+                outputs, _ = tree_flatten(y)
                 pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
