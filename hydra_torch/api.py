@@ -99,14 +99,17 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     trace, lock = [], threading.Lock()
     threads_per_device = 1 if len(resolved) > 1 and resolved[0].type == "cpu" else None
     bars = Progress(runners, progress)
+    # Device 0's worker is this thread: a fresh thread gets a fresh OpenMP pool, which on a busy CPU fights
+    # the pool this thread already has (measured: up to 1.5x slower kernels). Other devices get threads.
     threads = [threading.Thread(target=device_worker, args=(slot, trace, lock, threads_per_device),
-                                name=f"hydra-{slot.device}", daemon=True) for slot in slots]
+                                name=f"hydra-{slot.device}", daemon=True) for slot in slots[1:]]
     threads_before = torch.get_num_threads()
     start = time.perf_counter()
     interrupted = None
     try:
         for thread in threads:
             thread.start()
+        device_worker(slots[0], trace, lock, threads_per_device)
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.1)

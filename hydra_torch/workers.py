@@ -39,6 +39,8 @@ class DeviceSlot:
 
 
 def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
+    """Runs units until the scheduler has none left for this device. A KeyboardInterrupt (on the main thread)
+    propagates after the interrupted unit's shard has been released; the caller cancels the scheduler."""
     if slot.device.type == "cuda":
         torch.cuda.set_device(slot.device)
     if threads_per_device is not None:
