@@ -41,10 +41,19 @@ class DeviceSlot:
 def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
     """Runs units until the scheduler has none left for this device. A KeyboardInterrupt (on the main thread)
     propagates after the interrupted unit's shard has been released; the caller cancels the scheduler."""
+    previous_device = torch.cuda.current_device() if slot.device.type == "cuda" else None
     if slot.device.type == "cuda":
         torch.cuda.set_device(slot.device)
     if threads_per_device is not None:
         torch.set_num_threads(threads_per_device)
+    try:
+        _run_units(slot, trace, lock)
+    finally:
+        if previous_device is not None:
+            torch.cuda.set_device(previous_device)  # device 0's worker is the caller's own thread
+
+
+def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
     while True:
         unit = slot.scheduler.next(slot.index)
         if unit is None:
