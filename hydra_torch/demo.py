@@ -87,7 +87,10 @@ def main(argv=None):
     if args.pretrained:
         from transformers import GPT2TokenizerFast
 
-        tokenizer = GPT2TokenizerFast.from_pretrained("gpt2")
+        try:
+            tokenizer = GPT2TokenizerFast.from_pretrained("gpt2")
+        except OSError as error:
+            raise SystemExit(f"--pretrained needs the Hugging Face hub or its cache, which is not reachable: {error}")
         encode, vocab_size = (lambda t: tokenizer(t)["input_ids"]), tokenizer.vocab_size
     else:
         tokenizer = train_tokenizer(text[:split], args.vocab)

@@ -16,3 +16,4 @@ def test_demo_runs_and_names_the_best(tmp_path, capsys):
     assert "valid loss" in out and "tokens/s" in out
     assert chart.stat().st_size > 1000
     assert torch.get_num_threads() == threads, "virtual devices restore the thread count"
+

@@ -30,6 +30,9 @@ class Embeddings(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         input_ids, attention_mask = inputs
+        if input_ids.shape[-1] > self.config.n_positions:
+            raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds the model's "
+                             f"n_positions={self.config.n_positions}")
         embeds = self.wte(input_ids)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         hidden = embeds + self.wpe(position_ids)
