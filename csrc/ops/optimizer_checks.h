@@ -83,4 +83,9 @@ inline void check_sgd_args(const at::Tensor& param, const at::Tensor& grad,
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale >= 0.0, "grad_scale must be finite and >= 0, got ", grad_scale);
 }
 
+// The shadow's bits for the kernels, which see bfloat16 as raw uint16_t; null when there is no shadow.
+inline uint16_t* shadow_bits(const std::optional<at::Tensor>& shadow) {
+  return shadow ? reinterpret_cast<uint16_t*>(shadow->data_ptr()) : nullptr;
+}
+
 }  // namespace hydra::ops

@@ -28,10 +28,6 @@ void for_each_slice(int64_t numel, const Fn& fn) {
   });
 }
 
-uint16_t* shadow_bits(const std::optional<at::Tensor>& shadow) {
-  return shadow ? reinterpret_cast<uint16_t*>(shadow->data_ptr()) : nullptr;
-}
-
 void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& shadow, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t step, double grad_scale, bool decoupled) {
