@@ -1,0 +1,260 @@
+"""hydra-torch's GPU suite: hydra against plain PyTorch, DeepSpeed ZeRO-3 offload and FSDP2 CPU offload on
+GPT-2-shaped models, under one GPU memory cap for every system. benchmarks/RESULTS.md ("GPU suite") explains
+each measure and the targets.
+
+    python benchmarks/gpu_suite.py --out OUT [--p3] [--budget-s 420] [--cap-gib 16]   # on the GPU box
+    python benchmarks/gpu_suite.py --smoke --out OUT    # every code path with tiny models on the CPU, < 60 s
+
+P1: one GPT-2-XL-shaped model: hydra spilled under the cap, hydra resident and plain PyTorch without it, at a
+    batch below and one above the T >= F/B break-even (HYDRA.md section 3: ~16k tokens on H200 + PCIe Gen5).
+P2: K GPT-2-large-shaped models with different learning rates, K from host RAM: hydra in one ht.train call
+    against DeepSpeed ZeRO-3 offload and FSDP2 CPU offload training them one after another.
+P3: (--p3) the largest GPT-shaped model hydra trains for 3 steps under the cap, AdamW then SGD.
+Writes OUT/gpu_suite.json and OUT/gpu_suite.md. Exit status 0 only if nothing that ran failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from gpu_suite_env import (GiB, Workload, build_model, hydra_headroom_bytes, hydra_host_bytes_per_param,  # noqa: E402
+                           machine, make_batches, meminfo, models_that_fit, pcie_bandwidth)
+from gpu_suite_report import markdown  # noqa: E402
+from gpu_suite_systems import run_deepspeed, run_fsdp2, run_hydra, run_plain  # noqa: E402
+
+GPU = {"p1": dict(n_embd=1600, n_layer=48, n_head=25), "p1_batches": (4, 24),       # GPT-2 XL, 1.56B
+       "p2": dict(n_embd=1280, n_layer=36, n_head=20, batch=8), "p2_max_models": 4,  # GPT-2 large, 0.77B
+       "p3": dict(n_embd=4096, n_head=32, batch=1), "p3_layers": 8, "seq": 1024, "vocab": 50257,
+       "p1_steps": (2, 4), "p2_steps": (1, 3)}
+SMOKE = {"p1": dict(n_embd=64, n_layer=4, n_head=2), "p1_batches": (2, 8),
+         "p2": dict(n_embd=64, n_layer=3, n_head=2, batch=4), "p2_max_models": 2,
+         "p3": dict(n_embd=64, n_head=2, batch=1), "p3_layers": 2, "seq": 32, "vocab": 256,
+         "p1_steps": (1, 2), "p2_steps": (1, 2)}
+MIN_BUDGET = 4 * GiB  # below this the spilled XL model's arena would hold little more than one shard
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
+    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: every code path, < 60 s")
+    p.add_argument("--p3", action="store_true", help="also search the largest model hydra trains under the cap")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-time box for the whole run (default 420, smoke 50)")
+    p.add_argument("--cap-gib", type=float, default=16.0, help="GPU memory cap for every system (capped runs)")
+    p.add_argument("--p2-max-models", type=int, default=None, help="upper bound on K (time box); RAM sets the rest")
+    return p.parse_args(argv)
+
+
+class Clock:
+    """The suite's time box: each phase gets a share of what is left; a run that would start after its
+    phase's deadline is skipped with the reason printed and recorded."""
+
+    def __init__(self, budget_s: float):
+        self.start, self.end = time.perf_counter(), time.perf_counter() + budget_s
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+    def deadline(self, share: float) -> float:
+        return time.perf_counter() + max(0.0, share * self.left())
+
+
+class Suite:
+    def __init__(self, args):
+        self.args = args
+        self.cfg = SMOKE if args.smoke else GPU
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
+        self.clock = Clock(args.budget_s or (50.0 if args.smoke else 420.0))
+        self.failures, self.record = [], {"mode": "smoke" if args.smoke else "gpu", "device": str(self.device),
+                                          "cap_gib": args.cap_gib, "phases": {}}
+
+    def workload(self, shape: dict, steps, batch=None, seed=0) -> Workload:
+        shape = dict(shape)
+        b = shape.pop("batch", batch)
+        return Workload(**shape, vocab=self.cfg["vocab"], seq=self.cfg["seq"], batch=b, warmup=steps[0],
+                        timed=steps[1], seed=seed)
+
+    def cap(self, gib: float | None):
+        """Caps the caching allocator (every system allocates through it, hydra's arena too); None lifts it."""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            fraction = 1.0 if gib is None else min(1.0, gib * GiB / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            torch.cuda.empty_cache()
+
+    def capped_budget(self, w: Workload, templates) -> tuple[int, float, str]:
+        """hydra's memory_budget under the cap: the cap less the activation headroom. On the CPU the smoke test
+        uses three times the largest shard instead, so the models spill there too."""
+        if self.device.type != "cuda":
+            shard = max(p.numel() * 4 for p in templates[0].transformer.h[0].parameters())
+            shard = max(shard, templates[0].transformer.wte.weight.numel() * 4)
+            return 3 * shard + 65536, self.args.cap_gib, "CPU: 3 x largest shard (spilled)"
+        headroom = hydra_headroom_bytes(w)
+        cap = self.args.cap_gib * GiB
+        note = f"budget = cap {cap / GiB:.1f} GiB - headroom {headroom / GiB:.1f} GiB"
+        if cap - headroom < MIN_BUDGET:
+            cap = headroom + MIN_BUDGET
+            note = (f"cap raised to {cap / GiB:.1f} GiB for this batch: activations and the loss's logits need "
+                    f"{headroom / GiB:.1f} GiB beside a {MIN_BUDGET / GiB:.0f} GiB budget")
+        return int(cap - headroom), cap / GiB, note
+
+    def run(self, phase: dict, name: str, deadline: float, fn, *args, **kwargs) -> dict:
+        if time.perf_counter() > deadline:
+            result = {"skipped": f"time box: phase over its share of --budget-s ({self.clock.left():.0f} s left)"}
+        else:
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            result["seconds"] = time.perf_counter() - start
+        phase[name] = result
+        if "error" in result:
+            self.failures.append(f"{name}: {result['error']}")
+        status = result.get("skipped") or result.get("error") or f"{result.get('tokens_per_s', 0):.0f} tokens/s"
+        print(f"  {name}: {'skipped: ' if 'skipped' in result else ''}{status}", flush=True)
+        return result
+
+    # ---- phases ---------------------------------------------------------------------------------------
+
+    def p1(self, deadline: float):
+        shape, phase = self.cfg["p1"], {}
+        base = self.workload(shape, self.cfg["p1_steps"], batch=self.cfg["p1_batches"][0])
+        print(f"P1: one model of {base.params() / 1e9:.2f}B params", flush=True)
+        template = [build_model(base, seed=0)]
+        for batch in self.cfg["p1_batches"]:
+            w = self.workload(shape, self.cfg["p1_steps"], batch=batch)
+            data, entry = make_batches(w), {"workload": w.as_dict()}
+            budget, cap, note = self.capped_budget(w, template)
+            entry.update({"hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
+            self.cap(cap)
+            self.run(entry, "hydra_spilled_capped", deadline, run_hydra, template, [1e-4], w, data, self.device, budget)
+            self.cap(None)
+            self.run(entry, "hydra_resident_uncapped", deadline, run_hydra, template, [1e-4], w, data, self.device,
+                     "90%" if self.device.type == "cuda" else "4GiB")
+            self.run(entry, "plain_uncapped", deadline, run_plain, template, [1e-4], w, data, self.device, deadline)
+            speed = {k: v.get("tokens_per_s") for k, v in entry.items() if isinstance(v, dict)}
+            if speed.get("plain_uncapped"):
+                entry["ratio_spilled_vs_plain"] = (speed.get("hydra_spilled_capped") or 0) / speed["plain_uncapped"]
+                entry["ratio_resident_vs_plain"] = (speed.get("hydra_resident_uncapped") or 0) / speed["plain_uncapped"]
+            if speed.get("hydra_resident_uncapped"):
+                entry["ratio_spilled_vs_resident"] = ((speed.get("hydra_spilled_capped") or 0)
+                                                      / speed["hydra_resident_uncapped"])
+            if entry["hydra_spilled_capped"].get("resident") == [True]:
+                entry["warning"] = "the capped hydra run stayed resident: it did not measure spilling"
+            phase[f"batch_{batch}"] = entry
+        self.record["phases"]["P1"] = phase
+
+    def p2(self, deadline: float):
+        w = self.workload(self.cfg["p2"], self.cfg["p2_steps"])
+        # Host bytes per model: hydra's training state (22 B/param with AdamW and an fp32 module) plus the
+        # template copy kept so every system starts from the same weights (4 B/param).
+        per_param = hydra_host_bytes_per_param(2) + 4
+        k_ram, why = models_that_fit(w.params(), per_param)
+        limit = self.args.p2_max_models or self.cfg["p2_max_models"]
+        k = min(k_ram, limit)
+        print(f"P2: {why}; running K = {k} (time-box limit {limit})", flush=True)
+        phase = {"workload": w.as_dict(), "k": k, "k_from_ram": k_ram, "k_reason": why, "k_limit": limit,
+                 "host_bytes_per_param": per_param}
+        self.record["phases"]["P2"] = phase
+        if k < 1:
+            phase["skipped"] = "host RAM holds no model's state with 25% headroom"
+            print(f"  skipped: {phase['skipped']}")
+            return
+        lrs = [1e-4 * 2**i for i in range(k)]
+        templates = [build_model(w, seed=i) for i in range(k)]
+        data = make_batches(w)
+        budget, cap, note = self.capped_budget(w, templates)
+        phase.update({"lrs": lrs, "hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
+        self.cap(cap)
+        share = (deadline - time.perf_counter()) / 3
+        self.run(phase, "hydra", deadline - 2 * share, run_hydra, templates, lrs, w, data, self.device, budget)
+        self.run(phase, "deepspeed_zero3_offload", deadline - share, run_deepspeed, templates, lrs, w, data,
+                 self.device, deadline - share)
+        self.run(phase, "fsdp2_cpu_offload", deadline, run_fsdp2, templates, lrs, w, data, self.device, deadline)
+        if self.args.smoke:  # FSDP2's own wrapping and step on the CPU, offload off: a code-path check only
+            self.run(phase, "fsdp2_no_offload_cpu_check", deadline, run_fsdp2, templates, lrs, w, data,
+                     self.device, deadline, offload=False)
+        self.cap(None)
+        hydra = phase["hydra"].get("tokens_per_s")
+        for name in ("deepspeed_zero3_offload", "fsdp2_cpu_offload"):
+            other = phase[name].get("tokens_per_s")
+            if hydra and other:
+                phase[f"ratio_hydra_vs_{name}"] = hydra / other
+
+    def p3(self, deadline: float):
+        """Grows n_layer by 1.5x until a run fails or the next model's host state would pass 85% of available
+        RAM. Models are built in bf16 (the module's own copy then costs 2 B/param, not 4)."""
+        phase = {"attempts": []}
+        self.record["phases"]["P3"] = phase
+        largest_ok = None
+        for optimizer, states in (("adamw", 2), ("sgd", 0)):
+            layers = largest_ok or self.cfg["p3_layers"]
+            while time.perf_counter() < deadline:
+                w = Workload(**self.cfg["p3"], n_layer=layers, vocab=self.cfg["vocab"], seq=self.cfg["seq"],
+                             warmup=1, timed=2)  # three steps
+                need = w.params() * hydra_host_bytes_per_param(states, module_bytes=2)
+                if need > 0.85 * (meminfo()["available_bytes"] or 0):
+                    phase["attempts"].append({"optimizer": optimizer, "n_layer": layers, "params": w.params(),
+                                              "skipped": f"host RAM: needs {need / GiB:.0f} GiB"})
+                    print(f"  P3 {optimizer} {w.params() / 1e9:.2f}B: stop, host RAM ({need / GiB:.0f} GiB)")
+                    break
+                template = [build_model(w, seed=0, dtype=torch.bfloat16)]
+                budget, cap, note = self.capped_budget(w, template)
+                self.cap(cap)
+                result = run_hydra(template, [1e-5], w, make_batches(w), self.device, budget, optimizer=optimizer)
+                self.cap(None)
+                del template
+                result.update({"optimizer": optimizer, "n_layer": layers, "params": w.params(), "cap_gib": cap})
+                phase["attempts"].append(result)
+                ok = "error" not in result
+                print(f"  P3 {optimizer} n_layer={layers} {w.params() / 1e9:.2f}B: "
+                      f"{'ok' if ok else result['error']}", flush=True)
+                if not ok:
+                    break
+                phase[f"largest_{optimizer}_params"] = w.params()
+                largest_ok = layers if optimizer == "adamw" else largest_ok
+                layers = max(layers + 1, int(layers * 1.5))
+                if self.args.smoke and layers > 2 * self.cfg["p3_layers"]:
+                    break  # the smoke test checks the loop, not the limit
+
+    def main(self) -> int:
+        print(f"hydra-torch GPU suite ({self.record['mode']}) on {self.device}, "
+              f"time box {self.clock.left():.0f} s", flush=True)
+        self.record["machine"] = machine()
+        self.record["pcie"] = pcie_bandwidth(self.device, GiB if self.device.type == "cuda" else 0)
+        print(f"PCIe: {self.record['pcie']}", flush=True)
+        with_p3 = self.args.p3 or self.args.smoke
+        self.p1(self.clock.deadline(0.3 if with_p3 else 0.4))
+        self.p2(self.clock.deadline(0.5 if with_p3 else 1.0))
+        if with_p3:
+            self.p3(self.clock.deadline(1.0))
+        self.record["failures"] = self.failures
+        self.record["wall_s"] = time.perf_counter() - self.clock.start
+        os.makedirs(self.args.out, exist_ok=True)
+        with open(os.path.join(self.args.out, "gpu_suite.json"), "w") as f:
+            json.dump(self.record, f, indent=1, default=str)
+        with open(os.path.join(self.args.out, "gpu_suite.md"), "w") as f:
+            f.write(markdown(self.record))
+        print(f"wrote {self.args.out}/gpu_suite.json and gpu_suite.md in {self.record['wall_s']:.0f} s; "
+              f"{len(self.failures)} failures", flush=True)
+        for failure in self.failures:
+            print(f"  FAILED {failure}")
+        return 1 if self.failures else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return Suite(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The GPU suite's markdown summary, written from its JSON record."""
+from __future__ import annotations
+
+
+def _num(value, fmt="{:.0f}"):
+    return fmt.format(value) if isinstance(value, (int, float)) and value is not None else "-"
+
+
+def _status(result: dict) -> str:
+    if "skipped" in result:
+        return f"skipped: {result['skipped']}"
+    if "error" in result:
+        return f"failed: {result['error'][:200]}"
+    return "ok"
+
+
+def _row(name: str, r: dict) -> str:
+    busy = r.get("utilisation", r.get("cuda_event_busy_fraction"))
+    moved = (r.get("host_to_device_bytes") or 0) + (r.get("device_to_host_bytes") or 0)
+    return (f"| {name} | {_num(r.get('tokens_per_s'))} | {_num(r.get('end_to_end_tokens_per_s'))} "
+            f"| {_num(r.get('wall_s'), '{:.1f}')} | {_num(r.get('peak_gpu_gib'), '{:.2f}')} "
+            f"| {_num(r.get('peak_host_rss_gib'), '{:.1f}')} | {_num(busy, '{:.2f}')} "
+            f"| {_num(r.get('nvml_gpu_util_mean'), '{:.2f}')} | {_num(moved / 1e9 if moved else None, '{:.1f}')} "
+            f"| {_num(r.get('copy_gbps_over_wall'), '{:.1f}')} | {_status(r)} |")
+
+
+HEADER = ("| system | tokens/s (median step) | tokens/s (end to end) | wall s | peak GPU GiB | peak host RSS GiB "
+          "| busy (hydra trace / CUDA events) | NVML util | GB copied | copy GB/s over wall | status |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def markdown(record: dict) -> str:
+    m = record.get("machine", {})
+    lines = [f"# hydra-torch GPU suite ({record['mode']}, {record['device']})", "",
+             f"- GPU: {m.get('nvidia_smi_L') or '-'}",
+             f"- host RAM: {_num((m.get('host_ram', {}).get('total_bytes') or 0) / 2**30, '{:.0f}')} GiB, "
+             f"{m.get('cpu_count')} CPUs ({m.get('cpu')})",
+             f"- python {m.get('python')}, torch {m.get('torch')} (CUDA {m.get('torch_cuda')}), "
+             + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()),
+             f"- PCIe (pinned, 1 GiB): {record.get('pcie')}",
+             f"- wall time {_num(record.get('wall_s'), '{:.0f}')} s; failures: {record.get('failures') or 'none'}", ""]
+    phases = record.get("phases", {})
+    for key, entry in phases.get("P1", {}).items():
+        w = entry["workload"]
+        lines += [f"## P1, batch {w['batch']} x {w['seq']} = {w['tokens_per_step']} tokens, "
+                  f"{w['params'] / 1e9:.2f}B params", "",
+                  f"hydra budget {entry['hydra_budget_gib']:.1f} GiB under a cap of {entry['cap_gib']:.1f} GiB "
+                  f"({entry['budget_note']}). Ratios: spilled/plain {_num(entry.get('ratio_spilled_vs_plain'), '{:.2f}')}, "
+                  f"resident/plain {_num(entry.get('ratio_resident_vs_plain'), '{:.2f}')}, "
+                  f"spilled/resident {_num(entry.get('ratio_spilled_vs_resident'), '{:.2f}')}. "
+                  + entry.get("warning", ""), "", HEADER]
+        lines += [_row(name, r) for name, r in entry.items() if isinstance(r, dict) and name != "workload"]
+        lines.append("")
+    p2 = phases.get("P2")
+    if p2:
+        w = p2["workload"]
+        lines += [f"## P2, K = {p2['k']} models of {w['params'] / 1e9:.2f}B params, batch {w['batch']} x {w['seq']}", "",
+                  f"{p2['k_reason']} (limit {p2['k_limit']}). " + p2.get("skipped", ""), ""]
+        if "hydra" in p2:
+            lines += [f"Cap {p2['cap_gib']:.1f} GiB, hydra budget {p2['hydra_budget_gib']:.1f} GiB. hydra vs DeepSpeed "
+                      f"{_num(p2.get('ratio_hydra_vs_deepspeed_zero3_offload'), '{:.2f}')}x, vs FSDP2 "
+                      f"{_num(p2.get('ratio_hydra_vs_fsdp2_cpu_offload'), '{:.2f}')}x.", "", HEADER]
+            lines += [_row(name, r) for name, r in p2.items()
+                      if isinstance(r, dict) and name not in ("workload",)]
+            lines.append("")
+    p3 = phases.get("P3")
+    if p3:
+        lines += ["## P3, largest model under the cap (3 steps)", "",
+                  f"largest AdamW: {_num((p3.get('largest_adamw_params') or 0) / 1e9, '{:.2f}')}B params; "
+                  f"largest SGD: {_num((p3.get('largest_sgd_params') or 0) / 1e9, '{:.2f}')}B params", "",
+                  "| optimizer | n_layer | params | cap GiB | peak GPU GiB | tokens/s | status |", "|---|---|---|---|---|---|---|"]
+        for a in p3["attempts"]:
+            lines.append(f"| {a['optimizer']} | {a['n_layer']} | {a['params'] / 1e9:.2f}B | {_num(a.get('cap_gib'), '{:.1f}')} "
+                         f"| {_num(a.get('peak_gpu_gib'), '{:.2f}')} | {_num(a.get('tokens_per_s'))} | {_status(a)} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,327 @@
+"""The systems the GPU suite compares, one function each. Every function trains copies of the given template
+models on the same batches with AdamW(weight_decay=0.01) and returns a dict of measurements, or a dict with
+"error" (the failure, as text) or "skipped" (why it cannot run here): a baseline that breaks must not take the
+suite down with it. DeepSpeed and FSDP are imported inside their functions only."""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import socket
+import time
+import traceback
+
+import torch
+
+from gpu_suite_env import GiB, Sampler, Workload, median_after
+
+WEIGHT_DECAY = 0.01
+
+
+def failure(error: BaseException) -> dict:
+    return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=8)}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gpu(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def _summary(w: Workload, step_times: list[list[float]], wall: float, sampler: Sampler, device, concurrent: bool):
+    """Aggregate tokens/s from the median timed step. Concurrent models (hydra) each finish a step per their
+    median, so their rates add; models trained one after another share the clock, so the rate is one model's."""
+    medians = [median_after(t, w.warmup) for t in step_times]
+    if concurrent:
+        tokens_per_s = sum(w.tokens_per_step / m for m in medians if m)
+    else:
+        tokens_per_s = w.tokens_per_step / median_after([s for t in step_times for s in t[w.warmup:]], 0)
+    steps = sum(len(t) for t in step_times)
+    return {"tokens_per_s": tokens_per_s, "median_step_s": medians, "steps": steps,
+            "wall_s": wall, "end_to_end_tokens_per_s": steps * w.tokens_per_step / wall,
+            "peak_gpu_gib": _peak_gpu(device), **sampler.record()}
+
+
+def _hydra_step_times(results, n_shards: list[int]) -> list[list[float]]:
+    """Per task, step durations from the schedule trace: a step starts with its first unit (shard 0's forward;
+    units are numbered across the run, 2n-1 per micro-batch) and lasts until the next step starts, which
+    includes waiting for shard 0's optimizer step on the host."""
+    out = []
+    for task, n in enumerate(n_shards):
+        per = max(1, 2 * n - 1)
+        starts, last_end = {}, 0.0
+        for e in results.trace:
+            if e.task == task:
+                step = e.unit // per
+                starts[step] = min(starts.get(step, e.start), e.start)
+                last_end = max(last_end, e.end)
+        ordered = [starts[k] for k in sorted(starts)] + [last_end]
+        out.append([b - a for a, b in zip(ordered, ordered[1:])])
+    return out
+
+
+def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, optimizer="adamw") -> dict:
+    """All models in one ht.train call, bf16 weights on the device, fp32 masters and the optimizer on the host."""
+    try:
+        import hydra_torch as ht
+
+        _reset(device)
+        models = [copy.deepcopy(t) for t in templates]
+        make = {"adamw": lambda lr: ht.optim.AdamW(lr=lr, weight_decay=WEIGHT_DECAY),
+                "sgd": lambda lr: ht.optim.SGD(lr=lr)}[optimizer]
+        tasks = [ht.ModelTask(m, data=data, optimizer=make(lr), name=f"m{i}-lr{lr:g}", precision="bf16")
+                 for i, (m, lr) in enumerate(zip(models, lrs))]
+        with Sampler(device) as sampler:
+            start = time.perf_counter()
+            results = ht.train(tasks, devices=[device], memory_budget=budget, progress=False, seed=w.seed)
+            wall = time.perf_counter() - start
+        errors = [f"{r.name}: {r.error}" for r in results if r.error is not None]
+        if errors:
+            return {"error": "; ".join(errors)}
+        out = _summary(w, _hydra_step_times(results, [t.num_shards for t in tasks]), wall, sampler, device, True)
+        stats = results.stats[0]
+        moved = stats["host_to_device_bytes"] + stats["device_to_host_bytes"]
+        out.update({"utilisation": list(results.utilisation().values())[0], "resident": [r.resident for r in results],
+                    "budget_gib": stats["budget_bytes"] / GiB, "arena_high_water_gib": stats["high_water_bytes"] / GiB,
+                    "host_to_device_bytes": stats["host_to_device_bytes"],
+                    "device_to_host_bytes": stats["device_to_host_bytes"],
+                    "copy_gbps_over_wall": moved / results.wall_time / 1e9 if results.wall_time else None,
+                    "final_losses": [r.final_loss for r in results]})
+        del models, tasks, results
+        return out
+    except Exception as error:
+        return failure(error)
+    finally:
+        _reset(device)
+
+
+class _Window:
+    """CUDA events around each step's forward and backward: their elapsed time over the step's wall time is the
+    fraction of the step the compute stream had work queued (an upper bound on busy: a stream waiting on a copy
+    counts as busy)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.pairs = []
+
+    def begin(self):
+        if self.cuda:
+            self.pairs.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+            self.pairs[-1][0].record()
+
+    def end(self):
+        if self.cuda:
+            self.pairs[-1][1].record()
+
+    def busy_s(self, warmup: int) -> list[float]:
+        return [a.elapsed_time(b) / 1e3 for a, b in self.pairs[warmup:]] if self.cuda else []
+
+
+def _loop(w, data, device, forward_backward, step, deadline, window) -> list[float]:
+    times = []
+    for i, batch in enumerate(data):
+        if deadline is not None and i >= w.warmup + 1 and time.perf_counter() > deadline:
+            break  # time box: keep what was measured; the record says how many steps ran
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        _sync(device)
+        start = time.perf_counter()
+        window.begin()
+        forward_backward(batch)
+        window.end()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _sequential(w, templates, lrs, data, device, deadline, setup) -> dict:
+    """Trains the models one after another; setup(model, lr) -> (forward_backward, step, teardown, notes)."""
+    _reset(device)
+    all_times, busy, notes = [], [], {}
+    with Sampler(device) as sampler:
+        start = time.perf_counter()
+        for template, lr in zip(templates, lrs):
+            if deadline is not None and time.perf_counter() > deadline and all_times:
+                notes["time_box"] = f"stopped after {len(all_times)} of {len(templates)} models"
+                break
+            window = _Window(device)
+            forward_backward, step, teardown, extra = setup(copy.deepcopy(template), lr)
+            notes.update(extra)
+            times = _loop(w, data, device, forward_backward, step, deadline, window)
+            teardown()
+            gc.collect()
+            all_times.append(times)
+            busy += window.busy_s(w.warmup)
+        wall = time.perf_counter() - start
+    out = _summary(w, all_times, wall, sampler, device, concurrent=False)
+    timed = sum(sum(t[w.warmup:]) for t in all_times)
+    out["cuda_event_busy_fraction"] = sum(busy) / timed if busy and timed else None
+    out["models_trained"] = len(all_times)
+    out.update(notes)
+    return out
+
+
+def run_plain(templates, lrs, w: Workload, data, device: torch.device, deadline=None) -> dict:
+    """Plain PyTorch: fp32 weights on the device, bf16 autocast, AdamW on the device (fused on CUDA)."""
+    def setup(model, lr):
+        model.to(device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
+
+        def forward_backward(batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            loss.backward()
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def teardown():
+            nonlocal model, opt
+            model, opt = None, None
+        return forward_backward, step, teardown, {}
+
+    try:
+        return _sequential(w, templates, lrs, data, device, deadline, setup)
+    except Exception as error:
+        return failure(error)
+    finally:
+        _reset(device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(device: torch.device):
+    """A one-process group (world size 1) for FSDP2 and DeepSpeed, which expect torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # CPU tensors (DeepSpeed's bookkeeping) go through gloo, CUDA tensors through NCCL.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def import_check(module: str) -> str:
+    try:
+        imported = __import__(module)
+        return f"importable ({module} {getattr(imported, '__version__', '?')})"
+    except Exception as error:  # ImportError, or a package that fails while importing
+        return f"not importable: {type(error).__name__}: {error}"
+
+
+def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadline=None) -> dict:
+    """DeepSpeed ZeRO-3, parameters and optimizer state offloaded to pinned CPU memory (DeepSpeedCPUAdam),
+    bf16 weights with fp32 masters; one model at a time."""
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA: ZeRO-3 offload fetches partitioned parameters onto a CUDA device "
+                           "and its CPU Adam op is built for the CUDA accelerator", "import": import_check("deepspeed")}
+    try:
+        import deepspeed
+
+        ensure_process_group(device)
+
+        def setup(model, lr):
+            config = {
+                "train_micro_batch_size_per_gpu": w.batch, "gradient_accumulation_steps": 1,
+                "steps_per_print": 10**9, "wall_clock_breakdown": False,
+                "bf16": {"enabled": True},
+                "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                           "weight_decay": WEIGHT_DECAY}},
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "cpu", "pin_memory": True},
+                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                    "overlap_comm": True, "contiguous_gradients": True,
+                },
+            }
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=config)
+
+            def forward_backward(batch):
+                engine.backward(engine(**batch).loss)
+
+            def teardown():
+                nonlocal engine, optimizer
+                if hasattr(engine, "destroy"):  # releases its hooks and pinned buffers before the next model
+                    engine.destroy()
+                engine, optimizer = None, None
+            return forward_backward, engine.step, teardown, {"optimizer_class": type(optimizer).__name__,
+                                                             "deepspeed": deepspeed.__version__}
+
+        return _sequential(w, templates, lrs, data, device, deadline, setup)
+    except Exception as error:
+        return failure(error)
+    finally:
+        _reset(device)
+
+
+def run_fsdp2(templates, lrs, w: Workload, data, device: torch.device, deadline=None, offload=True) -> dict:
+    """FSDP2 (`fully_shard` per transformer block and at the root) at world size 1 with
+    CPUOffloadPolicy(pin_memory=True): sharded fp32 parameters, gradients and AdamW on the host, bf16 compute
+    (MixedPrecisionPolicy); one model at a time. offload=False is the CPU smoke test's code-path check."""
+    if offload and device.type != "cuda":
+        return {"skipped": "needs CUDA: CPUOffloadPolicy moves parameters between host and a CUDA device",
+                "import": import_check("torch.distributed.fsdp")}
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        ensure_process_group(device)
+
+        def setup(model, lr):
+            policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+            mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.transformer.h:
+                fully_shard(block, mp_policy=mixed, offload_policy=policy)
+            fully_shard(model, mp_policy=mixed, offload_policy=policy)  # embeddings, tied head, final norm
+            model.train()
+            # The fused CPU kernel is torch's fastest AdamW; if it refuses the sharded (DTensor) parameters,
+            # the default (foreach) one is used and the record says so.
+            state = {"opt": torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=True),
+                     "fused": True}
+
+            def forward_backward(batch):
+                model(**batch).loss.backward()
+
+            def step():
+                try:
+                    state["opt"].step()
+                except (RuntimeError, NotImplementedError):
+                    if not state["fused"]:
+                        raise
+                    state["opt"] = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+                    state["fused"] = False
+                    state["opt"].step()
+                state["opt"].zero_grad(set_to_none=True)
+
+            def teardown():
+                nonlocal model
+                model = None
+                state.pop("opt", None)
+            return forward_backward, step, teardown, {"offload": offload, "fused_adamw": lambda: state.get("fused")}
+
+        out = _sequential(w, templates, lrs, data, device, deadline, setup)
+        out.update({k: v() for k, v in out.items() if callable(v)})
+        return out
+    except Exception as error:
+        return failure(error)
+    finally:
+        _reset(device)
