@@ -1,8 +1,8 @@
 """Compiles every CUDA source with nvcc, without linking, so CUDA code is checked on machines
 with no GPU and a CPU-only torch (whose wheel still ships the ATen/c10 CUDA headers).
 
-Exit status is non-zero if any source fails. With no nvcc on PATH this says so and fails too:
-CUDA sources that are never compiled rot.
+Exit status is non-zero if any source fails. With no nvcc on PATH this says so; under CI (CI set) that is a
+failure, since CUDA sources that are never compiled rot; elsewhere the check is skipped.
 """
 import glob
 import os
@@ -22,7 +22,7 @@ def main():
     nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
     if nvcc is None or not os.path.exists(nvcc):
         print("compile_cuda: nvcc not found; CUDA sources cannot be checked", file=sys.stderr)
-        return 1
+        return 1 if os.environ.get("CI") else 0
     sources = sorted(glob.glob(os.path.join(HERE, "csrc", "**", "cuda", "*.cu"), recursive=True)
                      + glob.glob(os.path.join(HERE, "csrc", "**", "cuda", "*.cpp"), recursive=True))
     includes = [os.path.join(HERE, "csrc"), sysconfig.get_paths()["include"], *include_paths()]
