@@ -3,6 +3,7 @@
 // non-tensor objects with pybind11. Every call that may wait releases the GIL.
 #include <torch/extension.h>
 
+#include "bindings_partitioner.h"
 #include "bindings_scheduler.h"
 #include "engine/device_engine.h"
 #include "engine/optimizer_spec.h"
@@ -34,6 +35,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "hydra-torch native engine";
   m.attr("built_torch_version") = HYDRA_TORCH_BUILT_TORCH_VERSION;
   hydra::bind_scheduler(m);
+  hydra::bind_partitioner(m);
   using release_gil = py::call_guard<py::gil_scoped_release>;
 
   py::class_<OptimizerSpec> spec(m, "OptimizerSpec");

@@ -49,13 +49,18 @@ def _balanced_cuts(sizes: Sequence[int], count: int) -> list[int]:
     return starts[::-1]
 
 
+def is_explicit(shards) -> bool:
+    """Whether `shards` lists the modules of each shard (rather than a count or start indices)."""
+    return isinstance(shards, (list, tuple)) and bool(shards) and all(isinstance(g, (list, tuple)) for g in shards)
+
+
 def split(model, shards=None) -> list[list[nn.Module]]:
     """Shards of `model`.
 
     shards: None (each layer is a shard), an int (that many shards balanced by parameter count), a list of
     start indices (``[0, 4, 8]``), or explicit groups of modules (``[[m0, m1], [m2]]``, any model).
     """
-    if isinstance(shards, (list, tuple)) and shards and all(isinstance(g, (list, tuple)) for g in shards):
+    if is_explicit(shards):
         groups = [list(group) for group in shards]
         for i, group in enumerate(groups):
             if not group or not all(isinstance(m, nn.Module) for m in group):

@@ -70,6 +70,13 @@ class ModelTask:
         if adapter is not None and len(data) > 0:
             adapter.check_batch(next(iter(data)))
         groups = sharding.split(adapter.pieces if adapter else model, shards)
+        # The ordered modules the shards were cut from: what the planner probes and its starts index.
+        if adapter is not None:
+            pieces = list(adapter.pieces)
+        elif sharding.is_explicit(shards):
+            pieces = [module for group in groups for module in group]
+        else:
+            pieces = sharding.model_pieces(model)
         params = sharding.shard_parameters(groups)
         if not any(params):
             raise ValueError("the model has no parameters to train")
@@ -82,6 +89,7 @@ class ModelTask:
                     raise ValueError(f"model parameters must be floating point, found {p.dtype}")
 
         self.model = model
+        self.pieces = pieces
         self.modules = groups
         self.shard_params = params
         self.optimizer = optimizer

@@ -1,0 +1,207 @@
+"""The automatic partitioner: measure each piece of a task once on the target device, then let the native
+partitioner choose the shards.
+
+    plan = ht.plan(task, device="cuda:0", budget="8GiB")
+    print(plan)                                   # a table of shards: pieces, bytes, seconds
+    task = ht.ModelTask(model, ..., shards=plan.starts)
+
+Probing never touches the user's modules: each piece runs through torch.func.functional_call on copies of
+its parameters and buffers, so the model's weights, buffers and gradients stay bit-for-bit what they were
+(rather than moving the parameters to the device and back, which a failure half-way would leave moved).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hydra_torch import _C, sharding
+from hydra_torch.memory import format_bytes, parse_budget
+
+# ShardStore aligns every parameter to 16 elements; the engine's device need counts those padded sizes.
+_ALIGN_ELEMENTS = 16
+
+
+@dataclass
+class Plan:
+    """Shards chosen for one task on one device: the shards' first pieces, their needs and their times."""
+
+    starts: list[int]
+    piece_ranges: list[tuple[int, int]]     # [first, end) piece indices of each shard
+    shard_bytes: list[int]                  # 2 x weights + activations + prefetch + slack, per shard
+    shard_weight_bytes: list[int]
+    shard_activation_bytes: list[int]
+    shard_seconds: list[float]              # measured forward + backward time, summed over the shard's pieces
+    prefetch_bytes: int                     # room for the next shard's weights: the largest shard's weights
+    bottleneck_seconds: float               # the slowest shard
+    ideal_seconds: float                    # max(total / shards, slowest piece): no plan of as many shards beats it
+    budget_bytes: int
+    min_budget_bytes: int                   # the smallest budget any plan of these pieces fits
+    device: str
+    piece_weight_bytes: list[int]           # the measurements the plan was made from
+    piece_activation_bytes: list[int]
+    piece_seconds: list[float]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.starts)
+
+    def __str__(self) -> str:
+        lines = [f"Plan: {self.num_shards} shards of {len(self.piece_seconds)} pieces on {self.device}, budget "
+                 f"{format_bytes(self.budget_bytes)}, prefetch {format_bytes(self.prefetch_bytes)}",
+                 f"{'shard':>5}  {'pieces':>9}  {'weights':>11}  {'activations':>11}  {'needs':>11}  {'ms':>9}",
+                 ]
+        for s, (a, b) in enumerate(self.piece_ranges):
+            lines.append(f"{s:>5}  {f'{a}-{b - 1}':>9}  {format_bytes(self.shard_weight_bytes[s]):>11}  "
+                         f"{format_bytes(self.shard_activation_bytes[s]):>11}  {format_bytes(self.shard_bytes[s]):>11}  "
+                         f"{1e3 * self.shard_seconds[s]:>9.3f}")
+        lines.append(f"bottleneck {1e3 * self.bottleneck_seconds:.3f} ms, ideal {1e3 * self.ideal_seconds:.3f} ms "
+                     f"({self.bottleneck_seconds / self.ideal_seconds:.2f}x)" if self.ideal_seconds > 0 else "")
+        return "\n".join(lines)
+
+
+def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int | None = None,
+         repeats: int = 3) -> Plan:
+    """Shards for `task` on `device` under `budget` (what hydra_torch.memory.parse_budget accepts; None: 90%
+    of free memory), measured on `sample_batch` (default: the task's first batch).
+
+    Each piece of task.pieces runs forward + backward once to warm up, then `repeats` times; its time is the
+    median. The shards minimise the slowest shard's time, then their number; with `max_shards` at most that
+    many. ValueError names the smallest budget that would work when `budget` is too small.
+    """
+    device = torch.device(device)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if max_shards is not None and (isinstance(max_shards, bool) or not isinstance(max_shards, int) or max_shards < 1):
+        raise ValueError(f"max_shards must be a positive int or None, got {max_shards!r}")
+    budget_bytes = parse_budget(budget, device)
+    if sample_batch is None:
+        if len(task.data) == 0:
+            raise ValueError("the task has no data to probe: pass sample_batch=")
+        sample_batch = next(iter(task.data))
+
+    costs = probe_pieces(task, device, sample_batch, repeats)
+    minimum = _C.min_partition_budget(costs)
+    if budget_bytes < minimum:
+        raise ValueError(f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small for "
+                         f"{task.name}: the smallest budget that works is {minimum} bytes ({format_bytes(minimum)}), "
+                         f"what its most demanding piece needs alone")
+    native = _C.partition(costs, budget_bytes, max_shards or 0)
+    ends = list(native.starts[1:]) + [len(costs)]
+    return Plan(starts=list(native.starts), piece_ranges=list(zip(native.starts, ends)),
+                shard_bytes=list(native.shard_bytes), shard_weight_bytes=list(native.shard_weight_bytes),
+                shard_activation_bytes=list(native.shard_activation_bytes), shard_seconds=list(native.shard_seconds),
+                prefetch_bytes=native.prefetch_bytes, bottleneck_seconds=native.bottleneck_seconds,
+                ideal_seconds=native.ideal_seconds, budget_bytes=budget_bytes, min_budget_bytes=minimum,
+                device=str(device), piece_weight_bytes=[c[0] for c in costs],
+                piece_activation_bytes=[c[1] for c in costs], piece_seconds=[c[2] for c in costs])
+
+
+def apply_plan(task, plan_: Plan) -> None:
+    """Re-cuts `task` (not yet training) into the plan's shards."""
+    if plan_.piece_ranges[-1][1] != len(task.pieces):
+        raise ValueError(f"the plan covers {plan_.piece_ranges[-1][1]} pieces, the task has {len(task.pieces)}")
+    task.modules = sharding.split(task.pieces, plan_.starts)
+    task.shard_params = sharding.shard_parameters(task.modules)
+
+
+def piece_weight_bytes(piece: torch.nn.Module, element_bytes: int) -> int:
+    """Device bytes of a piece's parameters as the engine lays them out (each padded to 16 elements). A
+    parameter tied across pieces counts in each, as the engine counts it in each shard that uses it; two
+    pieces of one shard sharing it count it twice, which only overstates the need."""
+    padded = sum(-(-p.numel() // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS for p in piece.parameters())
+    return padded * element_bytes
+
+
+def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3) -> list[tuple[int, int, float]]:
+    """(weight bytes, activation bytes, seconds) of each piece of `task` on `device`, in order."""
+    dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
+    element_bytes = 2 if task.precision == "bf16" else 4
+    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
+    x = task.inputs(batch)
+    if dtype != torch.float32:
+        x = tree_map(lambda t: t.to(dtype) if _floating(t) else t, x)
+    # Dropout and other random layers must not advance the generators the training run will start from.
+    forked = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    costs = []
+    with torch.random.fork_rng(devices=forked):
+        # One untimed pass over the whole chain first: a process's first kernels (thread pools, allocator
+        # growth, CUDA context and autotuning) run several times slower and would inflate the first pieces.
+        warm = x
+        for index, piece in enumerate(task.pieces):
+            _, _, warm = _probe_piece(piece, warm, device, dtype, 0, needs_input_grad=index > 0)
+        for index, piece in enumerate(task.pieces):
+            seconds, activation_bytes, x = _probe_piece(piece, x, device, dtype, repeats, needs_input_grad=index > 0)
+            costs.append((piece_weight_bytes(piece, element_bytes), activation_bytes, seconds))
+    return costs
+
+
+def _floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
+    """(median seconds, activation bytes, detached output) of one piece's forward + backward; repeats=0 only
+    warms up."""
+    params = {name: p.detach().to(device=device, dtype=dtype if p.is_floating_point() else p.dtype, copy=True)
+              .requires_grad_(p.requires_grad) for name, p in piece.named_parameters()}
+    buffers = {name: b.detach().to(device=device, copy=True) for name, b in piece.named_buffers()}
+    state = {**params, **buffers}
+
+    def inputs():
+        return tree_map(lambda t: t.detach().requires_grad_(needs_input_grad) if _floating(t) else t, x)
+
+    def forward_backward():
+        out = torch.func.functional_call(piece, state, (inputs(),))
+        grads_from = [t for t in tree_leaves(out) if _floating(t) and t.requires_grad]
+        if grads_from:
+            torch.autograd.backward(grads_from, [torch.ones_like(t) for t in grads_from])
+        return out
+
+    # The warm-up also allocates the parameter gradients, so the measured peak below is activations only.
+    out = forward_backward()
+    if repeats == 0:
+        return 0.0, 0, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    activation_bytes = _activation_bytes(forward_backward, params, device)
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        forward_backward()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), activation_bytes, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _activation_bytes(forward_backward, params, device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        forward_backward()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    # Elsewhere no allocator reports a peak: count what autograd keeps for backward (each storage once, the
+    # weights excluded: they are budgeted already) plus the output the next piece takes.
+    weight_storages = {p.untyped_storage().data_ptr() for p in params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weight_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward_backward()
+    output_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                       and t.untyped_storage().data_ptr() not in saved)
+    return sum(saved.values()) + output_bytes
