@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from hydra_torch import _C
+from hydra_torch import _C, planner
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
@@ -87,6 +87,11 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     budgets = [parse_budget(memory_budget, d) for d in resolved]
     pin = _pin(pin_memory, resolved)
 
+    for task in tasks:
+        if task.auto_shards:
+            # Planned for the smallest budget among the devices: a spilled model may run on any of them.
+            smallest = min(range(len(resolved)), key=lambda i: budgets[i])
+            planner.apply_plan(task, planner.plan(task, device=resolved[smallest], budget=budgets[smallest]))
     engines = [_C.DeviceEngine(str(d), b) for d, b in zip(resolved, budgets)]
     start_rng = RngState(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]

@@ -27,7 +27,8 @@ class ModelTask:
     """A model, its optimizer, loss and data.
 
     model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
-    explicit ``shards=[[m, ...], ...]``.
+    explicit ``shards=[[m, ...], ...]``. ``shards="auto"`` lets ht.train measure the pieces on its device and
+    choose balanced shards that fit its budget (see ht.plan).
     loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
@@ -69,7 +70,10 @@ class ModelTask:
 
         if adapter is not None and len(data) > 0:
             adapter.check_batch(next(iter(data)))
-        groups = sharding.split(adapter.pieces if adapter else model, shards)
+        if isinstance(shards, str) and shards != "auto":
+            raise ValueError(f"shards={shards!r}: use 'auto', an int, start indices or module groups")
+        self.auto_shards = shards == "auto"  # planned by ht.train for its device and budget
+        groups = sharding.split(adapter.pieces if adapter else model, None if self.auto_shards else shards)
         # The ordered modules the shards were cut from: what the planner probes and its starts index.
         if adapter is not None:
             pieces = list(adapter.pieces)
