@@ -75,6 +75,8 @@ PYBIND11_MODULE(_C, m) {
       .def("resident", &DeviceEngine::resident)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
       .def_static("resident_bytes", &DeviceEngine::resident_bytes)
+      .def_static("spilled_need", &DeviceEngine::spilled_need)
+      .def_static("resident_need", &DeviceEngine::resident_need)
       .def("plan", py::overload_cast<const std::vector<std::pair<int, int>>&>(&DeviceEngine::plan))
       .def("prefetch", &DeviceEngine::prefetch, release_gil())
       .def("acquire", &DeviceEngine::acquire, py::arg("model"), py::arg("shard"), py::arg("with_grads"), release_gil())

@@ -44,6 +44,9 @@ void bind_scheduler(py::module_& m) {
            py::arg("tasks"), py::arg("num_devices"), py::arg("policy") = "lrtf", py::arg("seed") = 0,
            "tasks: (num_shards, micro_batches, device or None) per task")
       .def("next", &Scheduler::next, py::call_guard<py::gil_scoped_release>())
+      .def("next_for", &Scheduler::next_for, py::call_guard<py::gil_scoped_release>())
+      .def("has_work", &Scheduler::has_work)
+      .def("cancelled", &Scheduler::cancelled)
       .def("peek", &Scheduler::peek)
       .def("complete", &Scheduler::complete)
       .def("fail", &Scheduler::fail)

@@ -77,8 +77,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         raise TypeError("train() takes a non-empty list of ModelTask")
     if len({t.name for t in tasks}) != len(tasks):
         raise ValueError("task names must be unique")
-    if len({id(t.model) for t in tasks}) != len(tasks):
-        raise ValueError("each task needs a model of its own: two tasks share one model object")
+    owners = {}
+    for task in tasks:
+        for p in (p for shard in task.shard_params for p in shard):
+            other = owners.setdefault(id(p), task.name)
+            if other != task.name:
+                raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
+                                 "each task needs a model of its own (copy.deepcopy it)")
     try:
         _C.parse_policy(schedule)
     except ValueError as error:
@@ -95,8 +100,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     engines = [_C.DeviceEngine(str(d), b) for d, b in zip(resolved, budgets)]
     start_rng = RngState(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
-    for runner in runners:
-        _place(runner, engines, budgets, pin)
+    _place(runners, engines, budgets, pin)
     specs = [(r.n, r.micro_batches, r.home) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     slots = [DeviceSlot(i, d, e, scheduler, runners) for i, (d, e) in enumerate(zip(resolved, engines))]
@@ -118,7 +122,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.1)
-    except KeyboardInterrupt as interrupt:  # stop after the current units; weights are written back below
+    except BaseException as interrupt:  # Ctrl-C, or a fatal error: stop the others, then write weights back
         interrupted = interrupt
         scheduler.cancel()
         for thread in threads:
@@ -136,27 +140,42 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     return results
 
 
-def _place(runner: TaskRunner, engines, budgets, pin: bool):
-    """Registers the task's state with the engines: resident on the device with the most room if it fits
-    there, else spilled and runnable on every device."""
-    task = runner.task
-    store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
-    if pin and not store.pinned:
-        warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
-                      "synchronous and slower", RuntimeWarning, stacklevel=3)
-    roomiest = max(range(len(engines)), key=lambda i: engines[i].free_bytes())
-    try:
-        model = engines[roomiest].add_model(store)
-        runner.model_ids[roomiest] = model
-        if engines[roomiest].resident(model):
-            runner.home = roomiest if len(engines) > 1 else None
-            runner.keep_graphs = True
-            return
-        for i, engine in enumerate(engines):
-            if i != roomiest:
-                runner.model_ids[i] = engine.add_model(store, allow_resident=False)
-    except RuntimeError as error:
-        raise ValueError(f"task {task.name!r}: {error}") from None
+def _place(runners, engines, budgets, pin: bool):
+    """Registers every task's state with the engines. A task is made resident on the device with the most
+    room only if, after that, the device still holds the working set of any task that may spill there, so
+    an early resident task never leaves a later one without room; the others are spilled on every device."""
+    stores = []
+    for runner in runners:
+        task = runner.task
+        store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
+        if pin and not store.pinned:
+            warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
+                          "synchronous and slower", RuntimeWarning, stacklevel=3)
+        stores.append(store)
+    resident_need = [_C.DeviceEngine.resident_need(s) for s in stores]
+    spilled_need = [_C.DeviceEngine.spilled_need(s) for s in stores]
+    free = list(budgets)
+    resident_at = [None] * len(runners)
+    for i in range(len(runners)):
+        may_spill = [spilled_need[j] for j in range(len(runners)) if j != i and (j > i or resident_at[j] is None)]
+        device = max(range(len(engines)), key=lambda d: free[d])
+        if resident_need[i] + max(may_spill, default=0) <= free[device]:
+            resident_at[i] = device
+            free[device] -= resident_need[i]
+    for runner, store, device in zip(runners, stores, resident_at):
+        try:
+            if device is not None:
+                model = engines[device].add_model(store)
+                runner.model_ids[device] = model
+                if engines[device].resident(model):
+                    runner.home = device if len(engines) > 1 else None
+                    runner.keep_graphs = True
+                    continue
+                raise RuntimeError("the device refused to keep it resident")  # the two checks disagree: a bug
+            for d, engine in enumerate(engines):
+                runner.model_ids[d] = engine.add_model(store, allow_resident=False)
+        except RuntimeError as error:
+            raise ValueError(f"task {runner.task.name!r}: {error}") from None
 
 
 def _finish(runners, engines, trace, start, devices, wall) -> Results:

@@ -210,7 +210,7 @@ class TaskRunner:
                 out = _run_shard(self.task.modules[s], x_in)
                 if self.compute_dtype != torch.float32:
                     out = tree_map(lambda t: t.float() if _floating(t) else t, out)
-                loss = self.task.loss_fn(out, mb.batch)
+                loss = self.task.loss_fn(out, _to(mb.batch, slot.device))
                 mb.loss = self._check_loss(loss)
             mb.after_forward = RngState(slot.device)
             (loss / mb.count).backward()
@@ -233,7 +233,16 @@ class TaskRunner:
                 else:
                     x_in = self._requires_grad(_to(saved, slot.device))
                     rng.restore(slot.device)
-                    y = _run_shard(self.task.modules[s], x_in)
+                    # The forward already updated running statistics (BatchNorm); re-running it must not. The
+                    # recompute gets throw-away copies (not restored in place: autograd saved what it used).
+                    originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
+                    for m, name, buffer in originals:
+                        m._buffers[name] = buffer.clone()
+                    try:
+                        y = _run_shard(self.task.modules[s], x_in)
+                    finally:
+                        for m, name, buffer in originals:
+                            m._buffers[name] = buffer
                 outputs, _ = tree_flatten(y)
                 pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
                 if pairs:
@@ -273,5 +282,5 @@ class TaskRunner:
         value = float(loss.detach())
         if not math.isfinite(value):
             raise NonFiniteLossError(f"task {self.task.name!r}: the loss is {value} at step {self.steps}; "
-                                     "training stopped and the weights of the last good step were kept")
+                                     "training stopped and the weights of the last completed step were kept")
         return value

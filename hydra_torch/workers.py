@@ -53,14 +53,25 @@ def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_p
             torch.cuda.set_device(previous_device)  # device 0's worker is the caller's own thread
 
 
+def _next_unit(slot: DeviceSlot):
+    if threading.current_thread() is not threading.main_thread():
+        return slot.scheduler.next(slot.index)
+    # The main thread waits in short slices: Python runs a Ctrl-C handler only between them.
+    while True:
+        unit = slot.scheduler.next_for(slot.index, 0.05)
+        if unit is not None or slot.scheduler.cancelled() or not slot.scheduler.has_work(slot.index):
+            return unit
+
+
 def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
     while True:
-        unit = slot.scheduler.next(slot.index)
+        unit = _next_unit(slot)
         if unit is None:
             return
         runner = slot.runners[unit.task]
         start = time.perf_counter()
         copied = slot.engine.host_to_device_bytes()
+        fatal = None
         try:
             slot.plan(runner, unit)
             runner.run_unit(unit, slot)
@@ -71,9 +82,16 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
             with lock:
                 runner.error = error
             slot.scheduler.fail(unit.task)
+        except BaseException as error:  # Ctrl-C or an exit: the task ends, and so does this worker
+            with lock:
+                runner.error = runner.error or error
+            slot.scheduler.fail(unit.task)
+            fatal = error
         end = time.perf_counter()
         slot.scheduler.complete(slot.index, unit, max(end - start, 1e-9))
         with lock:
             trace.append(TraceEntry(slot.index, unit.task, runner.task.name, unit.index, unit.shard,
                                     str(unit.phase).rsplit(".", 1)[-1], start, end,
                                     slot.engine.host_to_device_bytes() - copied))
+        if fatal is not None:
+            raise fatal

@@ -127,3 +127,11 @@ def test_unavailable_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             ht.train([task], devices="cuda:0")
+
+
+def test_tasks_sharing_parameters_are_refused():
+    backbone = nn.Linear(8, 8)
+    a = ht.ModelTask(nn.Sequential(backbone, nn.Linear(8, 2)), loss_fn=lm_loss, data=token_batches(1), name="a")
+    b = ht.ModelTask(nn.Sequential(backbone, nn.Linear(8, 3)), loss_fn=lm_loss, data=token_batches(1), name="b")
+    with pytest.raises(ValueError, match="share a parameter"):
+        ht.train([a, b], devices="cpu", progress=False)

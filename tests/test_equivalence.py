@@ -110,3 +110,30 @@ def test_bf16_tracks_fp32():
     assert max(relative) <= 0.05, relative
     assert all(p.dtype == torch.float32 for p in bf16.parameters()), "weights come back in their own dtype"
     assert bf16[0].weight is bf16[-1].weight
+
+
+@pytest.mark.parametrize("spilled", [True, False])
+def test_batchnorm_statistics_update_once_per_batch(spilled):
+    """Spilled shards re-run their forward in backward; running statistics must still move once per batch."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)) for _ in range(4)]
+    mse = lambda out, batch: torch.nn.functional.mse_loss(out, batch[1])  # noqa: E731
+    reference = make()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        optimizer.zero_grad()
+        mse(reference(x), (x, y)).backward()
+        optimizer.step()
+    model = make()
+    task = ht.ModelTask(model, loss_fn=mse, data=data, optimizer=ht.optim.SGD(lr=0.1))
+    store = ht._C.ShardStore(task.shard_params, task.optimizer.spec(), False, False)
+    budget = ht._C.DeviceEngine.spilled_need(store) + 1024 if spilled else 100 * model_bytes(model)
+    result = ht.train([task], devices="cpu", memory_budget=budget, progress=False)[0]
+    assert result.ok and result.resident == (not spilled)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7), name

@@ -145,3 +145,22 @@ def test_schedule_chart_and_summary(tmp_path):
     assert set(utilisation) == {"cpu[0]", "cpu[1]"}
     assert all(0.0 < u <= 1.0 for u in utilisation.values())
     assert "best:" in results.summary()
+
+
+def test_a_resident_task_never_leaves_a_later_one_without_room():
+    """The first model would fit resident, but then the second's largest shard would not: both spill."""
+    small = tied_transformer(seed=0, blocks=1, dropout=0.0)
+    large = torch.nn.Sequential(torch.nn.Embedding(48, 32), torch.nn.Linear(32, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 32), torch.nn.Linear(32, 48))
+    data = token_batches(2)
+    tasks = [ht.ModelTask(small, loss_fn=lm_loss, data=data, name="small"),
+             ht.ModelTask(large, loss_fn=lm_loss, data=data, name="large")]
+    stores = [ht._C.ShardStore(t.shard_params, t.optimizer.spec(), False, False) for t in tasks]
+    resident = ht._C.DeviceEngine.resident_need(stores[0])
+    spilled = ht._C.DeviceEngine.spilled_need(stores[1])
+    budget = max(resident, spilled) + 4096
+    assert resident + spilled > budget, "small resident would leave large no room"
+    results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
+    assert all(r.ok and r.steps == 2 for r in results)
+    assert not results["small"].resident and not results["large"].resident
+    assert results.stats[0]["high_water_bytes"] <= budget

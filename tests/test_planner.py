@@ -182,12 +182,12 @@ def test_apply_plan_recuts_a_task():
 def test_train_with_automatic_shards():
     """shards="auto": ht.train plans for its device and budget, then trains within that budget."""
     budget = int(1.3 * ht.plan(mlp_task(), budget="1GiB").min_budget_bytes)
-    expected = ht.plan(mlp_task(), budget=budget)
     task = mlp_task(shards="auto")
     assert task.auto_shards and task.num_shards == len(task.pieces), "one shard per layer until planned"
     results = ht.train([task], memory_budget=budget, devices="cpu", progress=False)
     assert results[0].ok and results[0].steps == 3
-    assert 1 < task.num_shards == expected.num_shards < len(task.pieces)
+    # Plans follow measured times, which vary run to run: check it was planned, not which plan it got.
+    assert 1 < task.num_shards < len(task.pieces)
     assert results.stats[0]["high_water_bytes"] <= budget
     with pytest.raises(ValueError, match="shards='fast'"):
         mlp_task(shards="fast")

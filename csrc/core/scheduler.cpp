@@ -1,5 +1,7 @@
 #include "core/scheduler.h"
 
+#include <chrono>
+
 #include <stdexcept>
 #include <string>
 
@@ -92,6 +94,22 @@ std::optional<Unit> Scheduler::next(int device) {
     if (auto unit = take_locked(device)) return unit;
     ready_.wait(lock);
   }
+}
+
+std::optional<Unit> Scheduler::next_for(int device, double timeout_seconds) {
+  check_device(device);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    if (cancelled_ || !has_work_locked(device)) return std::nullopt;
+    if (auto unit = take_locked(device)) return unit;
+    if (ready_.wait_until(lock, deadline) == std::cv_status::timeout) return take_locked(device);
+  }
+}
+
+bool Scheduler::cancelled() const {
+  std::lock_guard lock(mutex_);
+  return cancelled_;
 }
 
 std::optional<Unit> Scheduler::try_next(int device) {

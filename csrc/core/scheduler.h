@@ -35,6 +35,10 @@ class Scheduler {
   // failed) or after cancel().
   std::optional<Unit> next(int device);
 
+  // next() waiting at most `timeout_seconds`: nullopt also on time-out, so a caller that must stay
+  // responsive (the main thread, for Ctrl-C) asks again while has_work(device) and not cancelled().
+  std::optional<Unit> next_for(int device, double timeout_seconds);
+  bool cancelled() const;
   // next() without waiting: nullopt when nothing is ready right now (also when nothing ever will be; ask
   // has_work() to tell them apart). The discrete-event simulator drives the scheduler through this.
   std::optional<Unit> try_next(int device);

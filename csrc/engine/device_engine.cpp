@@ -35,7 +35,11 @@ DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes)
   stats_.budget_bytes = budget_bytes;
 }
 
-DeviceEngine::~DeviceEngine() { worker_.drain(); }
+DeviceEngine::~DeviceEngine() {
+  worker_.drain();
+  // Copies issued by jobs whose fences nobody waited for (a failed run) must finish before the arena goes.
+  if (copy_stream_) copy_stream_->synchronize();
+}
 
 int64_t DeviceEngine::min_spilled_bytes(const ShardStore& store) {
   int64_t largest = 0;
@@ -49,24 +53,30 @@ int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
   return store.total_owned_numel() * per_element;
 }
 
+int64_t DeviceEngine::spilled_need(const ShardStore& store) { return min_spilled_bytes(store) + kSpilledSlack; }
+
+int64_t DeviceEngine::resident_need(const ShardStore& store) {
+  return resident_bytes(store) + kResidentSlack * store.num_shards();
+}
+
 int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_resident) {
   TORCH_CHECK(store, "add_model: no store");
   // One unit computes at a time on a device, so spilled models share one working set: the largest shard's
   // weights and gradients among them. Resident models each keep their whole state.
-  const int64_t resident_need = resident_bytes(*store) + kResidentSlack * store->num_shards();
-  const int64_t spilled_need = min_spilled_bytes(*store) + kSpilledSlack;
-  const int64_t reserve = std::max(spilled_reserve_, spilled_need);
+  const int64_t resident = resident_need(*store);
+  const int64_t spilled = spilled_need(*store);
+  const int64_t reserve = std::max(spilled_reserve_, spilled);
   TORCH_CHECK(resident_committed_ + reserve <= pool_.budget(), "memory budget too small: the largest shard needs ",
-              spilled_need, " bytes on the device (its weights and gradients) but only ",
+              spilled, " bytes on the device (its weights and gradients) but only ",
               pool_.budget() - resident_committed_, " of the budget's ", pool_.budget(),
               " bytes are left; raise memory_budget or cut the model into smaller shards");
   TORCH_CHECK(!pool_.started(), "add_model: every model must be added before training starts");
   Model model;
   model.store = std::move(store);
-  model.resident = allow_resident && resident_committed_ + spilled_reserve_ + resident_need <= pool_.budget();
+  model.resident = allow_resident && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
   model.shards.resize(model.store->num_shards());
   if (model.resident) {
-    resident_committed_ += resident_need;
+    resident_committed_ += resident;
   } else {
     spilled_reserve_ = reserve;
   }
@@ -76,10 +86,10 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
   int64_t demand = 0;
   for (const Model& m : models_) {
     if (m.resident) {
-      demand += resident_bytes(*m.store) + kResidentSlack * m.store->num_shards();
+      demand += resident_need(*m.store);
       continue;
     }
-    demand += min_spilled_bytes(*m.store) + kSpilledSlack;
+    demand += spilled_need(*m.store);
     for (int s = 0; s < m.store->num_shards(); ++s) demand += m.store->device_numel(s) * element_bytes(*m.store) + 512;
   }
   pool_.set_demand(std::min(demand, pool_.budget()));
@@ -230,16 +240,27 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   ShardState& state = m.shards.at(shard);
   auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
   if (it != upcoming_.end()) upcoming_.erase(it);
+  TORCH_CHECK(m.resident || state.pins == 0, "shard ", shard, " of model ", model, " acquired twice on ", device_);
+  const bool had_grads = state.grads.valid();
   ++state.pins;
-  start();
-  if (!m.resident) {
-    TORCH_CHECK(state.pins == 1, "shard ", shard, " of model ", model, " acquired twice on ", device_);
-    if (state.cached && !current(model, shard)) evict(state);
-    if (!state.cached) load(model, shard, Need::kMust);
-    if (with_grads && !state.grads.valid()) allocate_grads(model, shard);
-    state.ready.order_before(compute_stream());
+  try {
+    start();
+    if (!m.resident) {
+      if (state.cached && !current(model, shard)) evict(state);
+      if (!state.cached) load(model, shard, Need::kMust);
+      if (with_grads && !state.grads.valid()) allocate_grads(model, shard);
+      state.ready.order_before(compute_stream());
+    }
+    bind(model, shard, with_grads);
+  } catch (...) {
+    // A failed acquire holds nothing: a pinned shard could never be evicted, and would starve other tasks.
+    --state.pins;
+    if (!had_grads && state.grads.valid()) {
+      pool_.release(state.grads, compute_point());
+      state.grads = Region{};
+    }
+    throw;
   }
-  bind(model, shard, with_grads);
 }
 
 void DeviceEngine::allocate_grads(int model, int shard) {

@@ -48,6 +48,9 @@ class DeviceEngine {
   // The smallest budget a spilled model needs: its largest shard's weights and gradients at once.
   static int64_t min_spilled_bytes(const ShardStore& store);
   static int64_t resident_bytes(const ShardStore& store);
+  // What add_model checks against the budget: the above plus the arena's alignment of each region.
+  static int64_t spilled_need(const ShardStore& store);
+  static int64_t resident_need(const ShardStore& store);
 
   // The shard visits expected next on this device, in order, replacing the previous plan; eviction looks
   // ahead through it and each acquire consumes its visit.

@@ -221,7 +221,16 @@ void DeviceEngine::synchronize(int model) {
   worker_.drain();
   std::vector<Fence> jobs = std::move(models_.at(model).jobs);
   models_[model].jobs.clear();
-  for (const Fence& job : jobs) job.wait();
+  // Every job's device work is waited for, so nothing is in flight afterwards; then the first error is raised.
+  std::exception_ptr first_error;
+  for (const Fence& job : jobs) {
+    try {
+      job.wait();
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 void DeviceEngine::finish(int model) {

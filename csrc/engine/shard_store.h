@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <future>
 #include <vector>
 
@@ -57,8 +58,9 @@ class ShardStore {
   int64_t steps_taken(int shard) const { return steps_.at(shard); }
   void count_step(int shard) { ++steps_.at(shard); }
   // Bumped when a step of the shard is submitted: a device copy of an older version is stale.
-  int64_t version(int shard) const { return versions_.at(shard); }
-  void bump_version(int shard) { ++versions_.at(shard); }
+  // Atomic: one device's thread bumps what another device's prefetch reads.
+  int64_t version(int shard) const { return versions_.at(shard).load(std::memory_order_acquire); }
+  void bump_version(int shard) { versions_.at(shard).fetch_add(1, std::memory_order_acq_rel); }
 
   // The model's host jobs, on whichever device's worker, run in submission order: the previous job's
   // completion is exchanged for the new one's. Callers hold a lock that also covers the enqueue, so the
@@ -82,7 +84,8 @@ class ShardStore {
   bool bf16_;
   bool pinned_;
   std::vector<std::vector<ParamEntry>> layouts_;
-  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_, versions_;
+  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
+  std::vector<std::atomic<int64_t>> versions_;
   std::shared_future<void> last_job_;
   std::vector<at::Tensor> master_, grad_, shadow_;
   std::vector<std::vector<at::Tensor>> state_;
