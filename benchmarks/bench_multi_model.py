@@ -1,9 +1,11 @@
-"""Several GPT-2 configurations on the CPU, side by side: plain PyTorch one model after another, versus
+"""The demo's GPT-2 configurations on the CPU, side by side: plain PyTorch one model after another, versus
 one ht.train call on one device and on two virtual CPU devices (one thread each), spilled and resident.
 
-Reports aggregate tokens/s (median over rounds, interleaved) and ratios to the plain sequential loop.
+Reports aggregate tokens/s (median over rounds, interleaved) and ratios to the plain sequential loop. The
+defaults are `python -m hydra_torch.demo`'s configurations (widths 96 and 128 x learning rates 1e-3 and
+3e-3, 4 layers, vocabulary 2048, batches of 8x64 tokens) and its default spilled budget.
 
-    python benchmarks/bench_multi_model.py [--models 4 --width 128 --layers 4 --seq 64 --batch 8 --steps 20]
+    python benchmarks/bench_multi_model.py [--widths 96 128 --lrs 1e-3 3e-3 --steps 20 --rounds 3]
 """
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ from transformers.utils import logging as hf_logging
 import hydra_torch as ht
 
 
+def configs(args):
+    return [(width, lr) for width in args.widths for lr in args.lrs]
+
+
 def make_models(args):
     models = []
-    for i in range(args.models):
+    for i, (width, _) in enumerate(configs(args)):
         torch.manual_seed(i)
-        config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
+        config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=width, n_layer=args.layers,
                             n_head=4, bos_token_id=0, eos_token_id=0)
         models.append(GPT2LMHeadModel(config))
     return models
@@ -30,8 +36,8 @@ def make_models(args):
 
 def plain_seconds(args, data):
     start = time.perf_counter()
-    for i, model in enumerate(make_models(args)):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (i + 1))
+    for model, (_, lr) in zip(make_models(args), configs(args)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         for batch in data:
             optimizer.zero_grad()
             model(**batch).loss.backward()
@@ -41,8 +47,8 @@ def plain_seconds(args, data):
 
 def hydra_seconds(args, data, devices, budget):
     models = make_models(args)
-    tasks = [ht.ModelTask(m, data=data, optimizer=ht.optim.AdamW(lr=1e-3 * (i + 1)), name=f"m{i}")
-             for i, m in enumerate(models)]
+    tasks = [ht.ModelTask(m, data=data, optimizer=ht.optim.AdamW(lr=lr), name=f"w{w}-lr{lr:g}")
+             for m, (w, lr) in zip(models, configs(args))]
     start = time.perf_counter()
     results = ht.train(tasks, devices=devices, memory_budget=budget, progress=False)
     seconds = time.perf_counter() - start
@@ -52,8 +58,8 @@ def hydra_seconds(args, data, devices, budget):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--widths", type=int, nargs="+", default=[96, 128])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=64)
@@ -68,8 +74,8 @@ def main():
     for _ in range(args.steps):
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
         data.append({"input_ids": ids, "labels": ids.clone()})
-    probe = ht.ModelTask(make_models(args)[0], data=data)
-    largest_shard = max(sum(p.numel() * 4 for p in shard) for shard in probe.shard_params)
+    probes = [ht.ModelTask(m, data=data) for m in make_models(args)]
+    largest_shard = max(sum(p.numel() * 4 for p in shard) for probe in probes for shard in probe.shard_params)
     spilled_budget = 3 * largest_shard + 65536
     resident_budget = "4GiB"
     modes = {
@@ -87,10 +93,11 @@ def main():
             times[mode].append(seconds)
             if results is not None:
                 utilisation[mode] = results.utilisation()
-    tokens = args.models * args.steps * args.batch * args.seq
+    tokens = len(configs(args)) * args.steps * args.batch * args.seq
     base = statistics.median(times["plain, one after another"])
-    params = sum(p.numel() for p in make_models(args)[0].parameters())
-    print(f"{args.models} GPT-2 models of {params / 1e6:.2f}M params, {args.steps} steps of {args.batch}x{args.seq} "
+    params = [sum(p.numel() for p in m.parameters()) for m in make_models(args)]
+    print(f"{len(params)} GPT-2 configurations of {min(params) / 1e6:.2f}-{max(params) / 1e6:.2f}M params, "
+          f"{args.steps} steps of {args.batch}x{args.seq} "
           f"tokens each; spilled budget {spilled_budget} bytes per device; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print("| mode | median s | tokens/s | speed-up vs plain | device busy |")
