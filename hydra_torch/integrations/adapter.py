@@ -21,10 +21,11 @@ def adapt(model) -> Adapter | None:
     lists). Raises TypeError for a Hugging Face model of an architecture with no adapter."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return None
-    from hydra_torch.integrations import gpt2
+    from hydra_torch.integrations import gpt2, llama
 
-    if gpt2.supports(model):
-        return gpt2.adapter(model)
-    raise TypeError(f"not supported: {type(model).__name__}. hydra-torch shards Hugging Face GPT2LMHeadModel as "
-                    f"it is; other models can be passed as an nn.Sequential, a list of modules, or with "
-                    f"explicit shards=[[module, ...], ...]")
+    for family in (gpt2, llama):
+        if family.supports(model):
+            return family.adapter(model)
+    raise TypeError(f"not supported: {type(model).__name__}. hydra-torch shards Hugging Face GPT2LMHeadModel and "
+                    f"LlamaForCausalLM as they are; other models can be passed as an nn.Sequential, a list of "
+                    f"modules, or with explicit shards=[[module, ...], ...]")

@@ -8,10 +8,9 @@ Between pieces travels (hidden_states, causal_mask, position_ids): the mask come
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from hydra_torch.integrations import causal_lm
 
 
 def supports(model) -> bool:
@@ -60,13 +59,6 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(inputs[0]))
 
 
-def causal_lm_loss(logits, batch):
-    """Hugging Face's causal-LM loss: predict token t+1 from tokens <= t, mean over labels != -100."""
-    labels = batch["labels"].to(logits.device)
-    return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX)
-
-
 def adapter(model):
     from hydra_torch.integrations.adapter import Adapter
 
@@ -74,23 +66,7 @@ def adapter(model):
     if getattr(config, "add_cross_attention", False):
         raise TypeError("not supported: GPT2LMHeadModel with cross-attention (add_cross_attention=True)")
 
-    def inputs(batch):
-        return batch["input_ids"], batch.get("attention_mask")
-
-    def check_batch(batch):
-        if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
-            raise KeyError("a GPT-2 batch is a dict with 'input_ids' and 'labels' (and optionally 'attention_mask')")
-        ids = batch["input_ids"]
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got {tuple(ids.shape)} {ids.dtype}")
-        if ids.shape[1] > config.n_positions:
-            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's n_positions={config.n_positions}")
-        if ids.numel() and (int(ids.max()) >= config.vocab_size or int(ids.min()) < 0):
-            raise ValueError(f"token ids must lie in [0, {config.vocab_size}) (the model's vocab_size); found "
-                             f"[{int(ids.min())}, {int(ids.max())}]: does the tokenizer match the model?")
-        if batch["labels"].shape != ids.shape:
-            raise ValueError(f"labels {tuple(batch['labels'].shape)} must have the shape of input_ids {tuple(ids.shape)}")
-
     pieces = [Embeddings(model), *[Block(b) for b in model.transformer.h], Head(model)]
-    return Adapter(pieces, inputs, causal_lm_loss, check_batch,
+    return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
+                   causal_lm.batch_checker(config.vocab_size, config.n_positions),
                    f"GPT-2: embeddings, {len(model.transformer.h)} blocks, final norm + LM head")

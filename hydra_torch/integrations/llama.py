@@ -1,0 +1,73 @@
+"""Hugging Face Llama (LlamaForCausalLM) as pieces: token embeddings, each decoder layer, final norm + LM head.
+
+As for GPT-2, the pieces hold the model's own submodules (a tie between embeddings and head, when the config
+asks for one, stays a tie). Between pieces travels (hidden_states, causal_mask, position_ids); each layer
+recomputes its rotary (cos, sin) from the position ids with the model's own rotary module, which is cheap and
+keeps floating tensors that need no gradient off the shard boundaries.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from hydra_torch.integrations import causal_lm
+
+
+def supports(model) -> bool:
+    from transformers import LlamaForCausalLM
+
+    return isinstance(model, LlamaForCausalLM)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.embed_tokens = model.model.embed_tokens
+        self.config = model.config
+
+    def forward(self, inputs):
+        import torch
+        from transformers.masking_utils import create_causal_mask
+
+        input_ids, attention_mask = inputs
+        embeds = self.embed_tokens(input_ids)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                  cache=None, position_ids=position_ids)
+        return embeds, mask, position_ids
+
+
+class Layer(nn.Module):
+    def __init__(self, layer, rotary):
+        super().__init__()
+        self.layer = layer
+        self._rotary = [rotary]  # shared by every layer piece; kept out of this module's children
+
+    def forward(self, inputs):
+        hidden, mask, position_ids = inputs
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != hidden.device:
+            rotary.to(hidden.device)
+        cos_sin = rotary(hidden, position_ids=position_ids)
+        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin,
+                            use_cache=False)
+        return hidden, mask, position_ids
+
+
+class Head(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.norm, self.lm_head = model.model.norm, model.lm_head
+
+    def forward(self, inputs):
+        return self.lm_head(self.norm(inputs[0]))
+
+
+def adapter(model):
+    from hydra_torch.integrations.adapter import Adapter
+
+    config = model.config
+    rotary = model.model.rotary_emb
+    pieces = [Embeddings(model), *[Layer(layer, rotary) for layer in model.model.layers], Head(model)]
+    return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
+                   causal_lm.batch_checker(config.vocab_size, getattr(config, "max_position_embeddings", None)),
+                   f"Llama: token embeddings, {len(model.model.layers)} decoder layers, final norm + LM head")
