@@ -44,10 +44,7 @@ class Layer(nn.Module):
 
     def forward(self, inputs):
         hidden, mask, position_ids = inputs
-        rotary = self._rotary[0]
-        if rotary.inv_freq.device != hidden.device:
-            rotary.to(hidden.device)
-        cos_sin = rotary(hidden, position_ids=position_ids)
+        cos_sin = self._rotary[0](hidden, position_ids=position_ids)  # it moves its inv_freq to hidden's device
         hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin,
                             use_cache=False)
         return hidden, mask, position_ids
