@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 
+from hydra_torch.runner import step_sizes
+
 
 class Progress:
     def __init__(self, runners, enabled: bool):
@@ -13,19 +15,12 @@ class Progress:
             return
         from tqdm.auto import tqdm
 
-        steps = [self._expected_steps(r) for r in runners]
+        steps = [len(step_sizes(r.task)) for r in runners]
         self._total = tqdm(total=sum(steps), desc="all tasks", unit="step", position=0, dynamic_ncols=True)
         for i, (runner, total) in enumerate(zip(runners, steps)):
             self._bars[runner.index] = tqdm(total=total, desc=runner.task.name, unit="step", position=i + 1,
                                             leave=True, dynamic_ncols=True)
             runner.on_step = self.step
-
-    @staticmethod
-    def _expected_steps(runner) -> int:
-        task = runner.task
-        per_epoch = -(-len(task.data) // task.accumulate)
-        steps = per_epoch * task.epochs
-        return min(steps, task.max_steps) if task.max_steps is not None else steps
 
     def step(self, runner):
         with self._lock:

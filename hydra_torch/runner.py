@@ -85,13 +85,16 @@ def step_groups(task: ModelTask):
             yield epoch, g, i == len(groups) - 1
 
 
-def count_micro_batches(task: ModelTask) -> int:
+def step_sizes(task: ModelTask) -> list[int]:
+    """Micro-batches in each optimizer step of the whole run, as step_groups will make them."""
     size = len(task.data)
     per_epoch = [task.accumulate] * (size // task.accumulate) + ([size % task.accumulate] if size % task.accumulate else [])
     groups = per_epoch * task.epochs
-    if task.max_steps is not None:
-        groups = groups[:task.max_steps]
-    return sum(groups)
+    return groups[:task.max_steps] if task.max_steps is not None else groups
+
+
+def count_micro_batches(task: ModelTask) -> int:
+    return sum(step_sizes(task))
 
 
 class TaskRunner:

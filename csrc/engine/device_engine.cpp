@@ -17,8 +17,6 @@ namespace hydra::engine {
 
 namespace {
 
-int64_t element_bytes(const ShardStore& store) { return store.bf16() ? 2 : 4; }
-
 // Every region is rounded up to the pool's 512-byte alignment: a resident shard has at most 5 regions
 // (weights, gradients, master, two optimizer states), a spilled shard in use 2 (weights, gradients).
 constexpr int64_t kResidentSlack = 5 * 512;
@@ -44,12 +42,12 @@ DeviceEngine::~DeviceEngine() {
 int64_t DeviceEngine::min_spilled_bytes(const ShardStore& store) {
   int64_t largest = 0;
   for (int s = 0; s < store.num_shards(); ++s) largest = std::max(largest, store.device_numel(s));
-  return 2 * largest * element_bytes(store);
+  return 2 * largest * store.element_bytes();
 }
 
 int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
   // Weights and gradients in the compute dtype, an fp32 master when that is bf16, and the optimizer state.
-  const int64_t per_element = 2 * element_bytes(store) + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states();
+  const int64_t per_element = 2 * store.element_bytes() + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states();
   return store.total_owned_numel() * per_element;
 }
 
@@ -90,7 +88,7 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
       continue;
     }
     demand += spilled_need(*m.store);
-    for (int s = 0; s < m.store->num_shards(); ++s) demand += m.store->device_numel(s) * element_bytes(*m.store) + 512;
+    for (int s = 0; s < m.store->num_shards(); ++s) demand += m.store->device_numel(s) * m.store->element_bytes() + 512;
   }
   pool_.set_demand(std::min(demand, pool_.budget()));
   return static_cast<int>(models_.size()) - 1;
@@ -183,7 +181,7 @@ bool DeviceEngine::load(int model, int shard, Need need) {
   ShardStore& store = *models_[model].store;
   ShardState& state = models_[model].shards[shard];
   const int64_t numel = store.device_numel(shard);
-  Allocation allocation = allocate(model, shard, numel * element_bytes(store), need);
+  Allocation allocation = allocate(model, shard, numel * store.element_bytes(), need);
   if (!allocation.region.valid()) return false;
   state.weights = allocation.region;
   state.cached = true;
@@ -213,7 +211,7 @@ bool DeviceEngine::load(int model, int shard, Need need) {
   state.last_use = state.ready;
   ++state.loads;
   ++stats_.host_to_device_copies;
-  stats_.host_to_device_bytes += numel * element_bytes(store);
+  stats_.host_to_device_bytes += numel * store.element_bytes();
   return true;
 }
 
@@ -265,7 +263,7 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
 
 void DeviceEngine::allocate_grads(int model, int shard) {
   ShardState& state = models_[model].shards[shard];
-  const int64_t bytes = models_[model].store->device_numel(shard) * element_bytes(*models_[model].store);
+  const int64_t bytes = models_[model].store->device_numel(shard) * models_[model].store->element_bytes();
   Allocation allocation = allocate(model, shard, bytes, Need::kEvictAny);
   if (!allocation.region.valid()) {
     // Every other shard is gone and the range next to this shard's weights is still too small: the arena is

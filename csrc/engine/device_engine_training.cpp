@@ -14,8 +14,6 @@ namespace hydra::engine {
 
 namespace {
 
-int64_t element_bytes(const ShardStore& store) { return store.bf16() ? 2 : 4; }
-
 // Steps the shard's host buffers; runs on the device's worker thread.
 void step_host(ShardStore& store, int shard, double grad_scale) {
   const int64_t n = store.trainable_numel(shard);
@@ -48,8 +46,8 @@ void DeviceEngine::upload_resident(int model) {
     ShardState& state = m.shards[s];
     const int64_t numel = store.owned_numel(s);
     auto region = [&](int64_t bytes) { return allocate(model, s, bytes, Need::kMust).region; };
-    state.home_weights = region(numel * element_bytes(store));
-    state.home_grads = region(numel * element_bytes(store));
+    state.home_weights = region(numel * store.element_bytes());
+    state.home_grads = region(numel * store.element_bytes());
     home_view(model, s, state.home_weights, dtype).copy_(store.transfer_source(s));
     home_view(model, s, state.home_grads, dtype).zero_();
     if (store.bf16()) {
@@ -62,7 +60,7 @@ void DeviceEngine::upload_resident(int model) {
     }
     ++state.loads;
     ++stats_.host_to_device_copies;
-    stats_.host_to_device_bytes += numel * (element_bytes(store) + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states());
+    stats_.host_to_device_bytes += numel * (store.element_bytes() + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states());
   }
   m.uploaded = true;
 }
@@ -102,14 +100,14 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
   TORCH_CHECK(state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   const ShardStore& store = *m.store;
   const at::Tensor device_grad = grad_view(model, shard);
-  const int64_t bytes = device_grad.numel() * element_bytes(store);
+  const int64_t bytes = device_grad.numel() * store.element_bytes();
   at::Tensor landing = device_grad;  // a CPU device's memory is host memory: read it in place
   if (has_streams_) {
     if (!staging_.defined() || staging_.numel() < bytes) {
       int64_t largest = bytes;
       for (const Model& other : models_)
         for (int s = 0; s < other.store->num_shards(); ++s)
-          largest = std::max(largest, other.store->device_numel(s) * element_bytes(*other.store));
+          largest = std::max(largest, other.store->device_numel(s) * other.store->element_bytes());
       try {
         staging_ = at::empty({largest}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
       } catch (const c10::Error&) {

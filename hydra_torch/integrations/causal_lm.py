@@ -14,6 +14,17 @@ def causal_lm_loss(logits, batch):
                            ignore_index=IGNORE_INDEX)
 
 
+def positions_and_mask(config, input_ids, embeds, attention_mask):
+    """Position ids 0..T-1 and the model's own causal mask (None where its attention applies causality
+    itself), as the Hugging Face model computes them without a cache."""
+    from transformers.masking_utils import create_causal_mask
+
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
+                              position_ids=position_ids)
+    return position_ids, mask
+
+
 def inputs(batch):
     return batch["input_ids"], batch.get("attention_mask")
 

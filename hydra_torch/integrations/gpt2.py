@@ -7,7 +7,6 @@ Between pieces travels (hidden_states, causal_mask, position_ids): the mask come
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from hydra_torch.integrations import causal_lm
@@ -26,17 +25,13 @@ class Embeddings(nn.Module):
         self.config = model.config
 
     def forward(self, inputs):
-        from transformers.masking_utils import create_causal_mask
-
         input_ids, attention_mask = inputs
         if input_ids.shape[-1] > self.config.n_positions:
             raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds the model's "
                              f"n_positions={self.config.n_positions}")
         embeds = self.wte(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        position_ids, mask = causal_lm.positions_and_mask(self.config, input_ids, embeds, attention_mask)
         hidden = embeds + self.wpe(position_ids)
-        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-                                  cache=None, position_ids=position_ids)
         return self.drop(hidden), mask, position_ids
 
 

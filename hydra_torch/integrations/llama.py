@@ -25,14 +25,9 @@ class Embeddings(nn.Module):
         self.config = model.config
 
     def forward(self, inputs):
-        import torch
-        from transformers.masking_utils import create_causal_mask
-
         input_ids, attention_mask = inputs
         embeds = self.embed_tokens(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-                                  cache=None, position_ids=position_ids)
+        position_ids, mask = causal_lm.positions_and_mask(self.config, input_ids, embeds, attention_mask)
         return embeds, mask, position_ids
 
 
