@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU machine's one script: build from source there, run the GPU tests, run the GPU suite (P1, P2) and
-# leave logs and JSON under the folder given as $1 (default: benchmarks/out). About 9 minutes in all:
-# build ~2 min, tests ~1 min, suite SUITE_BUDGET_S (default 330 s) plus its imports and model building.
+# The GPU machine's one script: build from source there, run the GPU tests, run the GPU suite (P1 with its
+# profile, P2) and leave logs and JSON under the folder given as $1 (default: benchmarks/out), six files:
+# setup.log, build.log, pytest.log, gpu_suite.log, suite/gpu_suite.json, suite/gpu_suite.md.
+# About 8 minutes in all: build ~1.5 min, tests ~1 min, suite SUITE_BUDGET_S (default 330 s) plus imports.
 #   bash benchmarks/device_check.sh "$OUT"              # SUITE_ARGS="--p3" adds P3 (give it more time)
 # DeepSpeed is not installed on the GPU box: benchmarks/fetch_gpu_wheels.sh puts it and its dependencies in
 # .whl/ on a machine with PyPI; carry .whl/ along and they are installed into /tmp/site here.
@@ -10,31 +11,60 @@ mkdir -p "${1:-benchmarks/out}"
 out=$(cd "${1:-benchmarks/out}" && pwd)   # absolute: the cd below must not move it
 cd "$(dirname "$0")/.."
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-{ nvidia-smi -L; free -g | head -2; nproc
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$out/machine.txt"
-
-# setup.py run directly builds against the installed torch: the --no-build-isolation semantics.
-python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
-status=$?
-tail -n 20 "$out/build.log"
-[ $status -eq 0 ] || { echo "build failed (exit $status): $out/build.log"; exit 1; }
+# An in-place build is not an install: every Python process here (the suite's too) imports this checkout.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+setup="$out/setup.log"
+{ date -u; git log -1 --format='commit %H %s' 2>/dev/null; nvidia-smi -L; free -g | head -2; nproc
+  grep -m1 'model name' /proc/cpuinfo; grep -o -m1 'avx512f' /proc/cpuinfo
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$setup" 2>&1
+cat "$setup"
 
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tee "$out/wheels.log"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  # DeepSpeed's CPU Adam is compiled with ninja at first use; build it now, beside the tests, so the suite's
-  # DeepSpeed time is training, not compiling. A failure here shows again, recorded, in the suite.
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$setup" 2>&1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  # DeepSpeed's CPU Adam is compiled with ninja at first use; build it now, beside hydra's own build, so the
+  # suite's DeepSpeed time is training, not compiling. A failure here shows again, recorded, in the suite.
   (timeout 300 python3 -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print("cpu_adam built")' \
-     > "$out/deepspeed_cpu_adam_build.log" 2>&1) &
+     > /tmp/deepspeed_cpu_adam_build.log 2>&1) &
   ds_build=$!
 else
-  echo "no .whl/: the DeepSpeed baseline will record itself as not importable" | tee "$out/wheels.log"
+  echo "no .whl/: the DeepSpeed baseline will record itself as not importable" | tee -a "$setup"
   ds_build=
 fi
 
-timeout 240 python3 -m pytest tests/test_cuda.py tests/test_optimizer_ops.py -q 2>&1 | tee "$out/pytest.log"
-tests=${PIPESTATUS[0]}
-if [ -n "$ds_build" ]; then wait "$ds_build"; tail -n 3 "$out/deepspeed_cpu_adam_build.log"; fi
+# setup.py run directly builds against the installed torch: the --no-build-isolation semantics.
+start=$SECONDS
+timeout 400 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
+status=$?
+echo "build: exit $status in $((SECONDS - start)) s" | tee -a "$out/build.log"
+tail -n 5 "$out/build.log"
+[ $status -eq 0 ] || { echo "build failed (exit $status): $out/build.log"; exit 1; }
+
+# A native crash in a test is reported with its native frames (tools/segv_backtrace.c), resolved to source
+# lines here, where the crashed libraries are. The argument-check tests run alone first (is a crash there
+# independent of the CUDA tests before it?); then every GPU test under xdist, where a crash fails one test
+# instead of ending the run.
+log="$out/pytest.log"
+preload=/tmp/segv_backtrace.so
+cc=$(command -v gcc || command -v cc || echo /opt/gcc/bin/gcc)
+"$cc" -shared -fPIC -O1 -o "$preload" tools/segv_backtrace.c > "$log" 2>&1
+echo "== argument checks alone" >> "$log"
+LD_PRELOAD=$preload timeout 120 python3 -m pytest -p no:faulthandler -p no:cacheprovider --capture=sys -q \
+  tests/test_optimizer_ops.py -k rejects >> "$log" 2>&1
+echo "exit $?" >> "$log"
+echo "== GPU tests" >> "$log"
+LD_PRELOAD=$preload timeout 300 python3 -m pytest -p no:faulthandler -p no:cacheprovider --capture=sys -q -n 2 -rfE \
+  tests/test_cuda.py tests/test_optimizer_ops.py >> "$log" 2>&1
+tests=$?
+echo "exit $tests" >> "$log"
+grep -v "^hydra-segv" "$log" | tail -n 25
+if grep -q "^hydra-segv" "$log"; then
+  echo "== native frames of the crashes above" >> "$log"
+  python3 tools/resolve_frames.py "$log" > /tmp/frames.txt 2>&1
+  cat /tmp/frames.txt >> "$log"
+  head -n 60 /tmp/frames.txt
+fi
+if [ -n "$ds_build" ]; then wait "$ds_build"; tail -n 3 /tmp/deepspeed_cpu_adam_build.log | tee -a "$setup"; fi
 
 timeout $(( ${SUITE_BUDGET_S:-330} + 150 )) python3 benchmarks/gpu_suite.py --out "$out/suite" \
   --budget-s "${SUITE_BUDGET_S:-330}" ${SUITE_ARGS:-} 2>&1 | tee "$out/gpu_suite.log"

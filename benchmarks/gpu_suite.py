@@ -6,7 +6,8 @@ each measure and the targets.
     python benchmarks/gpu_suite.py --smoke --out OUT    # every code path with tiny models on the CPU, < 60 s
 
 P1: one GPT-2-XL-shaped model: hydra spilled under the cap, hydra resident and plain PyTorch without it, at a
-    batch below and one above the T >= F/B break-even (HYDRA.md section 3: ~16k tokens on H200 + PCIe Gen5).
+    batch well below and one at the T >= F/B break-even (HYDRA.md section 3: ~16k tokens on H200 + PCIe Gen5);
+    then a profile of one spilled step at the smaller batch (benchmarks/gpu_suite_profile.py).
 P2: K GPT-2-large-shaped models with different learning rates, K from host RAM: hydra in one ht.train call
     against DeepSpeed ZeRO-3 offload and FSDP2 CPU offload training them one after another.
 P3: (--p3) the largest GPT-shaped model hydra trains for 3 steps under the cap, AdamW then SGD.
@@ -26,13 +27,14 @@ import torch  # noqa: E402
 
 from gpu_suite_env import (GiB, Workload, build_model, hydra_headroom_bytes, hydra_host_bytes_per_param,  # noqa: E402
                            machine, make_batches, meminfo, models_that_fit, pcie_bandwidth)
+from gpu_suite_profile import profile_hydra  # noqa: E402
 from gpu_suite_report import markdown  # noqa: E402
 from gpu_suite_systems import run_deepspeed, run_fsdp2, run_hydra, run_plain  # noqa: E402
 
-GPU = {"p1": dict(n_embd=1600, n_layer=48, n_head=25), "p1_batches": (4, 24),       # GPT-2 XL, 1.56B
+GPU = {"p1": dict(n_embd=1600, n_layer=48, n_head=25), "p1_batches": (4, 16),       # GPT-2 XL, 1.56B
        "p2": dict(n_embd=1280, n_layer=36, n_head=20, batch=8), "p2_max_models": 4,  # GPT-2 large, 0.77B
        "p3": dict(n_embd=4096, n_head=32, batch=1), "p3_layers": 8, "seq": 1024, "vocab": 50257,
-       "p1_steps": (2, 4), "p2_steps": (1, 3)}
+       "p1_steps": (1, 3), "p2_steps": (1, 3)}
 SMOKE = {"p1": dict(n_embd=64, n_layer=4, n_head=2), "p1_batches": (2, 8),
          "p2": dict(n_embd=64, n_layer=3, n_head=2, batch=4), "p2_max_models": 2,
          "p3": dict(n_embd=64, n_head=2, batch=1), "p3_layers": 2, "seq": 32, "vocab": 256,
@@ -146,6 +148,10 @@ class Suite:
             if entry["hydra_spilled_capped"].get("resident") == [True]:
                 entry["warning"] = "the capped hydra run stayed resident: it did not measure spilling"
             phase[f"batch_{batch}"] = entry
+            if batch == self.cfg["p1_batches"][0]:
+                self.cap(cap)
+                self.run(phase, "profile_spilled_step", deadline, profile_hydra, template[0], w, data, self.device, budget)
+                self.cap(None)
         self.record["phases"]["P1"] = phase
 
     def p2(self, deadline: float):
@@ -221,6 +227,16 @@ class Suite:
                 if self.args.smoke and layers > 2 * self.cfg["p3_layers"]:
                     break  # the smoke test checks the loop, not the limit
 
+    def save(self):
+        """Writes the record so far: a run stopped by an outer time limit keeps the phases it finished."""
+        self.record["failures"] = self.failures
+        self.record["wall_s"] = time.perf_counter() - self.clock.start
+        os.makedirs(self.args.out, exist_ok=True)
+        with open(os.path.join(self.args.out, "gpu_suite.json"), "w") as f:
+            json.dump(self.record, f, indent=1, default=str)
+        with open(os.path.join(self.args.out, "gpu_suite.md"), "w") as f:
+            f.write(markdown(self.record))
+
     def main(self) -> int:
         print(f"hydra-torch GPU suite ({self.record['mode']}) on {self.device}, "
               f"time box {self.clock.left():.0f} s", flush=True)
@@ -229,16 +245,12 @@ class Suite:
         print(f"PCIe: {self.record['pcie']}", flush=True)
         with_p3 = self.args.p3 or self.args.smoke
         self.p1(self.clock.deadline(0.3 if with_p3 else 0.4))
+        self.save()
         self.p2(self.clock.deadline(0.5 if with_p3 else 1.0))
+        self.save()
         if with_p3:
             self.p3(self.clock.deadline(1.0))
-        self.record["failures"] = self.failures
-        self.record["wall_s"] = time.perf_counter() - self.clock.start
-        os.makedirs(self.args.out, exist_ok=True)
-        with open(os.path.join(self.args.out, "gpu_suite.json"), "w") as f:
-            json.dump(self.record, f, indent=1, default=str)
-        with open(os.path.join(self.args.out, "gpu_suite.md"), "w") as f:
-            f.write(markdown(self.record))
+            self.save()
         print(f"wrote {self.args.out}/gpu_suite.json and gpu_suite.md in {self.record['wall_s']:.0f} s; "
               f"{len(self.failures)} failures", flush=True)
         for failure in self.failures:

@@ -29,6 +29,29 @@ HEADER = ("| system | tokens/s (median step) | tokens/s (end to end) | wall s | 
           "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _profile(p: dict) -> list[str]:
+    lines = ["## Profile of one spilled step (P1's model, smallest batch, under the cap)", ""]
+    if "error" in p or "skipped" in p:
+        return lines + [_status(p), ""]
+    gpu = p.get("gpu", {})
+    s = lambda v: _num(v, "{:.3f}")  # noqa: E731
+    lines += [f"{p['shards']} shards, step {p['steps']} of {p['steps']} profiled; resident: {p['resident']}.", "",
+              "| where | seconds per step |", "|---|---|",
+              f"| step wall (first unit start to last unit end) | {s(p.get('step_wall_s'))} |",
+              f"| sum of unit wall times | {s(p.get('unit_seconds_sum'))} |"]
+    for phase, v in p.get("by_phase", {}).items():
+        lines.append(f"| units: {phase} ({v['units']}) | {s(v['seconds'])} |")
+    lines += [f"| GPU kernels (union) | {s(gpu.get('kernel_s'))} |",
+              f"| GPU copies host-to-device / device-to-host | {s(gpu.get('h2d_s'))} / {s(gpu.get('d2h_s'))} |",
+              f"| copies running under kernels | {s(gpu.get('copy_under_kernels_s'))} |",
+              f"| GPU idle (no kernel, no copy) in the window | {s(gpu.get('gpu_idle_s'))} |",
+              f"| host optimizer steps (worker thread) | {s(p.get('host_step_seconds_per_step'))} |",
+              f"| host: waiting for gradient copies + accumulating them | {s(p.get('grad_copy_seconds_per_step'))} |",
+              f"| GB copied host-to-device / device-to-host | {_num(p.get('host_to_device_gb_per_step'), '{:.2f}')} / "
+              f"{_num(p.get('device_to_host_gb_per_step'), '{:.2f}')} |", ""]
+    return lines
+
+
 def markdown(record: dict) -> str:
     m = record.get("machine", {})
     lines = [f"# hydra-torch GPU suite ({record['mode']}, {record['device']})", "",
@@ -41,6 +64,8 @@ def markdown(record: dict) -> str:
              f"- wall time {_num(record.get('wall_s'), '{:.0f}')} s; failures: {record.get('failures') or 'none'}", ""]
     phases = record.get("phases", {})
     for key, entry in phases.get("P1", {}).items():
+        if not key.startswith("batch_"):
+            continue
         w = entry["workload"]
         lines += [f"## P1, batch {w['batch']} x {w['seq']} = {w['tokens_per_step']} tokens, "
                   f"{w['params'] / 1e9:.2f}B params", "",
@@ -51,6 +76,9 @@ def markdown(record: dict) -> str:
                   + entry.get("warning", ""), "", HEADER]
         lines += [_row(name, r) for name, r in entry.items() if isinstance(r, dict) and name != "workload"]
         lines.append("")
+    profile = phases.get("P1", {}).get("profile_spilled_step")
+    if profile:
+        lines += _profile(profile)
     p2 = phases.get("P2")
     if p2:
         w = p2["workload"]

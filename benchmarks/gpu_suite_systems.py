@@ -31,6 +31,7 @@ def _reset(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # pinned host blocks cached by the last system
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -70,6 +71,14 @@ def _hydra_step_times(results, n_shards: list[int]) -> list[list[float]]:
     return out
 
 
+def _compact_trace(results) -> list[list]:
+    """Every unit as [device, task, unit, shard, phase initial, start s, seconds, bytes copied meanwhile]: what
+    the simulator needs to replay the run (benchmarks/RESULTS.md compares the two)."""
+    t0 = min((e.start for e in results.trace), default=0.0)
+    return [[e.device, e.task, e.unit, e.shard, e.phase[0], round(e.start - t0, 6), round(e.end - e.start, 6),
+             e.bytes_copied] for e in results.trace]
+
+
 def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, optimizer="adamw") -> dict:
     """All models in one ht.train call, bf16 weights on the device, fp32 masters and the optimizer on the host."""
     try:
@@ -96,7 +105,11 @@ def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, o
                     "host_to_device_bytes": stats["host_to_device_bytes"],
                     "device_to_host_bytes": stats["device_to_host_bytes"],
                     "copy_gbps_over_wall": moved / results.wall_time / 1e9 if results.wall_time else None,
-                    "final_losses": [r.final_loss for r in results]})
+                    "host_step_seconds": stats["host_step_seconds"], "grad_copy_seconds": stats["grad_copy_seconds"],
+                    "final_losses": [r.final_loss for r in results],
+                    "shard_params": [[sum(p.numel() for m in group for p in m.parameters()) for group in t.modules]
+                                     for t in tasks],
+                    "trace": _compact_trace(results)})
         del models, tasks, results
         return out
     except Exception as error:
@@ -228,9 +241,18 @@ def import_check(module: str) -> str:
         return f"not importable: {type(error).__name__}: {error}"
 
 
+def checkpoint_activations(model) -> dict:
+    """The offload baselines keep only each block's input and recompute the rest in backward, as hydra keeps
+    only each shard's: without it, GPT-2-large's activations alone (batch 8) overflow the memory cap.
+    Transformers' default (non-reentrant torch.utils.checkpoint) is used; newer releases renamed the method."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    return {"activation_checkpointing": "per transformer block (gradient_checkpointing_enable)"}
+
+
 def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadline=None) -> dict:
     """DeepSpeed ZeRO-3, parameters and optimizer state offloaded to pinned CPU memory (DeepSpeedCPUAdam),
-    bf16 weights with fp32 masters; one model at a time."""
+    bf16 weights with fp32 masters, activation checkpointing per block; one model at a time."""
     if device.type != "cuda":
         return {"skipped": "needs CUDA: ZeRO-3 offload fetches partitioned parameters onto a CUDA device "
                            "and its CPU Adam op is built for the CUDA accelerator", "import": import_check("deepspeed")}
@@ -253,6 +275,8 @@ def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadl
                     "overlap_comm": True, "contiguous_gradients": True,
                 },
             }
+            model.train()
+            checkpointing = checkpoint_activations(model)
             engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                            config=config)
 
@@ -265,7 +289,7 @@ def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadl
                     engine.destroy()
                 engine, optimizer = None, None
             return forward_backward, engine.step, teardown, {"optimizer_class": type(optimizer).__name__,
-                                                             "deepspeed": deepspeed.__version__}
+                                                             "deepspeed": deepspeed.__version__, **checkpointing}
 
         return _sequential(w, templates, lrs, data, device, deadline, setup)
     except Exception as error:
@@ -277,7 +301,8 @@ def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadl
 def run_fsdp2(templates, lrs, w: Workload, data, device: torch.device, deadline=None, offload=True) -> dict:
     """FSDP2 (`fully_shard` per transformer block and at the root) at world size 1 with
     CPUOffloadPolicy(pin_memory=True): sharded fp32 parameters, gradients and AdamW on the host, bf16 compute
-    (MixedPrecisionPolicy); one model at a time. offload=False is the CPU smoke test's code-path check."""
+    (MixedPrecisionPolicy), activation checkpointing per block; one model at a time. offload=False is the CPU
+    smoke test's code-path check."""
     if offload and device.type != "cuda":
         return {"skipped": "needs CUDA: CPUOffloadPolicy moves parameters between host and a CUDA device",
                 "import": import_check("torch.distributed.fsdp")}
@@ -287,6 +312,7 @@ def run_fsdp2(templates, lrs, w: Workload, data, device: torch.device, deadline=
         ensure_process_group(device)
 
         def setup(model, lr):
+            checkpointing = checkpoint_activations(model)
             policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
             mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for block in model.transformer.h:
@@ -316,7 +342,8 @@ def run_fsdp2(templates, lrs, w: Workload, data, device: torch.device, deadline=
                 nonlocal model
                 model = None
                 state.pop("opt", None)
-            return forward_backward, step, teardown, {"offload": offload, "fused_adamw": lambda: state.get("fused")}
+            return forward_backward, step, teardown, {"offload": offload, "fused_adamw": lambda: state.get("fused"),
+                                                      **checkpointing}
 
         out = _sequential(w, templates, lrs, data, device, deadline, setup)
         out.update({k: v() for k, v in out.items() if callable(v)})

@@ -26,6 +26,9 @@ py::dict stats_dict(const EngineStats& s) {
   d["device_to_host_bytes"] = s.device_to_host_bytes;
   d["host_to_device_copies"] = s.host_to_device_copies;
   d["device_to_host_copies"] = s.device_to_host_copies;
+  d["host_steps"] = s.host_steps;
+  d["host_step_seconds"] = s.host_step_seconds;
+  d["grad_copy_seconds"] = s.grad_copy_seconds;
   return d;
 }
 

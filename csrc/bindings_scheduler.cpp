@@ -35,14 +35,17 @@ void bind_scheduler(py::module_& m) {
         "The canonical name of a scheduling policy; ValueError for an unknown one.");
 
   py::class_<Scheduler>(m, "Scheduler")
-      .def(py::init([](const std::vector<std::tuple<int, int64_t, std::optional<int>>>& tasks, int num_devices,
-                       const std::string& policy, uint64_t seed) {
+      .def(py::init([](const std::vector<std::tuple<int, int64_t, std::optional<int>, std::vector<double>>>& tasks,
+                       int num_devices, const std::string& policy, uint64_t seed) {
              std::vector<core::TaskSpec> specs;
-             for (const auto& [shards, micro_batches, device] : tasks) specs.push_back({shards, micro_batches, device});
+             for (const auto& [shards, micro_batches, device, costs] : tasks) {
+               specs.push_back({shards, micro_batches, device, costs});
+             }
              return std::make_unique<Scheduler>(std::move(specs), num_devices, core::parse_policy(policy), seed);
            }),
            py::arg("tasks"), py::arg("num_devices"), py::arg("policy") = "lrtf", py::arg("seed") = 0,
-           "tasks: (num_shards, micro_batches, device or None) per task")
+           "tasks: (num_shards, micro_batches, device or None, shard costs or []) per task; a shard's cost (its "
+           "parameter count, say) ranks a task before any of its units has been timed")
       .def("next", &Scheduler::next, py::call_guard<py::gil_scoped_release>())
       .def("next_for", &Scheduler::next_for, py::call_guard<py::gil_scoped_release>())
       .def("has_work", &Scheduler::has_work)

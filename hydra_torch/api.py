@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from hydra_torch import _C, planner
+from hydra_torch import _C, planner, sharding
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
@@ -101,7 +101,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     start_rng = RngState(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
     _place(runners, engines, budgets, pin)
-    specs = [(r.n, r.micro_batches, r.home) for r in runners]
+    # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
+    specs = [(r.n, r.micro_batches, r.home, sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     slots = [DeviceSlot(i, d, e, scheduler, runners) for i, (d, e) in enumerate(zip(resolved, engines))]
 
@@ -195,12 +196,12 @@ def _finish(runners, engines, trace, start, devices, wall) -> Results:
         except Exception as error:
             runner.error = runner.error or error
         runner.restore_buffers()
-        ends = [e.end for e in trace if e.task == runner.index]
+        units = [e for e in trace if e.task == runner.index]
         loads = [sum(col) for col in zip(*(engines[i].shard_loads(m) for i, m in runner.model_ids.items()))]
         results.append(TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
-                                  (max(ends) - start) if ends else 0.0,
+                                  (max(e.end for e in units) - start) if units else 0.0,
                                   any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
-                                  runner.error))
+                                  runner.error, busy_time=sum(e.end - e.start for e in units)))
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]

@@ -60,13 +60,20 @@ def make_model(width, args, vocab_size, seed):
 
     if args.pretrained:
         try:
-            return GPT2LMHeadModel.from_pretrained("gpt2")
+            return causal_lm_loss_named(GPT2LMHeadModel.from_pretrained("gpt2"))
         except OSError as error:
             raise SystemExit(f"--pretrained needs the Hugging Face hub or its cache, which is not reachable: {error}")
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab_size, n_positions=args.seq, n_embd=width, n_layer=args.layers,
                         n_head=args.heads, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
+    return causal_lm_loss_named(GPT2LMHeadModel(config))
+
+
+def causal_lm_loss_named(model):
+    """transformers finds a model's loss from its class name; GPT2LMHeadModel's says nothing, so it warns
+    (`loss_type=None` ... unrecognized) and falls back to the causal-LM loss. Name that loss instead."""
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 @torch.no_grad()
@@ -122,6 +129,8 @@ def main(argv=None):
                        progress=not args.no_progress, seed=args.seed)
 
     tokens = args.batch * args.seq
+    # A configuration's tokens/s is its tokens over the time its own units ran: what it trained at while
+    # it had a device. The configurations share the devices, so the aggregate is printed below, apart.
     print(f"\n{'config':<16} {'params':>8} {'train loss':>10} {'valid loss':>10} {'tokens/s':>9}")
     for model, result, n in zip(models, results, params):
         if result.error is not None:
@@ -129,7 +138,7 @@ def main(argv=None):
             continue
         valid = validation_loss(model, valid_data)
         result.valid_loss = valid
-        speed = result.steps * tokens / result.wall_time if result.wall_time > 0 else float("nan")
+        speed = result.steps * tokens / result.busy_time if result.busy_time > 0 else float("nan")
         print(f"{result.name:<16} {n / 1e6:>7.2f}M {result.final_loss:>10.4f} {valid:>10.4f} {speed:>9.0f}")
     finished = [r for r in results if r.error is None]
     if not finished:

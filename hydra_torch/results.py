@@ -14,6 +14,7 @@ class TaskResult:
     resident: bool               # True: the whole training state stayed on one device
     shard_loads: list[int]       # copies of each shard to a device, all devices together
     error: BaseException | None = None
+    busy_time: float = 0.0       # seconds its units ran, all devices together: its own share of the run
 
     @property
     def ok(self) -> bool:

@@ -95,3 +95,24 @@ def shard_parameters(groups: list[list[nn.Module]]) -> list[list[torch.nn.Parame
                 seen.setdefault(id(p), p)
         params.append(list(seen.values()))
     return params
+
+
+def shard_costs(groups: list[list[nn.Module]]) -> list[float]:
+    """Each shard's relative compute, for the scheduler's estimates before a shard has been timed: the
+    parameters it multiplies activations by (a layer's compute per token is proportional to them). Embedding
+    tables are lookups and do not count; a tied output head counts where it multiplies. Never zero, so a
+    shard of lookups alone still costs something."""
+    costs = []
+    for group in groups:
+        seen, count = set(), 0
+        for module in group:
+            for sub in module.modules():
+                if isinstance(sub, nn.Embedding):
+                    seen.update(id(p) for p in sub.parameters(recurse=False))
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    count += p.numel()
+        costs.append(float(count))
+    floor = 0.01 * max(costs) if costs and max(costs) > 0 else 1.0
+    return [max(c, floor) for c in costs]

@@ -1,19 +1,41 @@
 """The main job, end to end, with its smallest settings."""
+import logging
+import re
+
 import torch
+from transformers.utils import logging as hf_logging
 
 from hydra_torch import demo
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def test_demo_runs_and_names_the_best(tmp_path, capsys):
     chart = tmp_path / "schedule.png"
     threads = torch.get_num_threads()
-    code = demo.main(["--steps", "3", "--widths", "32", "--lrs", "1e-3", "3e-3", "--layers", "2", "--heads", "2",
-                      "--corpus-bytes", "200000", "--vocab", "300", "--seq", "16", "--batch", "2",
-                      "--no-progress", "--chart", str(chart)])
+    transformers_log = _Records()
+    hf_logging.add_handler(transformers_log)
+    try:
+        code = demo.main(["--steps", "3", "--widths", "16", "64", "--lrs", "1e-3", "--layers", "2", "--heads", "2",
+                          "--corpus-bytes", "200000", "--vocab", "300", "--seq", "16", "--batch", "2",
+                          "--no-progress", "--chart", str(chart)])
+    finally:
+        hf_logging.remove_handler(transformers_log)
     out = capsys.readouterr().out
     assert code == 0
-    assert "best configuration: w32-lr" in out
+    assert "best configuration: w" in out
     assert "valid loss" in out and "tokens/s" in out
     assert chart.stat().st_size > 1000
     assert torch.get_num_threads() == threads, "virtual devices restore the thread count"
-
+    # Each configuration's own throughput, and the aggregate apart from them.
+    rates = {name: int(rate) for name, rate in re.findall(r"^(w\d+-lr\S+)\s.*\s(\d+)$", out, re.MULTILINE)}
+    assert set(rates) == {"w16-lr0.001", "w64-lr0.001"} and rates["w16-lr0.001"] != rates["w64-lr0.001"]
+    assert re.search(r"all configurations: \d+ tokens/s", out)
+    assert not [m for m in transformers_log.messages if "loss_type" in m], transformers_log.messages

@@ -108,3 +108,15 @@ def test_unsupported_hugging_face_model():
                                       intermediate_size=32))
     with pytest.raises(TypeError, match="not supported: BertForMaskedLM"):
         ht.ModelTask(bert, data=batches(1))
+
+
+@pytest.mark.parametrize("installed", ["4.57.1", "5.2.0", "6.0.0"])
+def test_a_transformers_outside_the_tested_range_is_named(monkeypatch, installed):
+    model = tiny_gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    from hydra_torch.integrations import adapter
+
+    monkeypatch.setattr(adapter, "installed_transformers", lambda: installed)
+    with pytest.raises(ImportError, match=rf"need transformers >= 5\.17, < 6; transformers {installed} is installed"):
+        ht.ModelTask(model, data=batches(1))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))

@@ -26,6 +26,41 @@ Phase phase_at(int num_shards, int64_t position) {
   return Phase::kBackward;
 }
 
+int shard_at(int num_shards, int64_t position) {
+  return static_cast<int>(position < num_shards ? position : 2 * int64_t{num_shards} - 2 - position);
+}
+
+// Each task's shard costs, validated, with one scale for all tasks: mean 1 over every costed shard, and 1 for
+// the shards of tasks that give none.
+std::vector<std::vector<double>> normalised_costs(const std::vector<TaskSpec>& tasks) {
+  double sum = 0.0;
+  int64_t count = 0;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const TaskSpec& spec = tasks[t];
+    if (spec.shard_costs.empty()) continue;
+    if (static_cast<int64_t>(spec.shard_costs.size()) != spec.num_shards) {
+      throw std::invalid_argument("CostModel: task " + std::to_string(t) + " has " +
+                                  std::to_string(spec.shard_costs.size()) + " shard costs for " +
+                                  std::to_string(spec.num_shards) + " shards");
+    }
+    for (double cost : spec.shard_costs) {
+      if (!(cost > 0.0) || !std::isfinite(cost)) {
+        throw std::invalid_argument("CostModel: task " + std::to_string(t) +
+                                    ": shard costs must be positive and finite, got " + std::to_string(cost));
+      }
+      sum += cost;
+      ++count;
+    }
+  }
+  const double scale = count > 0 ? static_cast<double>(count) / sum : 1.0;
+  std::vector<std::vector<double>> out;
+  for (const TaskSpec& spec : tasks) {
+    std::vector<double>& costs = out.emplace_back(static_cast<size_t>(spec.num_shards), 1.0);
+    for (size_t s = 0; s < spec.shard_costs.size(); ++s) costs[s] = spec.shard_costs[s] * scale;
+  }
+  return out;
+}
+
 }  // namespace
 
 CostModel::CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds)
@@ -33,11 +68,16 @@ CostModel::CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds
   if (!(default_forward_seconds > 0.0) || !std::isfinite(default_forward_seconds)) {
     throw std::invalid_argument("CostModel: default_forward_seconds must be positive and finite");
   }
-  tasks_.reserve(tasks.size());
   for (const TaskSpec& spec : tasks) {
     if (spec.num_shards < 1) throw std::invalid_argument("CostModel: num_shards must be >= 1");
+  }
+  std::vector<std::vector<double>> costs = normalised_costs(tasks);
+  tasks_.reserve(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const TaskSpec& spec = tasks[t];
     TaskState state;
     state.spec = spec;
+    state.cost = std::move(costs[t]);
     const auto per = static_cast<size_t>(units_per_micro_batch(spec.num_shards));
     state.stats.resize(per);
     state.estimate.resize(per);
@@ -80,7 +120,7 @@ void CostModel::observe(int task, int shard, Phase phase, double seconds) {
   }
   ++key.count;
   state.dirty = true;
-  global_forward_sum_ += seconds / phase_weight(phase);
+  global_forward_sum_ += seconds / phase_weight(phase) / state.cost[static_cast<size_t>(shard)];
   ++global_forward_count_;
   ++global_version_;
 }
@@ -95,23 +135,24 @@ const CostModel::TaskState& CostModel::refreshed(int task) const {
   const bool uses_global_prior = state.observed_keys == 0;
   if (!state.dirty && (!uses_global_prior || state.global_version == global_version_)) return state;
 
-  // Priors, most specific first: the mean of this task's observed units of the same phase; else this
-  // task's observed units converted through kPhaseWeight; else every task's observations, likewise.
+  // Priors, per unit of shard cost, most specific first: this task's observed units of the same phase;
+  // else this task's observed units converted through kPhaseWeight; else every task's observations, likewise.
   const int n = state.spec.num_shards;
-  std::array<double, 3> phase_sum{};
+  auto cost_at = [&](int64_t p) { return state.cost[static_cast<size_t>(shard_at(n, p))]; };
+  std::array<double, 3> phase_rate_sum{};
   std::array<int64_t, 3> phase_count{};
-  double forward_equivalent_sum = 0.0;
+  double forward_rate_sum = 0.0;
   for (int64_t p = 0; p < static_cast<int64_t>(state.stats.size()); ++p) {
     const KeyStats& key = state.stats[static_cast<size_t>(p)];
     if (key.count == 0) continue;
     const Phase phase = phase_at(n, p);
-    phase_sum[static_cast<size_t>(phase)] += key.mean();
+    phase_rate_sum[static_cast<size_t>(phase)] += key.mean() / cost_at(p);
     ++phase_count[static_cast<size_t>(phase)];
-    forward_equivalent_sum += key.mean() / phase_weight(phase);
+    forward_rate_sum += key.mean() / phase_weight(phase) / cost_at(p);
   }
-  const double task_forward = state.observed_keys > 0
-                                  ? forward_equivalent_sum / static_cast<double>(state.observed_keys)
-                                  : global_forward_seconds();
+  const double task_forward_rate = state.observed_keys > 0
+                                       ? forward_rate_sum / static_cast<double>(state.observed_keys)
+                                       : global_forward_seconds();
 
   double running = 0.0;
   for (int64_t p = static_cast<int64_t>(state.stats.size()) - 1; p >= 0; --p) {
@@ -121,9 +162,9 @@ const CostModel::TaskState& CostModel::refreshed(int task) const {
     if (key.count > 0) {
       value = key.mean();
     } else if (phase_count[phase] > 0) {
-      value = phase_sum[phase] / static_cast<double>(phase_count[phase]);
+      value = phase_rate_sum[phase] / static_cast<double>(phase_count[phase]) * cost_at(p);
     } else {
-      value = task_forward * kPhaseWeight[phase];
+      value = task_forward_rate * kPhaseWeight[phase] * cost_at(p);
     }
     state.estimate[static_cast<size_t>(p)] = value;
     running += value;

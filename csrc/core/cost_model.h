@@ -1,9 +1,11 @@
 // Online duration estimates per (task, shard, phase), and the remaining time of a task's chain.
 //
 // Estimator: the mean of every observation except a key's first one (see cost_model.cpp for why neither
-// an exponential average nor the first sample). Unobserved units get a prior scaled by the phase's cost
-// relative to a forward pass (kPhaseWeight). Not thread-safe, const methods included (they refresh a
-// cache): the Scheduler calls it under its mutex.
+// an exponential average nor the first sample). Unobserved units get a prior: seconds per unit of shard
+// cost (TaskSpec::shard_costs) learned from the observed units, times the unit's shard cost, times the
+// phase's cost relative to a forward pass (kPhaseWeight). So a task nothing has been timed of yet is
+// ranked by its size relative to the tasks already timed, not as if it were as small as they are. Not
+// thread-safe, const methods included (they refresh a cache): the Scheduler calls it under its mutex.
 #pragma once
 
 #include <array>
@@ -21,8 +23,10 @@ class CostModel {
   // and one backward with no recompute: also 3.
   static constexpr std::array<double, 3> kPhaseWeight = {1.0, 3.0, 3.0};
 
-  // default_forward_seconds: the prior for a forward unit before anything at all has been observed. Its
-  // scale is irrelevant to scheduling (every task shares it), only its use in remaining_seconds.
+  // default_forward_seconds: the prior for a forward unit of average shard cost before anything at all has
+  // been observed. Its scale is irrelevant to scheduling (every task shares it), only its use in
+  // remaining_seconds. Shard costs are rescaled so that their mean over every shard of every task is 1.
+  // Throws std::invalid_argument for shard_costs of the wrong length or not positive and finite.
   explicit CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds = 1.0);
 
   // Throws std::invalid_argument for an unknown task/shard, FB on a shard other than the last, or a
@@ -48,6 +52,7 @@ class CostModel {
   };
   struct TaskState {
     TaskSpec spec;
+    std::vector<double> cost;  // per shard, normalised
     std::vector<KeyStats> stats;  // indexed by position_in_micro_batch
     int64_t observed_keys = 0;
     // Cache, valid while !dirty and (the task has its own observations or global_version matches).
@@ -63,8 +68,9 @@ class CostModel {
 
   std::vector<TaskState> tasks_;
   double default_forward_seconds_;
-  // Mean forward-equivalent seconds (seconds / kPhaseWeight) of every observation of every task: the prior
-  // of tasks that have observed nothing yet. Versioned so those tasks' caches refresh when it moves.
+  // Mean forward-equivalent seconds per unit of cost (seconds / kPhaseWeight / shard cost) of every
+  // observation of every task: the prior of tasks that have observed nothing yet. Versioned so those
+  // tasks' caches refresh when it moves.
   double global_forward_sum_ = 0.0;
   int64_t global_forward_count_ = 0;
   uint64_t global_version_ = 1;

@@ -36,6 +36,26 @@ SyntheticWorkload synthetic_workload(const std::vector<int>& shard_counts, int64
   return workload;
 }
 
+SyntheticWorkload sized_workload(const std::vector<double>& sizes, const std::vector<double>& profile,
+                                 int64_t micro_batches, double base_forward_seconds, double jitter, uint64_t seed,
+                                 bool costs) {
+  const int shards = static_cast<int>(profile.size());
+  SyntheticWorkload workload = synthetic_workload(std::vector<int>(sizes.size(), shards), micro_batches,
+                                                  base_forward_seconds, jitter, seed);
+  auto table = std::make_shared<std::vector<std::vector<double>>>(*workload.forward_seconds);
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    for (size_t s = 0; s < profile.size(); ++s) {
+      if (!(sizes[t] > 0.0) || !(profile[s] > 0.0)) {
+        throw std::invalid_argument("sized_workload: sizes and profile must be positive");
+      }
+      (*table)[t][s] *= sizes[t] * profile[s];
+      if (costs) workload.tasks[t].shard_costs.push_back(sizes[t] * profile[s]);
+    }
+  }
+  workload.forward_seconds = std::move(table);
+  return workload;
+}
+
 SyntheticWorkload paper_workload(int64_t micro_batches, uint64_t seed) {
   return synthetic_workload({24, 36, 48, 24, 36, 48, 24, 36, 48, 24, 36, 48}, micro_batches, 1e-3, 0.3, seed);
 }

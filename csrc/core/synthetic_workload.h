@@ -26,6 +26,14 @@ struct SyntheticWorkload {
 SyntheticWorkload synthetic_workload(const std::vector<int>& shard_counts, int64_t micro_batches,
                                      double base_forward_seconds, double jitter, uint64_t seed);
 
+// One task per entry of `sizes`, each with one shard per entry of `profile`: shard s's forward takes
+// base_forward_seconds x size x profile[s] x (1 + u), u uniform in [-jitter, +jitter] (a language model's
+// profile: a cheap embedding shard, equal blocks, a costly output head). With `costs`, TaskSpec::shard_costs
+// is size x profile (what parameter counts tell the scheduler before anything is timed), not the jitter.
+SyntheticWorkload sized_workload(const std::vector<double>& sizes, const std::vector<double>& profile,
+                                 int64_t micro_batches, double base_forward_seconds, double jitter, uint64_t seed,
+                                 bool costs);
+
 // The benchmark's default: 12 models, four each of 24, 36 and 48 shards, per-shard times +-30%.
 SyntheticWorkload paper_workload(int64_t micro_batches = 8, uint64_t seed = 1);
 

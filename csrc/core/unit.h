@@ -10,6 +10,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace hydra::core {
 
@@ -29,6 +30,9 @@ struct TaskSpec {
   int num_shards;
   int64_t micro_batches;      // steps x gradient-accumulation micro-batches, over the whole run
   std::optional<int> device;  // set when the task's state lives on one device; unset: any device
+  // Relative cost of each shard's compute (e.g. its parameter count), comparable across tasks: what the
+  // scheduler assumes about a unit before it has timed it. Empty: every shard of every such task alike.
+  std::vector<double> shard_costs = {};
 };
 
 inline constexpr int64_t units_per_micro_batch(int num_shards) { return 2 * int64_t{num_shards} - 1; }

@@ -14,6 +14,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -33,6 +34,11 @@ struct EngineStats {
   int64_t device_to_host_bytes = 0;
   int64_t host_to_device_copies = 0;
   int64_t device_to_host_copies = 0;
+  // Where the host worker's time goes (spilled models): fp32 optimizer steps, and waiting for gradient
+  // copies to land plus adding them into the fp32 accumulators. Seconds summed over jobs.
+  int64_t host_steps = 0;
+  double host_step_seconds = 0.0;
+  double grad_copy_seconds = 0.0;
 };
 
 class DeviceEngine {
@@ -116,6 +122,7 @@ class DeviceEngine {
   void bind(int model, int shard, bool with_grads);
   void step_resident(int model, int shard, double grad_scale);
   void step_spilled(int model, int shard, double grad_scale);
+  void timed_step_host(ShardStore& store, int shard, double grad_scale);  // on the worker thread
   Fence submit(int model, std::function<DeviceEvent()> job);
   void evict(ShardState& state);
   bool current(int model, int shard) const;
@@ -132,6 +139,8 @@ class DeviceEngine {
   int64_t resident_committed_ = 0;  // the resident models' whole state
   int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
   EngineStats stats_;
+  // Written by the worker thread, read by stats(): kept apart from stats_, which only the caller's thread touches.
+  std::atomic<int64_t> host_steps_{0}, host_step_ns_{0}, grad_copy_ns_{0};
   HostWorker worker_;  // last member: destroyed first, so no job outlives what it captures
 };
 

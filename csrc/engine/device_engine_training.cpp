@@ -5,6 +5,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "engine/device_engine.h"
@@ -13,6 +14,11 @@
 namespace hydra::engine {
 
 namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Steps the shard's host buffers; runs on the device's worker thread.
 void step_host(ShardStore& store, int shard, double grad_scale) {
@@ -27,6 +33,13 @@ void step_host(ShardStore& store, int shard, double grad_scale) {
 }
 
 }  // namespace
+
+void DeviceEngine::timed_step_host(ShardStore& store, int shard, double grad_scale) {
+  const int64_t start = now_ns();
+  step_host(store, shard, grad_scale);
+  host_step_ns_ += now_ns() - start;
+  ++host_steps_;
+}
 
 at::Tensor DeviceEngine::grad_view(int model, int shard) {
   const ShardStore& store = *models_[model].store;
@@ -122,6 +135,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
   const Fence weights_in = state.ready;  // the step rewrites the buffer that copy read from
   std::shared_ptr<ShardStore> owner = m.store;
   Fence done = submit(model, [=, this]() -> DeviceEvent {
+    const int64_t start = now_ns();
     if (has_streams_) {
       c10::StreamGuard guard(*copy_stream_);
       computed.order_before(*copy_stream_);
@@ -131,9 +145,10 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
       copied.synchronize();
     }
     owner->accumulate_grads(shard, landing);
+    grad_copy_ns_ += now_ns() - start;
     if (step) {
       weights_in.wait();
-      step_host(*owner, shard, 1.0);
+      timed_step_host(*owner, shard, 1.0);
     }
     return nullptr;
   });
@@ -164,9 +179,9 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   ShardState& state = models_[model].shards[shard];
   std::shared_ptr<ShardStore> owner = models_[model].store;
   const Fence weights_in = state.ready;
-  submit(model, [=]() -> DeviceEvent {
+  submit(model, [=, this]() -> DeviceEvent {
     weights_in.wait();
-    step_host(*owner, shard, grad_scale);
+    timed_step_host(*owner, shard, grad_scale);
     return nullptr;
   });
   owner->bump_version(shard);
@@ -261,6 +276,9 @@ EngineStats DeviceEngine::stats() const {
   EngineStats stats = stats_;
   stats.capacity_bytes = pool_.capacity();
   stats.high_water_bytes = pool_.high_water();
+  stats.host_steps = host_steps_.load();
+  stats.host_step_seconds = static_cast<double>(host_step_ns_.load()) * 1e-9;
+  stats.grad_copy_seconds = static_cast<double>(grad_copy_ns_.load()) * 1e-9;
   return stats;
 }
 

@@ -6,6 +6,10 @@ from typing import Any, Callable
 
 from torch import nn
 
+# The transformers releases the adapters are tested against (CI runs them on the oldest and the newest): they
+# call the 5.x API (create_causal_mask, decoder blocks returning a tensor). Kept in step with pyproject.toml.
+TRANSFORMERS_RANGE = ((5, 17), (6, 0))
+
 
 @dataclass
 class Adapter:
@@ -21,6 +25,7 @@ def adapt(model) -> Adapter | None:
     lists). Raises TypeError for a Hugging Face model of an architecture with no adapter."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return None
+    check_transformers_version()
     from hydra_torch.integrations import gpt2, llama
 
     for family in (gpt2, llama):
@@ -29,3 +34,22 @@ def adapt(model) -> Adapter | None:
     raise TypeError(f"not supported: {type(model).__name__}. hydra-torch shards Hugging Face GPT2LMHeadModel and "
                     f"LlamaForCausalLM as they are; other models can be passed as an nn.Sequential, a list of "
                     f"modules, or with explicit shards=[[module, ...], ...]")
+
+
+def installed_transformers() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raises ImportError, naming both, when the installed transformers is outside TRANSFORMERS_RANGE."""
+    version = installed_transformers() if version is None else version
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) if part else ""
+        parts.append(int(digits) if digits else 0)
+    low, high = TRANSFORMERS_RANGE
+    if not low <= tuple(parts) < high:
+        raise ImportError(f"hydra-torch's Hugging Face adapters need transformers >= {low[0]}.{low[1]}, < {high[0]}; "
+                          f"transformers {version} is installed (pip install 'transformers>={low[0]}.{low[1]},<{high[0]}')")

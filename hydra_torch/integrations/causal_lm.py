@@ -20,8 +20,8 @@ def positions_and_mask(config, input_ids, embeds, attention_mask):
     from transformers.masking_utils import create_causal_mask
 
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
-                              position_ids=position_ids)
+    # The cache goes by position: transformers renamed that parameter (past_key_values -> cache) during 5.x.
+    mask = create_causal_mask(config, embeds, attention_mask, None, position_ids=position_ids)
     return position_ids, mask
 
 

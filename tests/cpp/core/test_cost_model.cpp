@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "core/cost_model.h"
@@ -47,6 +48,61 @@ TEST(CostModel, PriorsComeFromTheSamePhaseThenTheTaskThenEveryTask) {
   EXPECT_DOUBLE_EQ(model.estimate(0, 2, Phase::kBackward), 4.0);
   // The global prior moved (2, 2, 4/3 forward-equivalent): unobserved task 1 follows, cache or not.
   EXPECT_NEAR(model.estimate(1, 0, Phase::kForward), (2.0 + 2.0 + 4.0 / 3.0) / 3.0, 1e-12);
+}
+
+TaskSpec costed(int shards, int64_t micro_batches, std::vector<double> costs) {
+  return TaskSpec{shards, micro_batches, std::nullopt, std::move(costs)};
+}
+
+TEST(CostModel, AnUntimedTaskIsRankedByItsShardCostsAgainstTheTimedOnes) {
+  // Task 1's shards cost 4x task 0's (four times the parameters, say). Once task 0 is timed, task 1's prior
+  // is four times task 0's, where without costs it would be the same as task 0's.
+  CostModel model({costed(2, 1, {1.0, 1.0}), costed(2, 1, {4.0, 4.0})});
+  model.observe(0, 0, Phase::kForward, 0.5);
+  model.observe(0, 0, Phase::kForward, 0.5);
+  model.observe(0, 1, Phase::kForwardBackward, 1.5);
+  EXPECT_DOUBLE_EQ(model.estimate(1, 0, Phase::kForward), 2.0);
+  EXPECT_DOUBLE_EQ(model.estimate(1, 1, Phase::kForwardBackward), 6.0);
+  EXPECT_DOUBLE_EQ(model.remaining_seconds(1, 0), 4.0 * model.remaining_seconds(0, 0));
+  const CostModel uncosted({spec(2, 1), spec(2, 1)});
+  EXPECT_DOUBLE_EQ(uncosted.remaining_seconds(0, 0), uncosted.remaining_seconds(1, 0));
+}
+
+TEST(CostModel, AnUntimedShardOfATimedTaskScalesByItsCost) {
+  CostModel model({costed(4, 1, {1.0, 3.0, 2.0, 1.0})});
+  model.observe(0, 0, Phase::kForward, 1.0);
+  EXPECT_DOUBLE_EQ(model.estimate(0, 1, Phase::kForward), 3.0);    // same phase, 3x the cost
+  EXPECT_DOUBLE_EQ(model.estimate(0, 2, Phase::kForward), 2.0);
+  EXPECT_DOUBLE_EQ(model.estimate(0, 1, Phase::kBackward), 9.0);   // the task's forward rate x 3 x cost 3
+  EXPECT_DOUBLE_EQ(model.remaining_seconds(0, 0), brute_force_remaining(model, 0, 0));
+}
+
+TEST(CostModel, ShardCostsOnlyScaleRelativelyAndMixWithUncostedTasks) {
+  // The scale of the costs does not matter (they are normalised to mean 1 over the costed shards), and a
+  // task without costs counts its shards as average ones.
+  const CostModel small({costed(2, 1, {1.0, 3.0}), spec(2, 1)}, 1.0);
+  const CostModel large({costed(2, 1, {1e6, 3e6}), spec(2, 1)}, 1.0);
+  for (const CostModel* model : {&small, &large}) {
+    EXPECT_DOUBLE_EQ(model->estimate(0, 0, Phase::kForward), 0.5);  // {1, 3} over their mean 2
+    EXPECT_DOUBLE_EQ(model->estimate(0, 1, Phase::kForwardBackward), 3.0 * 1.5);
+    EXPECT_DOUBLE_EQ(model->estimate(1, 0, Phase::kForward), 1.0);
+  }
+}
+
+TEST(CostModel, BadShardCostsAreRefused) {
+  auto message = [](std::vector<double> costs) {
+    try {
+      CostModel model({spec(2, 1), costed(2, 1, std::move(costs))});
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message({1.0}).find("task 1 has 1 shard costs for 2 shards"), std::string::npos);
+  EXPECT_NE(message({1.0, 0.0}).find("positive and finite"), std::string::npos);
+  EXPECT_NE(message({-1.0, 1.0}).find("positive and finite"), std::string::npos);
+  EXPECT_NE(message({1.0, std::nan("")}).find("positive and finite"), std::string::npos);
+  EXPECT_NE(message({1.0, INFINITY}).find("positive and finite"), std::string::npos);
 }
 
 TEST(CostModel, TheFirstSampleIsDroppedOnceASecondArrives) {
