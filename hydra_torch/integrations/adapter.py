@@ -45,11 +45,8 @@ def installed_transformers() -> str:
 def check_transformers_version(version: str | None = None) -> None:
     """Raises ImportError, naming both, when the installed transformers is outside TRANSFORMERS_RANGE."""
     version = installed_transformers() if version is None else version
-    parts = []
-    for part in version.split(".")[:2]:
-        digits = "".join(c for c in part if c.isdigit()) if part else ""
-        parts.append(int(digits) if digits else 0)
+    digits = ["".join(c for c in part if c.isdigit()) or "0" for part in (version.split(".") + ["0"])[:2]]
     low, high = TRANSFORMERS_RANGE
-    if not low <= tuple(parts) < high:
+    if not low <= (int(digits[0]), int(digits[1])) < high:
         raise ImportError(f"hydra-torch's Hugging Face adapters need transformers >= {low[0]}.{low[1]}, < {high[0]}; "
                           f"transformers {version} is installed (pip install 'transformers>={low[0]}.{low[1]},<{high[0]}')")
