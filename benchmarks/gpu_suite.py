@@ -156,9 +156,9 @@ class Suite:
 
     def p2(self, deadline: float):
         w = self.workload(self.cfg["p2"], self.cfg["p2_steps"])
-        # Host bytes per model: hydra's training state (22 B/param with AdamW and an fp32 module) plus the
+        # Host bytes per model: hydra's training state with an fp32 module (~19 B/param with AdamW) plus the
         # template copy kept so every system starts from the same weights (4 B/param).
-        per_param = hydra_host_bytes_per_param(2) + 4
+        per_param = hydra_host_bytes_per_param(w, 2) + 4
         k_ram, why = models_that_fit(w.params(), per_param)
         limit = self.args.p2_max_models or self.cfg["p2_max_models"]
         k = min(k_ram, limit)
@@ -202,7 +202,7 @@ class Suite:
             while time.perf_counter() < deadline:
                 w = Workload(**self.cfg["p3"], n_layer=layers, vocab=self.cfg["vocab"], seq=self.cfg["seq"],
                              warmup=1, timed=2)  # three steps
-                need = w.params() * hydra_host_bytes_per_param(states, module_bytes=2)
+                need = w.params() * hydra_host_bytes_per_param(w, states, module_bytes=2)
                 if need > 0.85 * (meminfo()["available_bytes"] or 0):
                     phase["attempts"].append({"optimizer": optimizer, "n_layer": layers, "params": w.params(),
                                               "skipped": f"host RAM: needs {need / GiB:.0f} GiB"})

@@ -100,21 +100,23 @@ def rss_bytes() -> int:
     return 0
 
 
-def hydra_host_bytes_per_param(optimizer_states: int, module_bytes: int = 4) -> int:
-    """Host bytes per parameter while hydra trains in bf16 (csrc/engine/shard_store.cpp): fp32 master 4 + fp32
-    gradient 4 + 4 per optimizer state (AdamW 2, plain SGD 0) + bf16 shadow 2, plus the user's own module
-    tensors (4 in fp32, 2 in bf16). AdamW with an fp32 module: 22."""
-    return 4 + 4 + 4 * optimizer_states + 2 + module_bytes
+def hydra_host_bytes_per_param(w: Workload, optimizer_states: int, module_bytes: int = 4) -> float:
+    """Host bytes per parameter while hydra trains a GPT-2 shape in bf16 with one micro-batch a step and no
+    clipping (TaskResult.host_bytes): fp32 master 4 + 4 per optimizer state (AdamW 2, plain SGD 0) + bf16
+    shadow 2, an fp32 gradient accumulator (4) for the tied embedding's shard only, plus the user's own module
+    tensors (4 in fp32, 2 in bf16). AdamW with an fp32 module: 18 + 4 x the embedding's share."""
+    tied_share = w.vocab * w.n_embd / w.params()
+    return 4 + 4 * optimizer_states + 2 + 4 * tied_share + module_bytes
 
 
-def models_that_fit(params_per_model: int, bytes_per_param: int, headroom: float = 0.25) -> tuple[int, str]:
+def models_that_fit(params_per_model: int, bytes_per_param: float, headroom: float = 0.25) -> tuple[int, str]:
     """How many models' host state fits in the RAM available now, leaving `headroom` of it free."""
     available = meminfo()["available_bytes"] or 0
     usable = int((1 - headroom) * available)
     per_model = params_per_model * bytes_per_param
-    k = usable // per_model if per_model else 0
+    k = int(usable // per_model) if per_model else 0
     why = (f"K = floor({1 - headroom:.2f} x {available / GiB:.1f} GiB available / ({params_per_model / 1e6:.0f}M params"
-           f" x {bytes_per_param} B/param = {per_model / GiB:.1f} GiB per model)) = {k}")
+           f" x {bytes_per_param:.1f} B/param = {per_model / GiB:.1f} GiB per model)) = {k}")
     return int(k), why
 
 

@@ -67,6 +67,8 @@ PYBIND11_MODULE(_C, m) {
       .def("steps_taken", &ShardStore::steps_taken)
       .def("master", &ShardStore::master)
       .def("grad", &ShardStore::grad)
+      .def("has_grad", &ShardStore::has_grad)
+      .def_property_readonly("host_bytes", &ShardStore::host_bytes)
       .def("write_back", &ShardStore::write_back);
 
   py::class_<DeviceEngine>(m, "DeviceEngine")

@@ -153,6 +153,7 @@ def _place(runners, engines, budgets, pin: bool):
             warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
                           "synchronous and slower", RuntimeWarning, stacklevel=3)
         stores.append(store)
+        runner.store = store
     resident_need = [_C.DeviceEngine.resident_need(s) for s in stores]
     spilled_need = [_C.DeviceEngine.spilled_need(s) for s in stores]
     free = list(budgets)
@@ -201,7 +202,8 @@ def _finish(runners, engines, trace, start, devices, wall) -> Results:
         results.append(TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
                                   (max(e.end for e in units) - start) if units else 0.0,
                                   any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
-                                  runner.error, busy_time=sum(e.end - e.start for e in units)))
+                                  runner.error, busy_time=sum(e.end - e.start for e in units),
+                                  host_bytes=runner.store.host_bytes))
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]

@@ -15,6 +15,8 @@ class TaskResult:
     shard_loads: list[int]       # copies of each shard to a device, all devices together
     error: BaseException | None = None
     busy_time: float = 0.0       # seconds its units ran, all devices together: its own share of the run
+    host_bytes: int = 0          # its training state in host memory at the end: fp32 master, optimizer state,
+                                 # bf16 shadow, and fp32 gradient accumulators where a step sums gradients
 
     @property
     def ok(self) -> bool:

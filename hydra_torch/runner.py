@@ -104,6 +104,7 @@ class TaskRunner:
         self.n = task.num_shards
         self.compute_dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
         self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
+        self.store = None                     # its _C.ShardStore, once placed
         self.home: int | None = None          # the slot holding its resident state, if any
         # Resident weights never move, so forward can keep each shard's autograd graph and backward need
         # not recompute it (as plain PyTorch). Spilled weights leave the device: graphs would point at

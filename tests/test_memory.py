@@ -60,3 +60,27 @@ def test_budget_parsing():
     with pytest.raises(TypeError):
         parse_budget([1], cpu)
     assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def _mlp(width=64, depth=4):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+
+
+@pytest.mark.parametrize("precision,resident", [("bf16", False), ("bf16", True), ("fp32", False)])
+@pytest.mark.parametrize("recipe,accumulator", [({}, False), ({"clip_grad_norm": 1.0}, True),
+                                                ({"accumulate": 2}, True)])
+def test_host_state_per_parameter(precision, resident, recipe, accumulator):
+    # fp32 master 4 + two AdamW moments 8 (+ bf16 shadow 2). The fp32 gradient accumulator (4) is spent only
+    # where a step sums several gradients: clipping, micro-batches. (Parameters are padded to 16 elements;
+    # these layers' sizes are multiples of it.)
+    model = _mlp()
+    params = sum(p.numel() for p in model.parameters())
+    data = [(torch.randn(8, 64), torch.randn(8, 64)) for _ in range(4)]
+    task = ht.ModelTask(model, data=data, loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out.float(), batch[1]),
+                        precision=precision, **recipe)
+    budget = 100 * params * 4 if resident else 3 * 64 * 65 * 4 + 65536
+    result = ht.train([task], devices="cpu", memory_budget=budget, progress=False)[0]
+    assert result.error is None and result.resident == resident
+    per_param = 12 + (2 if precision == "bf16" else 0) + (4 if accumulator and not resident else 0)
+    assert result.host_bytes == per_param * params

@@ -122,7 +122,8 @@ class DeviceEngine {
   void bind(int model, int shard, bool with_grads);
   void step_resident(int model, int shard, double grad_scale);
   void step_spilled(int model, int shard, double grad_scale);
-  void timed_step_host(ShardStore& store, int shard, double grad_scale);  // on the worker thread
+  // On the worker thread; `landed` as step_host's (device_engine_training.cpp).
+  void timed_step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed);
   Fence submit(int model, std::function<DeviceEvent()> job);
   void evict(ShardState& state);
   bool current(int model, int shard) const;

@@ -20,23 +20,26 @@ int64_t now_ns() {
       .count();
 }
 
-// Steps the shard's host buffers; runs on the device's worker thread.
-void step_host(ShardStore& store, int shard, double grad_scale) {
+// Steps the shard's host buffers; runs on the device's worker thread. `landed`: the shard's one gradient of
+// this step, in device layout and compute dtype, read in the step's single pass; undefined: the accumulator,
+// which is zeroed for the next step.
+void step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed) {
   const int64_t n = store.trainable_numel(shard);
   std::vector<at::Tensor> states;
   for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k).narrow(0, 0, n));
   const at::Tensor shadow = store.bf16() ? store.shadow(shard).narrow(0, 0, n) : at::Tensor();
-  step_flat(store.optimizer(), store.master(shard).narrow(0, 0, n), store.grad(shard).narrow(0, 0, n), states, shadow,
-            store.steps_taken(shard) + 1, grad_scale);
+  const at::Tensor grad = landed.defined() ? landed.narrow(0, 0, n) : store.grad(shard).narrow(0, 0, n);
+  step_flat(store.optimizer(), store.master(shard).narrow(0, 0, n), grad, states, shadow, store.steps_taken(shard) + 1,
+            grad_scale);
   store.count_step(shard);
-  store.grad(shard).zero_();
+  if (!landed.defined()) store.grad(shard).zero_();
 }
 
 }  // namespace
 
-void DeviceEngine::timed_step_host(ShardStore& store, int shard, double grad_scale) {
+void DeviceEngine::timed_step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed) {
   const int64_t start = now_ns();
-  step_host(store, shard, grad_scale);
+  step_host(store, shard, grad_scale, landed);
   host_step_ns_ += now_ns() - start;
   ++host_steps_;
 }
@@ -144,11 +147,18 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
       copied.record(*copy_stream_);
       copied.synchronize();
     }
-    owner->accumulate_grads(shard, landing);
+    // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
+    // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
+    const bool single_pass = step && !owner->has_grad(shard);
+    if (single_pass) {
+      owner->accumulate_borrowed(shard, landing);
+    } else {
+      owner->accumulate_grads(shard, landing);
+    }
     grad_copy_ns_ += now_ns() - start;
     if (step) {
       weights_in.wait();
-      timed_step_host(*owner, shard, 1.0);
+      timed_step_host(*owner, shard, 1.0, single_pass ? landing : at::Tensor());
     }
     return nullptr;
   });
@@ -181,7 +191,7 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   const Fence weights_in = state.ready;
   submit(model, [=, this]() -> DeviceEvent {
     weights_in.wait();
-    timed_step_host(*owner, shard, grad_scale);
+    timed_step_host(*owner, shard, grad_scale, at::Tensor());
     return nullptr;
   });
   owner->bump_version(shard);
@@ -222,7 +232,7 @@ void DeviceEngine::discard_grads(int model) {
   for (int s = 0; s < m.store->num_shards(); ++s) {
     if (m.resident && m.uploaded) {
       home_view(model, s, m.shards[s].home_grads, m.store->compute_dtype()).zero_();
-    } else if (!m.resident) {
+    } else if (!m.resident && m.store->has_grad(s)) {
       m.store->grad(s).zero_();
     }
   }

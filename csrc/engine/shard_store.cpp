@@ -86,7 +86,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
       master.narrow(0, e.master_offset, e.numel).copy_(e.param.detach().reshape({-1}));
     }
     master_.push_back(master);
-    grad_.push_back(at::zeros({owned_numel_[s]}, at::kFloat));
+    grad_.emplace_back();  // allocated by grad() when first needed
     std::vector<at::Tensor> states;
     for (int k = 0; k < optimizer.num_states(); ++k) states.push_back(at::zeros({owned_numel_[s]}, at::kFloat));
     state_.push_back(std::move(states));
@@ -119,13 +119,35 @@ int64_t ShardStore::total_owned_numel() const {
   return total;
 }
 
+at::Tensor& ShardStore::grad(int shard) {
+  at::Tensor& accumulator = grad_.at(shard);
+  if (!accumulator.defined()) accumulator = at::zeros({owned_numel_[shard]}, at::kFloat);
+  return accumulator;
+}
+
+int64_t ShardStore::host_bytes() const {
+  int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) { bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  for (int s = 0; s < num_shards(); ++s) {
+    add(master_[s]);
+    add(grad_[s]);
+    for (const at::Tensor& t : state_[s]) add(t);
+    if (bf16_) add(shadow_[s]);
+  }
+  return bytes;
+}
+
 void ShardStore::accumulate_grads(int shard, const at::Tensor& device_layout_grad) {
+  accumulate_borrowed(shard, device_layout_grad);
+  grad(shard).add_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
+}
+
+void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad) {
   TORCH_CHECK(device_layout_grad.device().is_cpu() && device_layout_grad.numel() == device_numel_.at(shard),
               "accumulate_grads: expected a host tensor of ", device_numel_.at(shard), " elements");
-  grad_[shard].add_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
   for (const ParamEntry& e : layouts_[shard]) {
     if (e.owner == shard || !e.trainable) continue;
-    grad_[e.owner].narrow(0, e.master_offset, e.numel).add_(device_layout_grad.narrow(0, e.device_offset, e.numel));
+    grad(e.owner).narrow(0, e.master_offset, e.numel).add_(device_layout_grad.narrow(0, e.device_offset, e.numel));
   }
 }
 

@@ -51,7 +51,14 @@ class ShardStore {
   int64_t total_owned_numel() const;
 
   at::Tensor& master(int shard) { return master_.at(shard); }
-  at::Tensor& grad(int shard) { return grad_.at(shard); }
+  // The shard's fp32 gradient accumulator, allocated (zeroed) at its first use. Only a shard that sums several
+  // gradients before a step needs one: micro-batches, clipping (every shard's gradient waits for the norm), or
+  // a parameter another shard borrows (a tied embedding). Otherwise the step reads the gradient where it
+  // landed, and the 4 bytes a parameter of an accumulator are never spent.
+  at::Tensor& grad(int shard);
+  bool has_grad(int shard) const { return grad_.at(shard).defined(); }
+  // What the shard's host buffers hold now, in bytes: master, accumulator, optimizer states, shadow.
+  int64_t host_bytes() const;
   at::Tensor& state(int shard, int k) { return state_.at(shard).at(k); }
   // What is copied to the device: the bf16 shadow when training in bf16, else the master.
   at::Tensor& transfer_source(int shard) { return bf16_ ? shadow_.at(shard) : master_.at(shard); }
@@ -75,6 +82,9 @@ class ShardStore {
   // Adds a shard's device-layout gradient (host-visible, compute dtype) into the master gradients:
   // the owned part in one pass, each borrowed parameter into its owner's buffer.
   void accumulate_grads(int shard, const at::Tensor& device_layout_grad);
+  // Only the borrowed parameters' part of it, into their owners' accumulators (the owned part is stepped from
+  // where it landed).
+  void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad);
   // Points every parameter at a host tensor of its own holding the master value in its original dtype,
   // and drops the gradients: the user's modules come back as plain PyTorch modules, ties intact.
   void write_back();

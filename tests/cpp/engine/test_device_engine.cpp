@@ -883,3 +883,36 @@ TEST(DeviceEngine, SpilledAdamFirstStepMovesByLearningRate) {
 }
 
 }  // namespace
+
+namespace {
+
+// The same model and gradients trained once with every shard's step reading its one landed gradient, once
+// through the fp32 accumulators (forced by accumulating a zero gradient first): the results must agree
+// bit for bit, and only the owner of a borrowed parameter may have spent an accumulator.
+TEST(DeviceEngine, SingleMicroBatchStepsReadTheLandedGradientWithoutAnAccumulator) {
+  OptimizerSpec adam;
+  adam.lr = 1e-2;
+  TiedModel single, forced;
+  auto direct = make_store(single.shards(), false, adam);
+  auto accumulated = make_store(forced.shards(), false, adam);
+  for (int s = 0; s < 3; ++s) accumulated->grad(s);  // allocated up front: the step takes the accumulator path
+  const int64_t without = direct->host_bytes();
+  for (auto* store : {&direct, &accumulated}) {
+    DeviceEngine engine(kCpu, tight_budget(**store));
+    const int m = engine.add_model(*store);
+    for (int step = 0; step < 2; ++step) run_step(engine, m, **store, 1, /*check_values=*/false, /*step=*/true);
+    engine.synchronize(m);
+  }
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_TRUE(at::equal(direct->master(s), accumulated->master(s))) << "shard " << s;
+    for (int k = 0; k < 2; ++k) EXPECT_TRUE(at::equal(direct->state(s, k), accumulated->state(s, k))) << s;
+    EXPECT_EQ(direct->steps_taken(s), 2);
+  }
+  EXPECT_TRUE(direct->has_grad(0)) << "shard 0 owns e, which shard 2 borrows: its gradient is a sum";
+  EXPECT_FALSE(direct->has_grad(1));
+  EXPECT_FALSE(direct->has_grad(2));
+  EXPECT_EQ(direct->host_bytes(), without + direct->owned_numel(0) * 4) << "only shard 0's accumulator was added";
+  EXPECT_TRUE(at::equal(direct->grad(0), at::zeros_like(direct->grad(0)))) << "zeroed after its step";
+}
+
+}  // namespace
