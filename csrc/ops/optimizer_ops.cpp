@@ -1,6 +1,6 @@
 // The schema of every op in the torch.ops.hydra namespace. This is the project's one TORCH_LIBRARY block:
 // backends register kernels for these names with TORCH_LIBRARY_IMPL in their own files
-// (optimizer_ops_cpu.cpp, cuda/optimizer_ops_cuda.cpp).
+// (cpu/optimizer_ops_cpu.cpp, cuda/optimizer_ops_cuda.cpp).
 #include <torch/library.h>
 
 // Optimizer updates mutate param, state and the optional bf16 shadow copy in place and return nothing;

@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "ops/cpu/optimizer_scalars.h"
+#include "ops/kernels/optimizer_scalars.h"
 
 namespace hydra::kernels::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // Fused Adam/AdamW and SGD updates on the GPU, free of torch like their CPU counterparts: the same
-// formulas, the same scalars (ops/cpu/optimizer_scalars.h), one grid-stride pass over the buffers.
+// formulas, the same scalars (ops/kernels/optimizer_scalars.h), one grid-stride pass over the buffers.
 // Launches are asynchronous on `stream`; the returned error covers the launch only.
 #pragma once
 
@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "ops/cpu/fused_optimizers.h"
+#include "ops/kernels/fused_optimizers.h"
 
 namespace hydra::kernels::cuda {
 

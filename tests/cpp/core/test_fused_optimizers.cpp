@@ -1,6 +1,6 @@
 // The fused optimizer kernels against a double-precision transcription of the update formulas, plus the
 // properties the op layer relies on: exact bf16 rounding, slicing independence, optional buffers.
-#include "ops/cpu/fused_optimizers.h"
+#include "ops/kernels/fused_optimizers.h"
 
 #include <gtest/gtest.h>
 

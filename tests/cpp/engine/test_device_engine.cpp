@@ -1,301 +1,26 @@
-// DevicePool, HostWorker and DeviceEngine on the CPU device: the budget, deferred reuse, copy ordering,
-// parameter binding, spilled vs resident models and gradient accumulation.
+// DeviceEngine on the CPU device: sizing, parameter binding, spilled vs resident models, gradient
+// accumulation and offload, optimizer steps.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/alignment.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <chrono>
-#include <functional>
-#include <future>
 #include <memory>
-#include <mutex>
-#include <stdexcept>
-#include <string>
-#include <thread>
 #include <vector>
 
 #include "engine/device_engine.h"
-#include "engine/device_pool.h"
-#include "engine/fence.h"
-#include "engine/host_worker.h"
 #include "engine/shard_store.h"
 
 namespace {
 
-using hydra::engine::Allocation;
 using hydra::engine::DeviceEngine;
-using hydra::engine::DeviceEvent;
-using hydra::engine::DevicePool;
-using hydra::engine::Fence;
-using hydra::engine::HostWorker;
 using hydra::engine::OptimizerSpec;
 using hydra::engine::ParamEntry;
-using hydra::engine::Region;
 using hydra::engine::ShardStore;
 
 const c10::Device kCpu("cpu");
 
 bool op_registered(const char* name) { return c10::Dispatcher::singleton().findSchema({name, ""}).has_value(); }
-
-// A Fence the test finishes by hand: a range released after it stays in use until finish().
-struct ManualFence {
-  std::promise<DeviceEvent> promise;
-  Fence fence{promise.get_future().share()};
-  void finish() { promise.set_value(nullptr); }
-};
-
-// ---------------------------------------------------------------------------------------------------------
-// DevicePool
-
-TEST(DevicePool, RejectsNonPositiveBudget) {
-  EXPECT_THROW(DevicePool(kCpu, 0), c10::Error);
-  EXPECT_THROW(DevicePool(kCpu, -512), c10::Error);
-}
-
-TEST(DevicePool, AllocationsNeverExceedTheBudget) {
-  DevicePool pool(kCpu, 5000);  // 9 units of 512 usable
-  EXPECT_EQ(pool.budget(), 5000);
-  std::vector<Region> regions;
-  for (int i = 0; i < 4; ++i) {
-    auto a = pool.allocate(1000);
-    ASSERT_TRUE(a.has_value()) << i;
-    EXPECT_EQ(a->region.bytes, 1024);
-    EXPECT_EQ(a->region.offset % 512, 0);
-    EXPECT_TRUE(a->after.empty());
-    regions.push_back(a->region);
-  }
-  EXPECT_EQ(pool.capacity(), 4608);
-  EXPECT_FALSE(pool.allocate(1000).has_value()) << "only 512 bytes are left";
-  auto last = pool.allocate(1);
-  ASSERT_TRUE(last.has_value());
-  EXPECT_EQ(last->region.bytes, 512);
-  EXPECT_FALSE(pool.allocate(1).has_value());
-  EXPECT_EQ(pool.in_use(), 4608);
-  EXPECT_LE(pool.in_use(), pool.budget());
-  EXPECT_LE(pool.high_water(), pool.budget());
-  for (size_t i = 0; i < regions.size(); ++i)
-    for (size_t j = i + 1; j < regions.size(); ++j)
-      EXPECT_TRUE(regions[i].offset + regions[i].bytes <= regions[j].offset ||
-                  regions[j].offset + regions[j].bytes <= regions[i].offset);
-}
-
-TEST(DevicePool, DemandCapsTheArenaAndIsFixedAfterFirstUse) {
-  DevicePool pool(kCpu, 1 << 20);
-  pool.set_demand(3000);
-  EXPECT_EQ(pool.capacity(), 3000);  // not allocated yet: min(budget, demand)
-  auto a = pool.allocate(2048);
-  ASSERT_TRUE(a.has_value());
-  EXPECT_EQ(pool.capacity(), 2560);  // rounded down to the 512-byte alignment
-  EXPECT_FALSE(pool.allocate(1024).has_value());
-  EXPECT_THROW(pool.set_demand(1 << 20), c10::Error);
-  EXPECT_EQ(pool.capacity(), 2560);
-}
-
-TEST(DevicePool, ViewsAreTypedAndDisjoint) {
-  DevicePool pool(kCpu, 4096);
-  auto a = pool.allocate(64 * 4);
-  auto b = pool.allocate(64 * 4);
-  ASSERT_TRUE(a && b);
-  at::Tensor va = pool.view(a->region, at::kFloat, 64);
-  at::Tensor vb = pool.view(b->region, at::kFloat, 64);
-  EXPECT_EQ(va.scalar_type(), at::kFloat);
-  EXPECT_EQ(va.numel(), 64);
-  EXPECT_EQ(va.device(), kCpu);
-  va.fill_(1.5f);
-  vb.fill_(-2.0f);
-  EXPECT_TRUE(at::equal(va, at::full({64}, 1.5f)));
-  EXPECT_TRUE(at::equal(pool.view(a->region, at::kFloat, 64), va)) << "a second view sees the same memory";
-  // A view starts at its region's offset in the arena, which is as aligned as the allocator's tensors.
-  const auto* base = static_cast<const char*>(pool.view(Region{0, 512}, at::kByte, 1).data_ptr());
-  EXPECT_EQ(static_cast<const char*>(va.data_ptr()) - base, a->region.offset);
-  EXPECT_EQ(static_cast<const char*>(vb.data_ptr()) - base, b->region.offset);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(vb.data_ptr()) % c10::gAlignment, 0u);
-  EXPECT_EQ(pool.view(a->region, at::kBFloat16, 256).numel(), 256);  // a region holds 512 bytes
-  EXPECT_THROW(pool.view(a->region, at::kFloat, 129), c10::Error);
-}
-
-TEST(DevicePool, ReusedRangeCarriesTheFenceOfItsUnfinishedLastUser) {
-  DevicePool pool(kCpu, 3 * 1024);
-  auto a = pool.allocate(1024);
-  auto b = pool.allocate(1024);
-  ASSERT_TRUE(a && b);
-  ManualFence fa;
-  pool.release(a->region, fa.fence);
-  EXPECT_EQ(pool.in_use(), 1024) << "a released range is free at once";
-  // Best fit takes the exactly-sized hole a left, and must be ordered after a's last user.
-  auto c = pool.allocate(1024);
-  ASSERT_TRUE(c);
-  EXPECT_EQ(c->region.offset, a->region.offset);
-  ASSERT_EQ(c->after.size(), 1u);
-  EXPECT_FALSE(c->after[0].ready());
-  // The range that never held a needs no ordering.
-  auto d = pool.allocate(1024);
-  ASSERT_TRUE(d);
-  EXPECT_TRUE(d->after.empty());
-  fa.finish();
-  EXPECT_TRUE(c->after[0].ready());
-  EXPECT_LE(pool.high_water(), pool.budget());
-}
-
-TEST(DevicePool, FinishedReleaseIsReusedWithoutOrdering) {
-  DevicePool pool(kCpu, 1024);
-  auto a = pool.allocate(1024);
-  ASSERT_TRUE(a);
-  ManualFence fa;
-  pool.release(a->region, fa.fence);
-  fa.finish();
-  auto b = pool.allocate(1024);
-  ASSERT_TRUE(b);
-  EXPECT_EQ(b->region.offset, 0);
-  EXPECT_TRUE(b->after.empty()) << "a finished release needs no ordering";
-  pool.release(b->region, Fence());  // a default Fence is already done
-  auto c = pool.allocate(512);
-  ASSERT_TRUE(c);
-  EXPECT_TRUE(c->after.empty());
-}
-
-TEST(DevicePool, PendingReleasesAreReclaimedOldestFirst) {
-  DevicePool pool(kCpu, 2048);
-  auto a = pool.allocate(1024);
-  auto b = pool.allocate(1024);
-  ASSERT_TRUE(a && b);
-  ManualFence fa, fb;
-  pool.release(a->region, fa.fence);
-  pool.release(b->region, fb.fence);
-  auto c = pool.allocate(1024);
-  ASSERT_TRUE(c);
-  EXPECT_EQ(c->region.offset, a->region.offset) << "the oldest release goes first";
-  ASSERT_EQ(c->after.size(), 1u) << "only the reclaimed range's fence orders the new user";
-  fa.finish();
-  EXPECT_TRUE(c->after[0].ready());
-  auto d = pool.allocate(1024);
-  ASSERT_TRUE(d);
-  EXPECT_EQ(d->region.offset, b->region.offset);
-  ASSERT_EQ(d->after.size(), 1u);
-  EXPECT_FALSE(d->after[0].ready());
-  fb.finish();
-  EXPECT_TRUE(d->after[0].ready());
-}
-
-TEST(DevicePool, FencesOfReclaimedRangesCarryOverAfterAFailedAllocation) {
-  DevicePool pool(kCpu, 2048);
-  auto a = pool.allocate(1024);
-  auto b = pool.allocate(1024);
-  ASSERT_TRUE(a && b);
-  ManualFence fa;
-  pool.release(a->region, fa.fence);
-  // Reclaiming a is not enough for 2048 bytes while b is held: nothing is returned...
-  EXPECT_FALSE(pool.allocate(2048).has_value());
-  // ...but whoever gets a's range next must still be ordered after a's last user.
-  auto c = pool.allocate(1024);
-  ASSERT_TRUE(c);
-  EXPECT_EQ(c->region.offset, a->region.offset);
-  ASSERT_EQ(c->after.size(), 1u);
-  EXPECT_FALSE(c->after[0].ready());
-  fa.finish();
-  EXPECT_TRUE(c->after[0].ready());
-  EXPECT_THROW(pool.release(Region{}, Fence()), c10::Error);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// HostWorker and Fence
-
-TEST(Fence, DefaultAndNullEventFencesAreReady) {
-  Fence done;
-  EXPECT_TRUE(done.ready());
-  EXPECT_NO_THROW(done.wait());
-  Fence null_event{DeviceEvent{}};
-  EXPECT_TRUE(null_event.ready());
-  ManualFence pending;
-  EXPECT_FALSE(pending.fence.ready());
-  pending.finish();
-  EXPECT_TRUE(pending.fence.ready());
-}
-
-TEST(HostWorker, RunsJobsInSubmissionOrder) {
-  HostWorker worker;
-  std::mutex mutex;
-  std::vector<int> order;
-  std::promise<void> gate;
-  std::shared_future<void> open = gate.get_future().share();
-  // The first job holds the queue until everything is submitted, so the order is the queue's.
-  worker.submit([open]() -> DeviceEvent {
-    open.wait();
-    return nullptr;
-  });
-  std::vector<Fence> fences;
-  for (int i = 0; i < 200; ++i) {
-    fences.push_back(worker.submit([i, &mutex, &order]() -> DeviceEvent {
-      std::lock_guard<std::mutex> lock(mutex);
-      order.push_back(i);
-      return nullptr;
-    }));
-  }
-  EXPECT_FALSE(fences.back().ready());
-  gate.set_value();
-  worker.drain();
-  std::lock_guard<std::mutex> lock(mutex);
-  ASSERT_EQ(order.size(), 200u);
-  for (int i = 0; i < 200; ++i) EXPECT_EQ(order[i], i);
-  for (const Fence& f : fences) EXPECT_TRUE(f.ready());
-}
-
-TEST(HostWorker, DrainWaitsForRunningAndQueuedJobs) {
-  HostWorker worker;
-  std::atomic<int> done{0};
-  for (int i = 0; i < 3; ++i) {
-    worker.submit([&done]() -> DeviceEvent {
-      std::this_thread::sleep_for(std::chrono::milliseconds(30));
-      done.fetch_add(1);
-      return nullptr;
-    });
-  }
-  worker.drain();
-  EXPECT_EQ(done.load(), 3);
-  worker.drain();  // idle: returns at once
-  EXPECT_EQ(done.load(), 3);
-}
-
-TEST(HostWorker, JobExceptionSurfacesThroughItsFence) {
-  HostWorker worker;
-  Fence failed = worker.submit([]() -> DeviceEvent { throw std::runtime_error("copy failed: boom"); });
-  std::atomic<bool> later_ran{false};
-  Fence later = worker.submit([&later_ran]() -> DeviceEvent {
-    later_ran = true;
-    return nullptr;
-  });
-  worker.drain();  // rethrows nothing
-  EXPECT_TRUE(failed.ready()) << "a failed job is finished";
-  try {
-    failed.wait();
-    ADD_FAILURE() << "wait() must rethrow the job's exception";
-  } catch (const std::runtime_error& e) {
-    EXPECT_STREQ(e.what(), "copy failed: boom");
-  }
-  EXPECT_THROW(failed.wait(), std::runtime_error) << "every wait rethrows";
-  EXPECT_TRUE(later_ran.load()) << "the worker survives a failing job";
-  EXPECT_NO_THROW(later.wait());
-}
-
-TEST(HostWorker, DestructorFinishesQueuedJobs) {
-  std::atomic<int> done{0};
-  {
-    HostWorker worker;
-    for (int i = 0; i < 20; ++i)
-      worker.submit([&done]() -> DeviceEvent {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        done.fetch_add(1);
-        return nullptr;
-      });
-  }
-  EXPECT_EQ(done.load(), 20);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// DeviceEngine helpers
 
 at::Tensor values(at::IntArrayRef sizes, double seed) {
   int64_t n = 1;
@@ -881,10 +606,6 @@ TEST(DeviceEngine, SpilledAdamFirstStepMovesByLearningRate) {
     EXPECT_EQ(store->steps_taken(s), 1);
   }
 }
-
-}  // namespace
-
-namespace {
 
 // The same model and gradients trained once with every shard's step reading its one landed gradient, once
 // through the fp32 accumulators (forced by accumulating a zero gradient first): the results must agree

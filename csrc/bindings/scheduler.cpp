@@ -1,4 +1,4 @@
-#include "bindings_scheduler.h"
+#include "bindings/scheduler.h"
 
 #include <pybind11/stl.h>
 

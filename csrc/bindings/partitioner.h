@@ -1,4 +1,4 @@
-// Python bindings of the torch-free partitioner, kept out of bindings.cpp so they compile without torch.
+// Python bindings of the torch-free partitioner, kept out of module.cpp so they compile without torch.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -11,8 +11,8 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#include "ops/cpu/fused_optimizers.h"
-#include "ops/cpu/optimizer_scalars.h"
+#include "ops/kernels/fused_optimizers.h"
+#include "ops/kernels/optimizer_scalars.h"
 
 #include <cmath>
 #include <utility>

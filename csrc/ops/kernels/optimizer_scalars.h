@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "ops/cpu/fused_optimizers.h"
+#include "ops/kernels/fused_optimizers.h"
 
 namespace hydra::kernels {
 

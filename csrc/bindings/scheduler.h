@@ -1,4 +1,4 @@
-// Python bindings of the torch-free scheduler, kept out of bindings.cpp so they compile without torch.
+// Python bindings of the torch-free scheduler, kept out of module.cpp so they compile without torch.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "ops/cpu/fused_optimizers.h"
+#include "ops/kernels/fused_optimizers.h"
 #include "ops/optimizer_checks.h"
 
 namespace hydra::ops {

@@ -1,4 +1,4 @@
-#include "bindings_partitioner.h"
+#include "bindings/partitioner.h"
 
 #include <pybind11/stl.h>
 

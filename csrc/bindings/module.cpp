@@ -3,8 +3,8 @@
 // non-tensor objects with pybind11. Every call that may wait releases the GIL.
 #include <torch/extension.h>
 
-#include "bindings_partitioner.h"
-#include "bindings_scheduler.h"
+#include "bindings/partitioner.h"
+#include "bindings/scheduler.h"
 #include "engine/device_engine.h"
 #include "engine/optimizer_spec.h"
 #include "engine/shard_store.h"
