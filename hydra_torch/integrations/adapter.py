@@ -37,9 +37,14 @@ def adapt(model) -> Adapter | None:
 
 
 def installed_transformers() -> str:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return version("transformers")
+    try:
+        return version("transformers")
+    except PackageNotFoundError:  # importable without package metadata (a source tree on sys.path)
+        import transformers
+
+        return transformers.__version__
 
 
 def check_transformers_version(version: str | None = None) -> None:
