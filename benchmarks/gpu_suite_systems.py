@@ -107,8 +107,7 @@ def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, o
                     "copy_gbps_over_wall": moved / results.wall_time / 1e9 if results.wall_time else None,
                     "host_step_seconds": stats["host_step_seconds"], "grad_copy_seconds": stats["grad_copy_seconds"],
                     "final_losses": [r.final_loss for r in results],
-                    "shard_params": [[sum(p.numel() for m in group for p in m.parameters()) for group in t.modules]
-                                     for t in tasks],
+                    "shard_params": [[sum(p.numel() for p in shard) for shard in t.shard_params] for t in tasks],
                     "trace": _compact_trace(results)})
         del models, tasks, results
         return out

@@ -103,16 +103,9 @@ def shard_costs(groups: list[list[nn.Module]]) -> list[float]:
     tables are lookups and do not count; a tied output head counts where it multiplies. Never zero, so a
     shard of lookups alone still costs something."""
     costs = []
-    for group in groups:
-        seen, count = set(), 0
-        for module in group:
-            for sub in module.modules():
-                if isinstance(sub, nn.Embedding):
-                    seen.update(id(p) for p in sub.parameters(recurse=False))
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    count += p.numel()
-        costs.append(float(count))
+    for group, params in zip(groups, shard_parameters(groups)):
+        lookups = {id(p) for module in group for sub in module.modules() if isinstance(sub, nn.Embedding)
+                   for p in sub.parameters(recurse=False)}
+        costs.append(float(sum(p.numel() for p in params if id(p) not in lookups)))
     floor = 0.01 * max(costs) if costs and max(costs) > 0 else 1.0
     return [max(c, floor) for c in costs]

@@ -25,7 +25,8 @@ class CostModel {
 
   // default_forward_seconds: the prior for a forward unit of average shard cost before anything at all has
   // been observed. Its scale is irrelevant to scheduling (every task shares it), only its use in
-  // remaining_seconds. Shard costs are rescaled so that their mean over every shard of every task is 1.
+  // remaining_seconds. Shard costs are rescaled to mean 1 over the shards that have them; a task without
+  // costs counts each of its shards as 1.
   // Throws std::invalid_argument for shard_costs of the wrong length or not positive and finite.
   explicit CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds = 1.0);
 
