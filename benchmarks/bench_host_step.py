@@ -1,5 +1,5 @@
-"""The host's share of a spilled model's training: seconds in optimizer steps, and in waiting for gradient
-copies and accumulating them (the engine's own timers in results.stats), and host bytes per parameter.
+"""The host's share of a spilled model's training: seconds in host jobs (gradient accumulation and optimizer
+steps) and in copying gradients out (the engine's own timers in results.stats), and host bytes per parameter.
 
     python benchmarks/bench_host_step.py        # GPT-2-shaped, 29M params, 6 steps on one CPU device, 3 runs
 """
@@ -26,7 +26,7 @@ def run_once():
 def main():
     runs = [run_once() for _ in range(3)]
     step, copy, wall, per_param = (statistics.median(r[i] for r in runs) for i in range(4))
-    print(f"host optimizer steps {step:.3f} s, gradient copies + accumulation {copy:.3f} s, wall {wall:.2f} s "
+    print(f"host jobs (accumulation + steps) {step:.3f} s, gradient copies {copy:.3f} s, wall {wall:.2f} s "
           f"(medians of 3 runs of 6 steps)")
     print(f"host state {per_param:.2f} bytes/param (fp32 AdamW; the tied embedding's owner keeps an accumulator)")
 

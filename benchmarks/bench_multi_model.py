@@ -20,6 +20,26 @@ from transformers.utils import logging as hf_logging
 import hydra_torch as ht
 
 
+def add_workload_args(parser, steps: int):
+    """The GPT-2 shape and data knobs the CPU multi-model benchmarks share."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--rounds", type=int, default=3)
+
+
+def token_batches(args) -> list[dict]:
+    """`args.steps` batches of random tokens, the same in every run (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        data.append({"input_ids": ids, "labels": ids.clone()})
+    return data
+
+
 def configs(args):
     return [(width, lr) for width in args.widths for lr in args.lrs]
 
@@ -60,20 +80,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[96, 128])
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_workload_args(parser, steps=20)
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
 
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(args.steps):
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-        data.append({"input_ids": ids, "labels": ids.clone()})
+    data = token_batches(args)
     probes = [ht.ModelTask(m, data=data) for m in make_models(args)]
     largest_shard = max(sum(p.numel() * 4 for p in shard) for probe in probes for shard in probe.shard_params)
     spilled_budget = 3 * largest_shard + 65536

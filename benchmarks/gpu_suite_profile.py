@@ -139,6 +139,7 @@ def profile_hydra(template, w: Workload, data, device: torch.device, budget, ste
                 "gpu": gpu,
                 "host_step_seconds_per_step": stats["host_step_seconds"] / steps,
                 "grad_copy_seconds_per_step": stats["grad_copy_seconds"] / steps,
+                "weight_copy_seconds_per_step": stats["weight_copy_seconds"] / steps,
                 "host_to_device_gb_per_step": stats["host_to_device_bytes"] / steps / 1e9,
                 "device_to_host_gb_per_step": stats["device_to_host_bytes"] / steps / 1e9}
     except Exception as error:

@@ -45,8 +45,9 @@ def _profile(p: dict) -> list[str]:
               f"| GPU copies host-to-device / device-to-host | {s(gpu.get('h2d_s'))} / {s(gpu.get('d2h_s'))} |",
               f"| copies running under kernels | {s(gpu.get('copy_under_kernels_s'))} |",
               f"| GPU idle (no kernel, no copy) in the window | {s(gpu.get('gpu_idle_s'))} |",
-              f"| host optimizer steps (worker thread) | {s(p.get('host_step_seconds_per_step'))} |",
-              f"| host: waiting for gradient copies + accumulating them | {s(p.get('grad_copy_seconds_per_step'))} |",
+              f"| host jobs: accumulation + optimizer steps (host-step threads) | {s(p.get('host_step_seconds_per_step'))} |",
+              f"| issuing gradient / weight copies (copy lanes) | {s(p.get('grad_copy_seconds_per_step'))} / "
+              f"{s(p.get('weight_copy_seconds_per_step'))} |",
               f"| GB copied host-to-device / device-to-host | {_num(p.get('host_to_device_gb_per_step'), '{:.2f}')} / "
               f"{_num(p.get('device_to_host_gb_per_step'), '{:.2f}')} |", ""]
     return lines

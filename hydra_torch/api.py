@@ -1,13 +1,14 @@
 """ht.train: trains a list of tasks on one or more devices in one call."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
 
 import torch
 
-from hydra_torch import _C, planner, sharding
+from hydra_torch import _C, planner, sharding, testing
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
@@ -53,8 +54,17 @@ def _pin(pin_memory, devices) -> bool:
     return bool(pin_memory)
 
 
+def _host_step_threads(host_threads) -> int:
+    if host_threads is None:
+        # Host steps stream through memory: a few threads saturate it, and the rest of the cores issue compute.
+        return max(1, min(4, (os.cpu_count() or 1) // 2))
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
+        raise ValueError(f"host_threads must be a positive int, got {host_threads!r}")
+    return host_threads
+
+
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
-          progress: bool = True, seed: int = 0) -> Results:
+          progress: bool = True, seed: int = 0, host_threads: int | None = None) -> Results:
     """Trains every task concurrently and returns their results; the user's modules hold the trained weights.
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
@@ -66,6 +76,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         "round_robin" or "random" (seeded by `seed`).
     pin_memory: "auto" (pin host buffers for accelerator devices), True or False.
     progress: tqdm progress bars, one per task and a total.
+    host_threads: threads for the host optimizer steps of spilled models, shared by all devices (default:
+        half the cores, at most 4).
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. Ctrl-C stops every device after its current unit and writes the weights back.
@@ -89,6 +101,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     except ValueError as error:
         raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
     resolved = resolve_devices(devices)
+    host_steps = _C.HostSteps(_host_step_threads(host_threads))
     budgets = [parse_budget(memory_budget, d) for d in resolved]
     pin = _pin(pin_memory, resolved)
 
@@ -97,7 +110,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             # Planned for the smallest budget among the devices: a spilled model may run on any of them.
             smallest = min(range(len(resolved)), key=lambda i: budgets[i])
             planner.apply_plan(task, planner.plan(task, device=resolved[smallest], budget=budgets[smallest]))
-    engines = [_C.DeviceEngine(str(d), b) for d, b in zip(resolved, budgets)]
+    link = testing.link_bytes_per_second()
+    engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(resolved, budgets)]
     start_rng = RngState(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
     _place(runners, engines, budgets, pin)

@@ -123,13 +123,6 @@ class TaskRunner:
         self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
                           if b is not None] for group in task.modules]
 
-    # -- the scheduler's view -------------------------------------------------------------------------------
-    def upcoming(self, unit) -> list[int]:
-        """Shards of this unit and the rest of its micro-batch, in visit order."""
-        n, position = self.n, unit.index % (2 * self.n - 1)
-        order = list(range(n)) + list(range(n - 2, -1, -1))
-        return order[position:]
-
     def run_unit(self, unit, slot):
         """Runs one unit on `slot` (engine + device); `slot.prefetch()` is called once the unit's own shard
         is in place, to bring in the shard planned next on that device."""

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hydra_torch import unit_clock
 from hydra_torch.results import TraceEntry
+
+# How many units ahead each device plans its shard visits: a few micro-batches of several tasks, so prefetch
+# can run as far ahead as the budget allows while planning stays a small share of a unit.
+PLAN_UNITS = 32
 
 
 @dataclass
@@ -19,22 +24,18 @@ class DeviceSlot:
     runners: list = None      # TaskRunner per task id
 
     def prefetch(self):
-        """Brings in the shard of the unit this device is planned to run next, possibly another task's."""
-        planned = self.scheduler.peek(self.index)
-        if planned is None:
-            return
-        model = self.runners[planned.task].model_ids.get(self.index)
-        if model is not None:
-            self.engine.prefetch(model, planned.shard)
+        """Brings in the planned shards (this task's next ones, and the unit planned next here, possibly
+        another task's) as far ahead as the budget allows."""
+        self.engine.prefetch_ahead()
 
     def plan(self, runner, unit):
-        """Tells the engine which shard visits come next here, so eviction keeps the right ones."""
-        visits = [(runner.model_ids[self.index], s) for s in runner.upcoming(unit)]
-        planned = self.scheduler.peek(self.index)
-        if planned is not None and planned.task != unit.task:
+        """Tells the engine which shard visits come next here, in order: this unit's, then the units the
+        scheduler would hand this device next. Eviction keeps what is needed soonest; prefetch follows it."""
+        visits = [(runner.model_ids[self.index], unit.shard)]
+        for planned in self.scheduler.plan(self.index, PLAN_UNITS):
             model = self.runners[planned.task].model_ids.get(self.index)
             if model is not None:
-                visits.insert(1, (model, planned.shard))
+                visits.append((model, planned.shard))
         self.engine.plan(visits)
 
 
@@ -64,34 +65,58 @@ def _next_unit(slot: DeviceSlot):
 
 
 def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
-    while True:
-        unit = _next_unit(slot)
-        if unit is None:
-            return
-        runner = slot.runners[unit.task]
-        start = time.perf_counter()
-        copied = slot.engine.host_to_device_bytes()
-        fatal = None
-        try:
-            slot.plan(runner, unit)
-            runner.run_unit(unit, slot)
-            if slot.device.type == "cuda":
-                # The scheduler's cost model needs the unit's device time, not the time to enqueue it.
-                torch.cuda.current_stream(slot.device).synchronize()
-        except Exception as error:  # the task ends; the others go on
-            with lock:
-                runner.error = error
-            slot.scheduler.fail(unit.task)
-        except BaseException as error:  # Ctrl-C or an exit: the task ends, and so does this worker
-            with lock:
-                runner.error = runner.error or error
-            slot.scheduler.fail(unit.task)
-            fatal = error
-        end = time.perf_counter()
-        slot.scheduler.complete(slot.index, unit, max(end - start, 1e-9))
+    clock = unit_clock.for_device(slot.device)
+    try:
+        while True:
+            unit = _next_unit(slot)
+            if unit is None:
+                return
+            _run_unit(slot, unit, clock, trace, lock)
+    finally:
+        if clock is not None:
+            clock.poll(wait=True)
+
+
+def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
+    runner = slot.runners[unit.task]
+    start = time.perf_counter()
+    mark = clock.start() if clock is not None else None
+    copied = slot.engine.host_to_device_bytes()
+    fatal = None
+    failed = False
+    try:
+        slot.plan(runner, unit)
+        runner.run_unit(unit, slot)
+    except Exception as error:  # the task ends; the others go on
+        with lock:
+            runner.error = error
+        slot.scheduler.fail(unit.task)
+        failed = True
+    except BaseException as error:  # Ctrl-C or an exit: the task ends, and so does this worker
+        with lock:
+            runner.error = runner.error or error
+        slot.scheduler.fail(unit.task)
+        fatal = error
+        failed = True
+    copied = slot.engine.host_to_device_bytes() - copied
+
+    def record(begin, end):
         with lock:
             trace.append(TraceEntry(slot.index, unit.task, runner.task.name, unit.index, unit.shard,
-                                    str(unit.phase).rsplit(".", 1)[-1], start, end,
-                                    slot.engine.host_to_device_bytes() - copied))
-        if fatal is not None:
-            raise fatal
+                                    str(unit.phase).rsplit(".", 1)[-1], begin, end, copied))
+
+    if clock is not None and not failed:
+        # The task's next unit may start at once, on any device (streams order it after this one); the cost
+        # model learns this unit's time once the device has run it.
+        slot.scheduler.complete(slot.index, unit, None)
+
+        def measured(begin, end):
+            slot.scheduler.observe(unit, max(end - begin, 1e-9))
+            record(begin, end)
+        clock.stop(mark, measured)
+    else:
+        end = time.perf_counter()
+        slot.scheduler.complete(slot.index, unit, max(end - start, 1e-9))
+        record(start, end)
+    if fatal is not None:
+        raise fatal

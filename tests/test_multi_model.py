@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
+from hydra_torch import testing
 from models import lm_loss, model_bytes, tied_transformer, token_batches
 
 LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -78,6 +79,42 @@ def test_four_models_on_two_devices_match_training_alone(schedule):
         assert model[0].weight is model[-1].weight
     for stats in results.stats:
         assert stats["high_water_bytes"] <= budget
+
+
+@pytest.mark.parametrize("host_threads", [1, 3])
+def test_on_an_emulated_link_four_models_match_training_alone(host_threads):
+    """The asynchronous path with copies that take time (a slow link), host steps on several threads: copies
+    and steps of different models overlap, and each model's result is still exactly its result alone."""
+    data = token_batches(4)
+    budget = int(0.45 * model_bytes(tied_transformer()))
+    tasks, models = make_tasks(data)
+    bandwidth = 2e7  # bytes/s: a shard's copy takes a few ms, as long as its compute here
+    with testing.emulated_link(bandwidth):
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, progress=False,
+                           host_threads=host_threads)
+    check_trace(results)
+    for stats in results.stats:
+        assert stats["high_water_bytes"] <= budget
+        assert stats["weight_copy_seconds"] >= stats["host_to_device_bytes"] / bandwidth * 0.999
+        assert stats["grad_copy_seconds"] >= stats["device_to_host_bytes"] / bandwidth * 0.999
+    for i, (model, result) in enumerate(zip(models, results)):
+        assert result.error is None and not result.resident and result.steps == 4
+        alone, alone_result = train_alone(data, i, budget)
+        assert result.losses == alone_result.losses
+        for a, b in zip(model.parameters(), alone.parameters()):
+            assert torch.equal(a, b), f"task {i} differs from training alone"
+
+
+def test_emulated_link_and_host_threads_reject_bad_values():
+    for bad in (0, -1.0, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ValueError, match="bytes_per_second"):
+            with testing.emulated_link(bad):
+                pass
+    assert testing.link_bytes_per_second() == 0.0
+    tasks, _ = make_tasks(token_batches(1))
+    for bad in (0, -2, 1.5, "2", True):
+        with pytest.raises(ValueError, match="host_threads"):
+            ht.train(tasks, devices="cpu", progress=False, host_threads=bad)
 
 
 def test_one_failing_task_does_not_disturb_the_others():

@@ -12,6 +12,7 @@
 namespace py = pybind11;
 using hydra::engine::DeviceEngine;
 using hydra::engine::EngineStats;
+using hydra::engine::HostWorker;
 using hydra::engine::OptimizerSpec;
 using hydra::engine::ShardStore;
 
@@ -29,6 +30,10 @@ py::dict stats_dict(const EngineStats& s) {
   d["host_steps"] = s.host_steps;
   d["host_step_seconds"] = s.host_step_seconds;
   d["grad_copy_seconds"] = s.grad_copy_seconds;
+  d["weight_copy_seconds"] = s.weight_copy_seconds;
+  d["staging_bytes"] = s.staging_bytes;
+  d["acquire_loads"] = s.acquire_loads;
+  d["acquire_wait_seconds"] = s.acquire_wait_seconds;
   return d;
 }
 
@@ -71,11 +76,19 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("host_bytes", &ShardStore::host_bytes)
       .def("write_back", &ShardStore::write_back);
 
+  // The host-step threads one run's device engines share.
+  py::class_<HostWorker, std::shared_ptr<HostWorker>>(m, "HostSteps")
+      .def(py::init<int>(), py::arg("threads"))
+      .def_property_readonly("threads", &HostWorker::threads);
+
   py::class_<DeviceEngine>(m, "DeviceEngine")
-      .def(py::init([](const std::string& device, int64_t budget) {
-             return std::make_unique<DeviceEngine>(c10::Device(device), budget);
+      .def(py::init([](const std::string& device, int64_t budget, std::shared_ptr<HostWorker> host_steps,
+                       double link_bytes_per_second) {
+             return std::make_unique<DeviceEngine>(c10::Device(device), budget, std::move(host_steps),
+                                                   link_bytes_per_second);
            }),
-           py::arg("device"), py::arg("budget_bytes"))
+           py::arg("device"), py::arg("budget_bytes"), py::arg("host_steps") = nullptr,
+           py::arg("link_bytes_per_second") = 0.0)
       .def("add_model", &DeviceEngine::add_model, py::arg("store"), py::arg("allow_resident") = true)
       .def("resident", &DeviceEngine::resident)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
@@ -84,6 +97,7 @@ PYBIND11_MODULE(_C, m) {
       .def_static("resident_need", &DeviceEngine::resident_need)
       .def("plan", py::overload_cast<const std::vector<std::pair<int, int>>&>(&DeviceEngine::plan))
       .def("prefetch", &DeviceEngine::prefetch, release_gil())
+      .def("prefetch_ahead", &DeviceEngine::prefetch_ahead, py::arg("max_bytes") = -1, release_gil())
       .def("acquire", &DeviceEngine::acquire, py::arg("model"), py::arg("shard"), py::arg("with_grads"), release_gil())
       .def("release", &DeviceEngine::release, release_gil())
       .def("backward_done", &DeviceEngine::backward_done, py::arg("model"), py::arg("shard"), py::arg("step"),

@@ -120,35 +120,59 @@ std::optional<Unit> Scheduler::try_next(int device) {
 }
 
 std::optional<Unit> Scheduler::peek(int device) const {
+  std::vector<Unit> units = plan(device, 1);
+  if (units.empty()) return std::nullopt;
+  return units.front();
+}
+
+std::vector<Unit> Scheduler::plan(int device, int count) const {
   check_device(device);
   std::lock_guard lock(mutex_);
-  if (cancelled_) return std::nullopt;
-  std::vector<Candidate> candidates;
-  std::vector<int64_t> next_index;
-  candidates.reserve(tasks_.size());
-  const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
+  std::vector<Unit> units;
+  if (cancelled_) return units;
+  // Each task's next unit here, as if this device ran the planned units back to back and no other device
+  // took any: the running task's unit completes first, each planned unit becomes its task's latest event.
+  struct Planned {
+    int task;
+    int64_t index;
+    uint64_t ready;
+    bool ran_last_here;
+  };
+  std::vector<Planned> planned;
+  uint64_t sequence = event_sequence_;
   for (int t = 0; t < num_tasks(); ++t) {
     const TaskState& task = tasks_[static_cast<size_t>(t)];
     if (!allowed(task, device) || task.state == State::kDone || task.failed) continue;
-    int64_t index = task.next_index;
-    uint64_t ready = task.ready_sequence;
+    Planned p{t, task.next_index, task.ready_sequence, task.last_device == device};
     if (task.state == State::kRunning) {
       if (task.running_device != device) continue;
-      ++index;  // as if its current unit had completed now: the latest to become ready
-      ready = event_sequence_ + 1;
-      if (index >= task.total_units) continue;
+      ++p.index;
+      p.ready = ++sequence;
+      p.ran_last_here = true;
     }
-    const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, index) : 0.0;
-    candidates.push_back(Candidate{t, remaining, ready, task.last_device == device});
-    next_index.push_back(index);
+    if (p.index < task.total_units) planned.push_back(p);
   }
-  if (candidates.empty()) return std::nullopt;
-  const size_t chosen = policy_.choose(device, candidates);
-  const int t = candidates[chosen].task;
-  return unit_at(t, tasks_[static_cast<size_t>(t)].spec.num_shards, next_index[chosen]);
+  const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
+  std::vector<Candidate> candidates;
+  while (static_cast<int>(units.size()) < count && !planned.empty()) {
+    candidates.clear();
+    for (const Planned& p : planned) {
+      const double remaining = needs_estimates ? cost_model_.remaining_seconds(p.task, p.index) : 0.0;
+      candidates.push_back(Candidate{p.task, remaining, p.ready, p.ran_last_here});
+    }
+    const size_t chosen = policy_.choose(device, candidates);
+    Planned& p = planned[chosen];
+    units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec.num_shards, p.index));
+    for (Planned& other : planned) other.ran_last_here = false;
+    ++p.index;
+    p.ready = ++sequence;
+    p.ran_last_here = true;
+    if (p.index >= tasks_[static_cast<size_t>(p.task)].total_units) planned.erase(planned.begin() + chosen);
+  }
+  return units;
 }
 
-void Scheduler::complete(int device, const Unit& unit, double seconds) {
+void Scheduler::complete(int device, const Unit& unit, std::optional<double> seconds) {
   check_device(device);
   check_task(unit.task);
   {
@@ -160,13 +184,19 @@ void Scheduler::complete(int device, const Unit& unit, double seconds) {
                                   std::to_string(device));
     }
     // Validates the duration before any state changes, so a bad report leaves the task running.
-    cost_model_.observe(unit.task, unit.shard, unit.phase, seconds);
+    if (seconds) cost_model_.observe(unit.task, unit.shard, unit.phase, *seconds);
     ++task.next_index;
     task.running_device = -1;
     task.ready_sequence = ++event_sequence_;
     task.state = (task.failed || task.next_index >= task.total_units) ? State::kDone : State::kIdle;
   }
   ready_.notify_all();
+}
+
+void Scheduler::observe(const Unit& unit, double seconds) {
+  check_task(unit.task);
+  std::lock_guard lock(mutex_);
+  cost_model_.observe(unit.task, unit.shard, unit.phase, seconds);
 }
 
 void Scheduler::fail(int task) {

@@ -47,10 +47,18 @@ class Scheduler {
   // unit. Tasks running on other devices are left out; the task running on `device` itself is considered
   // as if its unit had just completed (it usually continues here, by affinity). Changes nothing.
   std::optional<Unit> peek(int device) const;
+  // The next `count` units the policy would give `device` if it ran them back to back and no other device
+  // took any: the order its shards are needed in, for prefetching and eviction. peek() is its first unit.
+  // Policies with state of their own (round_robin, random) plan their next choice only; later ones may differ.
+  std::vector<Unit> plan(int device, int count) const;
 
   // `unit` must be the one next() gave `device`. Feeds its duration to the cost model, makes the task
-  // ready again (or finished, or failed if fail() came meanwhile) and wakes waiting workers.
-  void complete(int device, const Unit& unit, double seconds);
+  // ready again (or finished, or failed if fail() came meanwhile) and wakes waiting workers. Without a
+  // duration (a GPU unit whose end event has not been reached yet) the cost model learns it later, through
+  // observe().
+  void complete(int device, const Unit& unit, std::optional<double> seconds);
+  // A unit's duration measured after its complete(): the cost model learns it as complete() would have.
+  void observe(const Unit& unit, double seconds);
 
   // Drops the task's remaining units. A unit already running still completes normally.
   void fail(int task);

@@ -2,11 +2,11 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <mutex>
 
@@ -22,21 +22,27 @@ namespace {
 constexpr int64_t kResidentSlack = 5 * 512;
 constexpr int64_t kSpilledSlack = 2 * 512;
 
+// Gradient copies in flight or waiting for their host job, per device: enough for the next shard's copy to
+// start while the previous two are stepped, few enough that host memory stays a few shards' gradients.
+constexpr int kStagingBuffers = 3;
+
 }  // namespace
 
-DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes)
-    : device_(device), has_streams_(!device.is_cpu()), pool_(device, budget_bytes) {
-  if (has_streams_) {
-    c10::impl::VirtualGuardImpl guard(device_.type());
-    copy_stream_ = guard.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
-  }
+DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared_ptr<HostWorker> host_steps,
+                           double link_bytes_per_second)
+    : device_(device),
+      has_streams_(!device.is_cpu()),
+      pool_(device, budget_bytes),
+      host_steps_(host_steps ? std::move(host_steps) : std::make_shared<HostWorker>(1)),
+      staging_(kStagingBuffers, /*pinned=*/!device.is_cpu()),
+      to_device_(device, link_bytes_per_second),
+      to_host_(device, link_bytes_per_second) {
   stats_.budget_bytes = budget_bytes;
 }
 
 DeviceEngine::~DeviceEngine() {
-  worker_.drain();
-  // Copies issued by jobs whose fences nobody waited for (a failed run) must finish before the arena goes.
-  if (copy_stream_) copy_stream_->synchronize();
+  // Host jobs capture this engine; the lanes finish their own copies as they are destroyed.
+  host_steps_->drain();
 }
 
 int64_t DeviceEngine::min_spilled_bytes(const ShardStore& store) {
@@ -77,6 +83,7 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
     resident_committed_ += resident;
   } else {
     spilled_reserve_ = reserve;
+    grad_headroom_ = std::max(grad_headroom_, min_spilled_bytes(*model.store) / 2 + 512);
   }
   models_.push_back(std::move(model));
   // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
@@ -118,7 +125,7 @@ Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
   {
     std::lock_guard<std::mutex> lock(order);
     std::shared_future<void> previous = models_[model].store->exchange_last_job(done->get_future().share());
-    fence = worker_.submit([previous, done, job = std::move(job)]() -> DeviceEvent {
+    fence = host_steps_->submit([previous, done, job = std::move(job)]() -> DeviceEvent {
       if (previous.valid()) previous.wait();
       struct Signal {  // completes the chain however the job ends; its error travels in its own Fence
         std::shared_ptr<std::promise<void>> promise;
@@ -127,11 +134,29 @@ Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
       return job();
     });
   }
+  return track(model, fence);
+}
+
+Fence DeviceEngine::track(int model, Fence fence) {
   auto& jobs = models_[model].jobs;
   // Finished jobs are forgotten, failed ones kept until synchronize() reports them.
   jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const Fence& f) { return f.succeeded(); }), jobs.end());
   jobs.push_back(fence);
   return fence;
+}
+
+std::vector<Fence> DeviceEngine::pending_steps(int model, int shard) const {
+  const ShardStore& store = *models_[model].store;
+  std::vector<Fence> steps{store.last_step(shard)};
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner != shard) steps.push_back(store.last_step(e.owner));
+  return steps;
+}
+
+bool DeviceEngine::steps_done(int model, int shard) const {
+  for (const Fence& f : pending_steps(model, shard))
+    if (!f.ready()) return false;
+  return true;
 }
 
 void DeviceEngine::plan(const std::vector<std::pair<int, int>>& visits) {
@@ -147,12 +172,15 @@ void DeviceEngine::plan(int model, const std::vector<int>& shards) {
 
 Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need) {
   for (;;) {
-    if (std::optional<Allocation> allocation = pool_.allocate(bytes)) return std::move(*allocation);
+    const bool room = need != Need::kPrefetchAhead || pool_.in_use() + bytes + grad_headroom_ <= pool_.capacity();
+    if (room)
+      if (std::optional<Allocation> allocation = pool_.allocate(bytes)) return std::move(*allocation);
     std::vector<core::EvictionCandidate> candidates;
     for (int m = 0; m < static_cast<int>(models_.size()); ++m)
       for (int s = 0; s < static_cast<int>(models_[m].shards.size()); ++s)
         if (models_[m].shards[s].cached) candidates.push_back({key(m, s), models_[m].shards[s].pins > 0});
     std::optional<int64_t> victim = core::furthest_next_use(candidates, upcoming_);
+    if (need == Need::kPrefetchAhead) victim.reset();  // only into free memory: measured, evicting there churns
     if (victim && need == Need::kPrefetch) {
       // A prefetch may only displace a shard needed later than the one it brings in (Belady).
       auto position = [&](int64_t k) {
@@ -195,19 +223,12 @@ bool DeviceEngine::load(int model, int shard, Need need) {
     if (e.owner != shard)
       copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
                           store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
-  state.ready = submit(model, [copies = std::move(copies), after = std::move(allocation.after), this]() -> DeviceEvent {
-    if (!has_streams_) {
-      for (const Fence& f : after) f.order_reuse_before(compute_stream());  // host waits: no streams here
-      for (auto& [dst, src] : copies) dst.copy_(src);
-      return nullptr;
-    }
-    c10::StreamGuard guard(*copy_stream_);
-    for (const Fence& f : after) f.order_reuse_before(*copy_stream_);
-    for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/true);
-    auto event = std::make_shared<c10::Event>(device_.type());
-    event->record(*copy_stream_);
-    return event;
-  });
+  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
+  std::vector<Fence> after = std::move(allocation.after);
+  for (Fence& f : pending_steps(model, shard)) after.push_back(std::move(f));
+  state.ready = track(model, to_device_.submit(std::move(after), [copies = std::move(copies), this]() -> DeviceEvent {
+    return to_device_.copy(copies);
+  }));
   state.last_use = state.ready;
   ++state.loads;
   ++stats_.host_to_device_copies;
@@ -233,6 +254,26 @@ void DeviceEngine::prefetch(int model, int shard) {
   load(model, shard, Need::kPrefetch);
 }
 
+void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
+  start();
+  int64_t issued = 0;
+  const std::vector<int64_t> planned(upcoming_.begin(), upcoming_.end());  // load() may evict, not re-plan
+  for (int64_t k : planned) {
+    const int model = static_cast<int>(k >> 32), shard = static_cast<int>(k & 0xffffffff);
+    ShardState& state = models_.at(model).shards.at(shard);
+    if (models_[model].resident || current(model, shard)) continue;
+    if (state.cached) {
+      if (state.pins > 0) continue;
+      evict(state);  // a copy from before the shard's last step
+    }
+    if (!steps_done(model, shard)) continue;
+    const int64_t bytes = models_[model].store->device_numel(shard) * models_[model].store->element_bytes();
+    if (max_bytes >= 0 && issued + bytes > max_bytes) return;
+    if (!load(model, shard, issued == 0 ? Need::kPrefetch : Need::kPrefetchAhead)) return;  // full of sooner needs
+    issued += bytes;
+  }
+}
+
 void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   Model& m = models_.at(model);
   ShardState& state = m.shards.at(shard);
@@ -244,10 +285,15 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   try {
     start();
     if (!m.resident) {
+      const auto waiting = std::chrono::steady_clock::now();
       if (state.cached && !current(model, shard)) evict(state);
-      if (!state.cached) load(model, shard, Need::kMust);
+      if (!state.cached) {
+        load(model, shard, Need::kMust);
+        ++stats_.acquire_loads;
+      }
       if (with_grads && !state.grads.valid()) allocate_grads(model, shard);
       state.ready.order_before(compute_stream());
+      stats_.acquire_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
     }
     bind(model, shard, with_grads);
   } catch (...) {

@@ -1,5 +1,5 @@
 // Everything one compute device does for the models that train on it: where each shard's training state
-// lives, copies in and out on a side stream, rebinding module parameters, and the optimizer steps.
+// lives, copies in and out, rebinding module parameters, and the optimizer steps.
 //
 // A model is *resident* on the device when all of its training state (weights, gradients, optimizer state)
 // fits in what the budget has left: then nothing is copied after the first upload and steps run on the
@@ -7,8 +7,14 @@
 // copies overlap other compute (prefetch), the optimizer runs on the host as soon as a shard's gradients
 // arrive, and weight copies stay cached while the budget allows, evicted by furthest next use.
 //
+// Three kinds of work run beside the compute, none waiting for another unless it reads its result: weight
+// copies in (the host-to-device lane), gradient copies out (the device-to-host lane; a gradient region is
+// free again as soon as its copy is done) and host jobs (accumulation and optimizer steps, on host-step
+// threads shared by every device and ordered per model). A weight copy waits only for the step of the shard
+// it reads; a step waits for its gradient copy and for copies still reading the weights it rewrites.
+//
 // Call order per shard visit, from the thread that issues the compute:
-//   acquire(model, shard, with_grads) -> prefetch(next...) -> compute -> [backward_done] -> release
+//   plan(...) -> acquire(model, shard, with_grads) -> prefetch_ahead() -> compute -> [backward_done] -> release
 #pragma once
 
 #include <c10/core/Device.h>
@@ -20,9 +26,11 @@
 #include <optional>
 #include <vector>
 
+#include "engine/copy_lane.h"
 #include "engine/device_pool.h"
 #include "engine/host_worker.h"
 #include "engine/shard_store.h"
+#include "engine/staging_ring.h"
 
 namespace hydra::engine {
 
@@ -34,16 +42,28 @@ struct EngineStats {
   int64_t device_to_host_bytes = 0;
   int64_t host_to_device_copies = 0;
   int64_t device_to_host_copies = 0;
-  // Where the host worker's time goes (spilled models): fp32 optimizer steps, and waiting for gradient
-  // copies to land plus adding them into the fp32 accumulators. Seconds summed over jobs.
+  // Where the time beside the compute goes (spilled models), in seconds summed over jobs: host jobs
+  // (gradient accumulation and optimizer steps), and each copy lane's thread copying (on a CPU device, at
+  // the emulated link's pace) or issuing copies (on a GPU).
   int64_t host_steps = 0;
   double host_step_seconds = 0.0;
   double grad_copy_seconds = 0.0;
+  double weight_copy_seconds = 0.0;
+  // Shards acquire() had to copy in itself (no prefetch had brought them), and the host time acquire()
+  // took to make a spilled shard computable (its weights in, room for its gradients): on a CPU device every
+  // wait for a copy; on a GPU the compute stream waits for copies instead, so only waits for memory count.
+  int64_t acquire_loads = 0;
+  double acquire_wait_seconds = 0.0;
+  // Host memory the gradient copies land in (the staging buffers), in bytes.
+  int64_t staging_bytes = 0;
 };
 
 class DeviceEngine {
  public:
-  DeviceEngine(c10::Device device, int64_t budget_bytes);
+  // `host_steps`: the host-step threads, shared by the devices of one run (null: one thread of its own).
+  // `link_bytes_per_second` paces a CPU device's copies like a PCIe link (0: memory speed); see CopyLane.
+  DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared_ptr<HostWorker> host_steps = nullptr,
+               double link_bytes_per_second = 0.0);
   ~DeviceEngine();
 
   // Validates that the model can train within what the budget has left and decides resident (when allowed
@@ -63,6 +83,10 @@ class DeviceEngine {
   void plan(const std::vector<std::pair<int, int>>& visits);
   void plan(int model, const std::vector<int>& shards);
   void prefetch(int model, int shard);
+  // Brings in the planned shards in plan order until `max_bytes` are on their way (< 0: as far as the
+  // budget allows): the first as prefetch() does, the others into free memory only. A shard whose step is
+  // still running on the host is skipped: its copy would wait for the step and hold up every copy behind it.
+  void prefetch_ahead(int64_t max_bytes = -1);
   void acquire(int model, int shard, bool with_grads);
   void release(int model, int shard);
   // The shard's backward for this micro-batch is issued. Gradients are accumulated; with `step` the shard's
@@ -73,8 +97,8 @@ class DeviceEngine {
   double clip_and_step(int model, double max_norm);
   // Forgets the gradients accumulated since the last step (a failed micro-batch must not leak into one).
   void discard_grads(int model);
-  // Waits for all of the model's queued host work, on every device (the model's jobs form one chain),
-  // rethrowing the first error of the jobs queued here.
+  // Waits for all of the model's queued host jobs, on every device (they form one chain), and the copies
+  // queued here, rethrowing the first error among them.
   void synchronize(int model);
   // Brings device-resident state home and points the user's parameters at host tensors again; does so
   // even when a queued job failed, then rethrows that job's error.
@@ -105,15 +129,16 @@ class DeviceEngine {
     bool resident = false;
     bool uploaded = false;
     std::vector<ShardState> shards;
-    std::vector<Fence> jobs;  // queued host work, so errors surface on synchronize
+    std::vector<Fence> jobs;  // queued copies and host jobs, so errors surface on synchronize
   };
-
   static int64_t key(int model, int shard) { return (static_cast<int64_t>(model) << 32) | shard; }
   c10::Stream compute_stream() const;
   Fence compute_point() const;  // everything issued so far on the compute stream
-  // How hard an allocation tries: a prefetch only displaces shards needed later than its own (Belady); an
-  // allocation for the shard about to compute evicts any unpinned shard, and `kMust` fails loudly.
-  enum class Need { kPrefetch, kEvictAny, kMust };
+  // How hard an allocation tries: a prefetch of the next planned visit only displaces shards needed later
+  // than its own (Belady); one further ahead only takes free memory and leaves room for a shard's gradients
+  // (plans change as the cost model learns: evicting for them copied more than it saved); an allocation for
+  // the shard about to compute evicts any unpinned shard, and `kMust` fails loudly.
+  enum class Need { kPrefetchAhead, kPrefetch, kEvictAny, kMust };
   Allocation allocate(int model, int shard, int64_t bytes, Need need);
   bool load(int model, int shard, Need need);
   void allocate_grads(int model, int shard);
@@ -122,9 +147,13 @@ class DeviceEngine {
   void bind(int model, int shard, bool with_grads);
   void step_resident(int model, int shard, double grad_scale);
   void step_spilled(int model, int shard, double grad_scale);
-  // On the worker thread; `landed` as step_host's (device_engine_training.cpp).
-  void timed_step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed);
+  // Queues a host job after the model's previous one.
   Fence submit(int model, std::function<DeviceEvent()> job);
+  Fence track(int model, Fence fence);  // a copy of the model's, whose error synchronize() must report
+  // The steps a copy of the shard reads the result of (its own, and those of the owners of its tied
+  // parameters) are done.
+  bool steps_done(int model, int shard) const;
+  std::vector<Fence> pending_steps(int model, int shard) const;
   void evict(ShardState& state);
   bool current(int model, int shard) const;
   at::Tensor grad_view(int model, int shard);
@@ -132,17 +161,19 @@ class DeviceEngine {
 
   c10::Device device_;
   bool has_streams_;
-  std::optional<c10::Stream> copy_stream_;
   DevicePool pool_;
   std::vector<Model> models_;
   std::deque<int64_t> upcoming_;
-  at::Tensor staging_;  // pinned host landing buffer for gradient copies, one shard at a time
   int64_t resident_committed_ = 0;  // the resident models' whole state
   int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
+  int64_t grad_headroom_ = 0;       // the largest gradient region of a spilled model
   EngineStats stats_;
-  // Written by the worker thread, read by stats(): kept apart from stats_, which only the caller's thread touches.
-  std::atomic<int64_t> host_steps_{0}, host_step_ns_{0}, grad_copy_ns_{0};
-  HostWorker worker_;  // last member: destroyed first, so no job outlives what it captures
+  // Written by host-step threads, read by stats(): kept apart from stats_, which only the caller's thread touches.
+  std::atomic<int64_t> host_steps_done_{0}, host_step_ns_{0};
+  // Destroyed in reverse order: the lanes first (they finish their copies), then what their jobs use.
+  std::shared_ptr<HostWorker> host_steps_;
+  StagingRing staging_;
+  CopyLane to_device_, to_host_;
 };
 
 }  // namespace hydra::engine

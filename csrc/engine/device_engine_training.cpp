@@ -1,8 +1,6 @@
 // DeviceEngine, the training half: parameter binding, gradients, optimizer steps, and bringing state home.
-#include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -20,7 +18,7 @@ int64_t now_ns() {
       .count();
 }
 
-// Steps the shard's host buffers; runs on the device's worker thread. `landed`: the shard's one gradient of
+// Steps the shard's host buffers; runs on a host-step thread. `landed`: the shard's one gradient of
 // this step, in device layout and compute dtype, read in the step's single pass; undefined: the accumulator,
 // which is zeroed for the next step.
 void step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed) {
@@ -36,13 +34,6 @@ void step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor
 }
 
 }  // namespace
-
-void DeviceEngine::timed_step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed) {
-  const int64_t start = now_ns();
-  step_host(store, shard, grad_scale, landed);
-  host_step_ns_ += now_ns() - start;
-  ++host_steps_;
-}
 
 at::Tensor DeviceEngine::grad_view(int model, int shard) {
   const ShardStore& store = *models_[model].store;
@@ -114,57 +105,49 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
     return;
   }
   TORCH_CHECK(state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
-  const ShardStore& store = *m.store;
   const at::Tensor device_grad = grad_view(model, shard);
-  const int64_t bytes = device_grad.numel() * store.element_bytes();
-  at::Tensor landing = device_grad;  // a CPU device's memory is host memory: read it in place
-  if (has_streams_) {
-    if (!staging_.defined() || staging_.numel() < bytes) {
-      int64_t largest = bytes;
-      for (const Model& other : models_)
-        for (int s = 0; s < other.store->num_shards(); ++s)
-          largest = std::max(largest, other.store->device_numel(s) * other.store->element_bytes());
-      try {
-        staging_ = at::empty({largest}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      } catch (const c10::Error&) {
-        staging_ = at::empty({largest}, at::TensorOptions().dtype(at::kByte));
-      }
-    }
-    landing = staging_.narrow(0, 0, bytes).view(store.compute_dtype());
-    ++stats_.device_to_host_copies;
-    stats_.device_to_host_bytes += bytes;
-  }
-  const Fence computed = compute_point();
+  const at::ScalarType dtype = m.store->compute_dtype();
+  const int64_t numel = device_grad.numel();
+  const int64_t bytes = numel * m.store->element_bytes();
+  // The staging buffer the gradient lands in: leased by the copy, given back when the host job is done with
+  // it (or when both jobs are gone, however they ended).
+  auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
+  const Fence landed = track(model, to_host_.submit({compute_point()}, [=, this]() -> DeviceEvent {
+    *landing = staging_.acquire(bytes);
+    return to_host_.copy({{(*landing)->view(dtype, numel), device_grad}});
+  }));
+  ++stats_.device_to_host_copies;
+  stats_.device_to_host_bytes += bytes;
   const Fence weights_in = state.ready;  // the step rewrites the buffer that copy read from
   std::shared_ptr<ShardStore> owner = m.store;
   Fence done = submit(model, [=, this]() -> DeviceEvent {
+    landed.wait();
+    const at::Tensor gradient = (*landing)->view(dtype, numel);
     const int64_t start = now_ns();
-    if (has_streams_) {
-      c10::StreamGuard guard(*copy_stream_);
-      computed.order_before(*copy_stream_);
-      landing.copy_(device_grad, /*non_blocking=*/true);
-      c10::Event copied(device_.type());
-      copied.record(*copy_stream_);
-      copied.synchronize();
-    }
     // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
     // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
     const bool single_pass = step && !owner->has_grad(shard);
     if (single_pass) {
-      owner->accumulate_borrowed(shard, landing);
+      owner->accumulate_borrowed(shard, gradient);
     } else {
-      owner->accumulate_grads(shard, landing);
+      owner->accumulate_grads(shard, gradient);
     }
-    grad_copy_ns_ += now_ns() - start;
     if (step) {
       weights_in.wait();
-      timed_step_host(*owner, shard, 1.0, single_pass ? landing : at::Tensor());
+      step_host(*owner, shard, 1.0, single_pass ? gradient : at::Tensor());
+      ++host_steps_done_;
     }
+    host_step_ns_ += now_ns() - start;
+    landing->reset();
     return nullptr;
   });
-  pool_.release(state.grads, done);
+  // Free again once copied out: the next shard's gradients need not wait for this one's step.
+  pool_.release(state.grads, landed);
   state.grads = Region{};
-  if (step) m.store->bump_version(shard);  // the device copy predates the step: dropped on release
+  if (step) {
+    m.store->set_last_step(shard, done);
+    m.store->bump_version(shard);  // the device copy predates the step: dropped on release
+  }
 }
 
 void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
@@ -189,11 +172,15 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   ShardState& state = models_[model].shards[shard];
   std::shared_ptr<ShardStore> owner = models_[model].store;
   const Fence weights_in = state.ready;
-  submit(model, [=, this]() -> DeviceEvent {
+  const Fence done = submit(model, [=, this]() -> DeviceEvent {
     weights_in.wait();
-    timed_step_host(*owner, shard, grad_scale, at::Tensor());
+    const int64_t start = now_ns();
+    step_host(*owner, shard, grad_scale, at::Tensor());
+    ++host_steps_done_;
+    host_step_ns_ += now_ns() - start;
     return nullptr;
   });
+  owner->set_last_step(shard, done);
   owner->bump_version(shard);
   if (state.cached && state.pins == 0) evict(state);
 }
@@ -239,9 +226,9 @@ void DeviceEngine::discard_grads(int model) {
 }
 
 void DeviceEngine::synchronize(int model) {
-  // An empty job at the end of the model's chain finishes after every earlier job, whichever device ran it.
+  // An empty job at the end of the model's chain finishes after every earlier host job, whichever device
+  // queued it.
   submit(model, []() -> DeviceEvent { return nullptr; });
-  worker_.drain();
   std::vector<Fence> jobs = std::move(models_.at(model).jobs);
   models_[model].jobs.clear();
   // Every job's device work is waited for, so nothing is in flight afterwards; then the first error is raised.
@@ -286,9 +273,11 @@ EngineStats DeviceEngine::stats() const {
   EngineStats stats = stats_;
   stats.capacity_bytes = pool_.capacity();
   stats.high_water_bytes = pool_.high_water();
-  stats.host_steps = host_steps_.load();
+  stats.host_steps = host_steps_done_.load();
   stats.host_step_seconds = static_cast<double>(host_step_ns_.load()) * 1e-9;
-  stats.grad_copy_seconds = static_cast<double>(grad_copy_ns_.load()) * 1e-9;
+  stats.grad_copy_seconds = to_host_.busy_seconds();
+  stats.weight_copy_seconds = to_device_.busy_seconds();
+  stats.staging_bytes = staging_.host_bytes();
   return stats;
 }
 

@@ -1,8 +1,13 @@
 #include "engine/host_worker.h"
 
+#include <stdexcept>
+
 namespace hydra::engine {
 
-HostWorker::HostWorker() : thread_([this] { run(); }) {}
+HostWorker::HostWorker(int threads) {
+  if (threads < 1) throw std::invalid_argument("HostWorker: threads must be >= 1, got " + std::to_string(threads));
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+}
 
 HostWorker::~HostWorker() {
   {
@@ -10,15 +15,15 @@ HostWorker::~HostWorker() {
     stopping_ = true;
   }
   wake_.notify_all();
-  thread_.join();
+  for (std::thread& thread : threads_) thread.join();
 }
 
 Fence HostWorker::submit(std::function<DeviceEvent()> job) {
-  std::packaged_task<DeviceEvent()> task(std::move(job));
-  Fence fence(task.get_future().share());
+  Job queued{std::move(job), {}};
+  Fence fence(queued.done.get_future().share());
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(task));
+    queue_.push_back(std::move(queued));
   }
   wake_.notify_one();
   return fence;
@@ -26,7 +31,7 @@ Fence HostWorker::submit(std::function<DeviceEvent()> job) {
 
 void HostWorker::drain() {
   std::unique_lock<std::mutex> lock(mutex_);
-  idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+  idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
 }
 
 void HostWorker::run() {
@@ -34,14 +39,21 @@ void HostWorker::run() {
   for (;;) {
     wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, with nothing left to do
-    std::packaged_task<DeviceEvent()> task = std::move(queue_.front());
+    Job job = std::move(queue_.front());
     queue_.pop_front();
-    busy_ = true;
+    ++busy_;
     lock.unlock();
-    task();  // an exception is stored in the task's future, never escapes the thread
+    try {
+      DeviceEvent event = job.run();
+      job.run = nullptr;  // what the job captured goes now, before anyone learns it is done
+      job.done.set_value(std::move(event));
+    } catch (...) {
+      job.run = nullptr;
+      job.done.set_exception(std::current_exception());  // reported through the job's Fence
+    }
     lock.lock();
-    busy_ = false;
-    if (queue_.empty()) idle_.notify_all();
+    --busy_;
+    if (queue_.empty() && busy_ == 0) idle_.notify_all();
   }
 }
 

@@ -1,7 +1,9 @@
-// One host thread per device that issues copies and runs host-side optimizer steps, in submission order.
+// Host threads that run jobs in submission order: a job starts only after every job submitted before it has
+// started, so with one thread jobs also finish in that order.
 //
-// FIFO order is what keeps the engine simple: a shard's optimizer step and the next copy of that shard to a
-// device are submitted in that order, so the copy always reads the updated weights.
+// A device's copy lanes are one-thread workers (their copies are issued in order); the host optimizer steps
+// of every device share one worker with several threads, and order the jobs of one model among themselves
+// with fences. A job may wait for work submitted before it, never after: that keeps every wait acyclic.
 #pragma once
 
 #include <condition_variable>
@@ -9,6 +11,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "engine/fence.h"
 
@@ -16,7 +19,7 @@ namespace hydra::engine {
 
 class HostWorker {
  public:
-  HostWorker();
+  explicit HostWorker(int threads = 1);
   ~HostWorker();  // finishes the queued jobs, then joins
   HostWorker(const HostWorker&) = delete;
   HostWorker& operator=(const HostWorker&) = delete;
@@ -25,6 +28,7 @@ class HostWorker {
   Fence submit(std::function<DeviceEvent()> job);
   // Blocks until every job submitted so far has run; rethrows nothing (each job's Fence carries its error).
   void drain();
+  int threads() const { return static_cast<int>(threads_.size()); }
 
  private:
   void run();
@@ -32,10 +36,16 @@ class HostWorker {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable idle_;
-  std::deque<std::packaged_task<DeviceEvent()>> queue_;
-  bool busy_ = false;
+  struct Job {
+    std::function<DeviceEvent()> run;
+    std::promise<DeviceEvent> done;
+  };
+  // Not packaged_task: its future would own the job, and a Fence kept by what the job captures (a store
+  // remembering its last step) would keep that alive forever. A promise's future holds only the result.
+  std::deque<Job> queue_;
+  int busy_ = 0;
   bool stopping_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace hydra::engine

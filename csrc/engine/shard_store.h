@@ -11,8 +11,10 @@
 
 #include <atomic>
 #include <future>
+#include <mutex>
 #include <vector>
 
+#include "engine/fence.h"
 #include "engine/optimizer_spec.h"
 
 namespace hydra::engine {
@@ -71,9 +73,20 @@ class ShardStore {
   int64_t version(int shard) const { return versions_.at(shard).load(std::memory_order_acquire); }
   void bump_version(int shard) { versions_.at(shard).fetch_add(1, std::memory_order_acq_rel); }
 
-  // The model's host jobs, on whichever device's worker, run in submission order: the previous job's
-  // completion is exchanged for the new one's. Callers hold a lock that also covers the enqueue, so the
-  // order is one global order and no two workers can wait on each other.
+  // The shard's last submitted host step: a copy to any device reads the transfer source only after it.
+  Fence last_step(int shard) const {
+    std::lock_guard<std::mutex> lock(step_mutex_);
+    return last_steps_.at(shard);
+  }
+  void set_last_step(int shard, Fence step) {
+    std::lock_guard<std::mutex> lock(step_mutex_);
+    last_steps_.at(shard) = std::move(step);
+  }
+
+  // The model's host jobs (gradient accumulation and optimizer steps, submitted by any of its devices) run
+  // in submission order on the shared host-step threads: the previous job's completion is exchanged for the
+  // new one's. Callers hold a lock that also covers the enqueue, so the order is one global order and every
+  // job waits only for jobs queued before it.
   std::shared_future<void> exchange_last_job(std::shared_future<void> next) {
     std::swap(last_job_, next);
     return next;
@@ -99,6 +112,8 @@ class ShardStore {
   std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_future<void> last_job_;
+  mutable std::mutex step_mutex_;
+  std::vector<Fence> last_steps_;
   std::vector<at::Tensor> master_, grad_, shadow_;
   std::vector<std::vector<at::Tensor>> state_;
 };

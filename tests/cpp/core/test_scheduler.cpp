@@ -208,6 +208,42 @@ INSTANTIATE_TEST_SUITE_P(AllPolicies, PeekMatchesNext,
                          ::testing::Values(PolicyKind::kLrtf, PolicyKind::kFifo, PolicyKind::kRoundRobin,
                                            PolicyKind::kRandom));
 
+TEST(Scheduler, PlanIsTheSequenceNextGivesOneDevice) {
+  // fifo reads no estimates, so what the run learns cannot change the order the plan foresaw.
+  Scheduler scheduler({spec(2, 2), spec(3, 1), spec(1, 4)}, 1, PolicyKind::kFifo);
+  const std::vector<Unit> planned = scheduler.plan(0, 100);
+  EXPECT_EQ(planned.size(), 6u + 5u + 4u);
+  EXPECT_EQ(scheduler.plan(0, 3), std::vector<Unit>(planned.begin(), planned.begin() + 3));
+  std::vector<Unit> given;
+  while (auto unit = scheduler.next(0)) {
+    given.push_back(*unit);
+    scheduler.complete(0, *unit, 0.01);
+  }
+  EXPECT_EQ(given, planned);
+}
+
+TEST(Scheduler, PlanDuringAUnitContinuesAfterIt) {
+  Scheduler scheduler({spec(3, 1)}, 2, PolicyKind::kLrtf);
+  const auto unit = scheduler.next(0);
+  EXPECT_EQ(scheduler.plan(0, 10),
+            (std::vector<Unit>{unit_at(0, 3, 1), unit_at(0, 3, 2), unit_at(0, 3, 3), unit_at(0, 3, 4)}));
+  EXPECT_TRUE(scheduler.plan(1, 10).empty());  // running elsewhere
+}
+
+TEST(Scheduler, ADurationReportedAfterCompleteTeachesTheCostModel) {
+  Scheduler scheduler({spec(2, 2), spec(2, 2)}, 1, PolicyKind::kLrtf);
+  const auto unit = scheduler.next(0);
+  scheduler.complete(0, *unit, std::nullopt);  // its end event not reached yet
+  EXPECT_EQ(scheduler.remaining_units(unit->task), 5) << "the task moved on without a duration";
+  const double before = scheduler.remaining_seconds(unit->task);
+  scheduler.observe(*unit, 40.0);
+  EXPECT_GT(scheduler.remaining_seconds(unit->task), before) << "a slow first unit makes the rest look slower";
+  EXPECT_THROW(scheduler.observe(*unit, -1.0), std::invalid_argument);
+  Unit stranger = *unit;
+  stranger.task = 7;
+  EXPECT_THROW(scheduler.observe(stranger, 1.0), std::invalid_argument);
+}
+
 TEST(Scheduler, PeekDuringAUnitSeesTheRunningTaskAsIfDone) {
   Scheduler scheduler({spec(3, 1)}, 2, PolicyKind::kLrtf);
   const auto unit = scheduler.next(0);

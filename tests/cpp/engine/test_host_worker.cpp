@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -109,6 +110,35 @@ TEST(HostWorker, DestructorFinishesQueuedJobs) {
       });
   }
   EXPECT_EQ(done.load(), 20);
+}
+
+TEST(HostWorker, SeveralThreadsRunJobsSideBySide) {
+  HostWorker worker(2);
+  EXPECT_EQ(worker.threads(), 2);
+  std::promise<void> started;
+  ManualFence gate;
+  worker.submit([&]() -> DeviceEvent {
+    started.set_value();
+    gate.fence.wait();  // holds one thread, as a long optimizer step would
+    return nullptr;
+  });
+  started.get_future().wait();
+  Fence other = worker.submit([]() -> DeviceEvent { return nullptr; });
+  const bool ran_beside = hydra::engine::testing::ready_within(other, std::chrono::seconds(10));
+  gate.finish();
+  worker.drain();
+  EXPECT_TRUE(ran_beside) << "the second thread did not take the next job";
+}
+
+TEST(HostWorker, RejectsZeroThreads) { EXPECT_THROW(HostWorker(0), std::invalid_argument); }
+
+TEST(HostWorker, AJobsCapturesGoOnceItRanThoughItsFenceIsKept) {
+  HostWorker worker;
+  auto captured = std::make_shared<int>(1);
+  std::weak_ptr<int> watch = captured;
+  Fence fence = worker.submit([captured = std::move(captured)]() -> DeviceEvent { return nullptr; });
+  fence.wait();
+  EXPECT_TRUE(watch.expired()) << "a kept Fence keeps its job's captures alive";
 }
 
 }  // namespace

@@ -1,0 +1,56 @@
+#include "engine/copy_lane.h"
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <thread>
+
+namespace hydra::engine {
+
+CopyLane::CopyLane(c10::Device device, double link_bytes_per_second)
+    : device_(device), bytes_per_second_(device.is_cpu() ? link_bytes_per_second : 0.0) {
+  TORCH_CHECK(link_bytes_per_second >= 0.0, "link bandwidth must be >= 0 bytes/s, got ", link_bytes_per_second);
+  if (!device.is_cpu()) {
+    c10::impl::VirtualGuardImpl guard(device.type());
+    stream_ = guard.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  }
+}
+
+CopyLane::~CopyLane() {
+  thread_.drain();
+  // Copies issued by jobs whose fences nobody waited for (a failed run) must finish before their memory goes.
+  if (stream_) stream_->synchronize();
+}
+
+Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> job) {
+  return thread_.submit([this, after = std::move(after), job = std::move(job)]() -> DeviceEvent {
+    // On a CPU device events are null: ordering on any stream is waiting for the host part.
+    const c10::Stream order = stream_ ? *stream_ : c10::Stream(c10::Stream::DEFAULT, device_);
+    for (const Fence& f : after) f.order_reuse_before(order);
+    if (!stream_) return job();
+    c10::StreamGuard guard(*stream_);
+    return job();
+  });
+}
+
+DeviceEvent CopyLane::copy(const Copies& copies) {
+  const auto start = std::chrono::steady_clock::now();
+  int64_t bytes = 0;
+  for (const auto& [dst, src] : copies) {
+    dst.copy_(src, /*non_blocking=*/stream_.has_value());
+    bytes += dst.numel() * dst.element_size();
+  }
+  DeviceEvent event;
+  if (stream_) {
+    event = std::make_shared<c10::Event>(device_.type());
+    event->record(*stream_);
+  } else if (bytes_per_second_ > 0.0) {
+    std::this_thread::sleep_until(start + std::chrono::duration<double>(static_cast<double>(bytes) / bytes_per_second_));
+  }
+  busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  return event;
+}
+
+}  // namespace hydra::engine

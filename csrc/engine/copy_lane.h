@@ -1,0 +1,53 @@
+// One direction of a device's host link: host to device, or device to host.
+//
+// A lane's copies are issued by its own thread, in submission order, so no copy waits behind host arithmetic
+// it does not depend on (an optimizer step of another shard or model). On a GPU they run on the lane's own
+// stream: two lanes make the link full duplex. On a CPU device the lane's thread performs them itself and,
+// with a link bandwidth set, each copy takes at least bytes / bandwidth seconds, as it would over PCIe: a CPU
+// run then takes the GPU's asynchronous path with a GPU's copy times (for tests and benchmarks).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include <atomic>
+#include <functional>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "engine/fence.h"
+#include "engine/host_worker.h"
+
+namespace hydra::engine {
+
+class CopyLane {
+ public:
+  using Copies = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (destination, source)
+
+  // `link_bytes_per_second` paces a CPU device's copies; 0 copies at memory speed. Ignored on a GPU.
+  CopyLane(c10::Device device, double link_bytes_per_second);
+  ~CopyLane();  // waits for every copy issued
+
+  // Runs `job` on the lane's thread once the host part of each of `after` is done, with the lane's stream
+  // ordered after their device parts (on the device, not the thread). `after` orders reuse of memory: a
+  // failed job there delays the copy but is reported through its own fence.
+  Fence submit(std::vector<Fence> after, std::function<DeviceEvent()> job);
+  // Inside a job: issues the copies and returns the event that marks their end (null on a CPU device, where
+  // they are done on return).
+  DeviceEvent copy(const Copies& copies);
+  const std::optional<c10::Stream>& stream() const { return stream_; }
+  // Time the lane's thread spent copying, pacing included (on a GPU: issuing).
+  double busy_seconds() const { return static_cast<double>(busy_ns_.load()) * 1e-9; }
+  void drain() { thread_.drain(); }
+
+ private:
+  c10::Device device_;
+  std::optional<c10::Stream> stream_;
+  double bytes_per_second_;
+  std::atomic<int64_t> busy_ns_{0};
+  HostWorker thread_;  // last member: destroyed first, so no job outlives what it captures
+};
+
+}  // namespace hydra::engine

@@ -1,0 +1,65 @@
+#include "engine/staging_ring.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace hydra::engine {
+
+at::Tensor StagingRing::allocate(int64_t bytes) const {
+  if (pinned_) {
+    try {
+      return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    } catch (const c10::Error&) {
+      // no pinned memory left (or none on this machine): pageable memory still works, copies are slower
+    }
+  }
+  return at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+}
+
+at::Tensor StagingRing::Lease::view(at::ScalarType dtype, int64_t numel) const {
+  return bytes_.narrow(0, 0, numel * c10::elementSize(dtype)).view(dtype);
+}
+
+StagingRing::StagingRing(int buffers, bool pinned) : pinned_(pinned), buffers_(buffers), free_(buffers, true) {
+  TORCH_CHECK(buffers >= 1, "StagingRing: buffers must be >= 1, got ", buffers);
+}
+
+std::unique_ptr<StagingRing::Lease> StagingRing::acquire(int64_t bytes) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  freed_.wait(lock, [this] { return std::find(free_.begin(), free_.end(), true) != free_.end(); });
+  const int index = static_cast<int>(std::find(free_.begin(), free_.end(), true) - free_.begin());
+  free_[index] = false;
+  at::Tensor& buffer = buffers_[index];
+  if (!buffer.defined() || buffer.numel() < bytes) {
+    lock.unlock();  // allocating pinned memory is slow: other leases may come and go meanwhile
+    at::Tensor grown;
+    try {
+      grown = allocate(bytes);
+    } catch (...) {
+      give_back(index);
+      throw;
+    }
+    lock.lock();
+    buffer = std::move(grown);
+  }
+  return std::make_unique<Lease>(this, index, buffer);
+}
+
+int64_t StagingRing::host_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t total = 0;
+  for (const at::Tensor& b : buffers_) total += b.defined() ? b.numel() : 0;
+  return total;
+}
+
+void StagingRing::give_back(int index) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_[index] = true;
+  }
+  freed_.notify_one();
+}
+
+}  // namespace hydra::engine

@@ -1,0 +1,199 @@
+// DeviceEngine's asynchronous paths on a CPU device: gradient regions free once copied out, copies that do
+// not wait behind unrelated host jobs, copies that do wait for the step they read, prefetch along the plan.
+// The host-step threads are held by a gate job, as a long optimizer step would hold them.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <future>
+#include <memory>
+#include <vector>
+
+#include "engine/device_engine.h"
+#include "manual_fence.h"
+
+namespace {
+
+using hydra::engine::DeviceEngine;
+using hydra::engine::DeviceEvent;
+using hydra::engine::HostWorker;
+using hydra::engine::OptimizerSpec;
+using hydra::engine::ParamEntry;
+using hydra::engine::ShardStore;
+using hydra::engine::testing::ManualFence;
+using namespace std::chrono_literals;
+
+const c10::Device kCpu("cpu");
+
+// `n` shards of one [rows] parameter each, distinct values.
+std::shared_ptr<ShardStore> store_of(int n, int64_t rows, OptimizerSpec optimizer = OptimizerSpec{}) {
+  std::vector<std::vector<at::Tensor>> shards;
+  for (int s = 0; s < n; ++s) shards.push_back({at::arange(rows, at::kFloat).add(100.0 * s).set_requires_grad(true)});
+  return std::make_shared<ShardStore>(shards, optimizer, /*bf16=*/false, /*pin_memory=*/false);
+}
+
+int64_t tight_budget(const ShardStore& store) { return DeviceEngine::min_spilled_bytes(store) + 2 * 512; }
+
+// Host-step threads with every thread held until open() (or the end of the test).
+struct GatedHostSteps {
+  std::shared_ptr<HostWorker> worker = std::make_shared<HostWorker>(1);
+  ManualFence gate;
+  bool opened = false;
+  GatedHostSteps() {
+    worker->submit([fence = gate.fence]() -> DeviceEvent {
+      fence.wait();
+      return nullptr;
+    });
+  }
+  void open() {
+    if (!opened) gate.finish();
+    opened = true;
+  }
+  ~GatedHostSteps() { open(); }
+};
+
+// Runs `call` on another thread; whether it returned within `limit` while the host steps stay held. The gate
+// is opened afterwards in any case, so a test that fails does not hang.
+template <typename F>
+bool returns_while_held(GatedHostSteps& steps, F call, std::chrono::milliseconds limit = 10s) {
+  auto done = std::async(std::launch::async, call);
+  const bool in_time = done.wait_for(limit) == std::future_status::ready;
+  steps.open();
+  done.get();
+  return in_time;
+}
+
+void fill_grads(ShardStore& store, int shard, float value) {
+  for (const ParamEntry& e : store.layout(shard)) e.param.mutable_grad().fill_(value);
+}
+
+TEST(AsyncEngine, AGradientRegionIsFreeOnceCopiedOutNotAfterItsHostJob) {
+  GatedHostSteps steps;
+  auto store = store_of(2, 1024);
+  DeviceEngine engine(kCpu, tight_budget(*store), steps.worker);  // room for one shard's weights and gradients
+  const int m = engine.add_model(store);
+  engine.plan(m, {1, 0});
+  engine.acquire(m, 1, true);
+  fill_grads(*store, 1, 1.5f);
+  engine.backward_done(m, 1, /*step=*/false);  // its accumulation waits for the held host thread
+  engine.release(m, 1);
+  // Shard 0's gradients need the range shard 1's just left.
+  EXPECT_TRUE(returns_while_held(steps, [&] { engine.acquire(m, 0, true); }))
+      << "allocating gradients waited for the previous shard's host job";
+  fill_grads(*store, 0, 2.5f);
+  engine.backward_done(m, 0, false);
+  engine.release(m, 0);
+  engine.synchronize(m);
+  EXPECT_TRUE(at::equal(store->grad(1).narrow(0, 0, 1024), at::full({1024}, 1.5f)));
+  EXPECT_TRUE(at::equal(store->grad(0).narrow(0, 0, 1024), at::full({1024}, 2.5f)));
+}
+
+TEST(AsyncEngine, APrefetchDoesNotWaitBehindAnotherModelsHostJob) {
+  GatedHostSteps steps;
+  auto a = store_of(1, 1024), b = store_of(2, 1024);
+  DeviceEngine engine(kCpu, 1 << 20, steps.worker, 0.0);
+  const int ma = engine.add_model(a, /*allow_resident=*/false), mb = engine.add_model(b, false);
+  engine.plan({{ma, 0}, {mb, 0}});
+  engine.acquire(ma, 0, true);
+  fill_grads(*a, 0, 1.0f);
+  engine.backward_done(ma, 0, false);  // model a's host job is held
+  engine.release(ma, 0);
+  engine.prefetch(mb, 0);
+  EXPECT_TRUE(returns_while_held(steps, [&] { engine.acquire(mb, 0, false); }))
+      << "model b's weights waited behind model a's host job";
+  EXPECT_TRUE(at::equal(b->layout(0)[0].param.detach(), b->master(0).narrow(0, 0, 1024)));
+  engine.release(mb, 0);
+  engine.synchronize(ma);
+}
+
+TEST(AsyncEngine, ACopyWaitsForTheStepOfTheShardItReads) {
+  if (!c10::Dispatcher::singleton().findSchema({"hydra::sgd_step", ""}).has_value())
+    GTEST_SKIP() << "hydra::sgd_step is not registered in this build";
+  GatedHostSteps steps;
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  sgd.lr = 0.5;
+  auto store = store_of(2, 256, sgd);
+  DeviceEngine engine(kCpu, 1 << 20, steps.worker);
+  const int m = engine.add_model(store, /*allow_resident=*/false);
+  engine.plan(m, {0, 1, 0});
+  engine.acquire(m, 0, true);
+  fill_grads(*store, 0, 2.0f);
+  engine.backward_done(m, 0, /*step=*/true);  // held
+  engine.release(m, 0);
+  engine.prefetch_ahead();  // shard 1 comes in; shard 0's copy would wait for its step: skipped
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1}));
+  auto acquired = std::async(std::launch::async, [&] { engine.acquire(m, 0, false); });
+  EXPECT_EQ(acquired.wait_for(50ms), std::future_status::timeout) << "copied before the step it must read";
+  steps.open();
+  acquired.get();
+  const at::Tensor stepped = at::arange(256, at::kFloat).sub(1.0);  // w - 0.5 * 2
+  EXPECT_TRUE(at::equal(store->layout(0)[0].param.detach(), stepped));
+  engine.release(m, 0);
+  engine.synchronize(m);
+}
+
+TEST(AsyncEngine, PrefetchAheadFollowsThePlanUpToItsBytes) {
+  auto store = store_of(4, 1024);
+  const int64_t shard_bytes = 1024 * 4;
+  DeviceEngine engine(kCpu, 1 << 20);
+  const int m = engine.add_model(store, /*allow_resident=*/false);
+  engine.plan(m, {0, 1, 2, 3, 2});
+  engine.acquire(m, 0, false);
+  engine.prefetch_ahead(2 * shard_bytes);
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 0}));
+  engine.prefetch_ahead();
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 1})) << "shard 2's second visit is cached";
+  engine.release(m, 0);
+  for (int s : {1, 2, 3}) {
+    engine.acquire(m, s, false);
+    EXPECT_TRUE(at::equal(store->layout(s)[0].param.detach(), store->master(s).narrow(0, 0, 1024)));
+    engine.release(m, s);
+  }
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 1}));
+}
+
+TEST(AsyncEngine, StagingBuffersAreAFewShardsOfHostMemory) {
+  auto store = store_of(6, 1024);
+  DeviceEngine engine(kCpu, 1 << 20);
+  const int m = engine.add_model(store, /*allow_resident=*/false);
+  std::vector<int> order{5, 4, 3, 2, 1, 0};
+  engine.plan(m, order);
+  for (int s : order) {
+    engine.acquire(m, s, true);
+    fill_grads(*store, s, 1.0f);
+    engine.backward_done(m, s, false);
+    engine.release(m, s);
+  }
+  engine.synchronize(m);
+  EXPECT_GT(engine.stats().staging_bytes, 0);
+  EXPECT_LE(engine.stats().staging_bytes, 3 * 1024 * 4) << "one landing buffer per shard copied out";
+}
+
+TEST(AsyncEngine, AStoreGoesWithItsEngineAfterSteps) {
+  // Each store remembers its shards' last steps; a step's job captures the store. The Fence must not keep
+  // the job, or every trained model's host state would outlive its run.
+  if (!c10::Dispatcher::singleton().findSchema({"hydra::sgd_step", ""}).has_value())
+    GTEST_SKIP() << "hydra::sgd_step is not registered in this build";
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  std::weak_ptr<ShardStore> watch;
+  {
+    auto store = store_of(2, 64, sgd);
+    watch = store;
+    DeviceEngine engine(kCpu, 1 << 20);
+    const int m = engine.add_model(store, /*allow_resident=*/false);
+    engine.plan(m, {1, 0});
+    for (int s : {1, 0}) {
+      engine.acquire(m, s, true);
+      fill_grads(*store, s, 1.0f);
+      engine.backward_done(m, s, /*step=*/true);
+      engine.release(m, s);
+    }
+    engine.finish(m);
+  }
+  EXPECT_TRUE(watch.expired()) << "the store outlived its engine and every other owner";
+}
+
+}  // namespace
