@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from hydra_torch import _C, planner, sharding, testing
+from hydra_torch import _C, interrupts, memory, planner, sharding, testing
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
@@ -69,8 +69,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
         like ["cpu"] * 4 gives four virtual CPU devices with one thread each.
-    memory_budget: per device, the bytes of training state it may hold: an int, "8GiB", "512MB", or a fraction
-        of free memory ("0.8", "80%"). A model whose whole training state fits stays resident on one device;
+    memory_budget: per device, the bytes of training state it may hold: an int ("4096"), "8GiB", "512MB", or a
+        fraction of free memory (0.8, "0.8", "80%"; virtual CPU devices split it). A model whose whole training
+        state fits stays resident on one device;
         otherwise its shards are spilled to host memory and visit the devices in turn.
     schedule: which ready task a free device runs next: "lrtf" (longest remaining time first), "fifo",
         "round_robin" or "random" (seeded by `seed`).
@@ -101,8 +102,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     except ValueError as error:
         raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
     resolved = resolve_devices(devices)
+    memory.check_host_memory(tasks)
     host_steps = _C.HostSteps(_host_step_threads(host_threads))
-    budgets = [parse_budget(memory_budget, d) for d in resolved]
+    # Virtual CPU devices share one memory: a fraction of it (or the default) is split between them.
+    budgets = [parse_budget(memory_budget, d, sharing=resolved.count(d) if d.type == "cpu" else 1) for d in resolved]
     pin = _pin(pin_memory, resolved)
 
     for task in tasks:
@@ -139,10 +142,12 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
                 thread.join(0.1)
     except BaseException as interrupt:  # Ctrl-C, or a fatal error: stop the others, then write weights back
         interrupted = interrupt
-        scheduler.cancel()
-        for thread in threads:
-            thread.join()
-    finally:
+    # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
+    with interrupts.deferred():
+        if interrupted is not None:
+            scheduler.cancel()
+            for thread in threads:
+                thread.join()
         torch.set_num_threads(threads_before)
         wall = time.perf_counter() - start
         bars.close(runners)

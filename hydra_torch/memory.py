@@ -1,6 +1,7 @@
 """Memory budgets: bytes, strings with a unit, or a fraction of the device's free memory."""
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -21,43 +22,105 @@ def free_bytes(device: torch.device) -> int:
     raise ValueError(f"no free-memory query for device type {device.type!r}")
 
 
-def parse_budget(budget, device: torch.device) -> int:
-    """Bytes for `budget`: an int (bytes), a string like "8GiB" or "512MB", or a fraction in (0, 1] of the
-    device's free memory (a float, or a string like "0.8" or "80%"). None means 90% of free memory."""
+# Far above any machine, and below what the native engine's 64-bit byte counts can hold with room to add.
+LARGEST_BUDGET = 2**60
+
+_HOW = "use bytes (4096, '8GiB', '512MB') or a fraction of free memory (0.8, '0.8', '80%')"
+
+
+def parse_budget(budget, device: torch.device, sharing: int = 1) -> int:
+    """Bytes for `budget`. One rule: an integer is bytes, a number with a fraction part is a fraction in
+    (0, 1] of the device's free memory, as a Python value or as a string ("4096" is bytes, "0.8" and "80%"
+    are fractions); a string may carry a unit ("8GiB", "1.5 KiB", "512MB"). None means 90% of free memory.
+    `sharing` devices draw on the same memory (virtual CPU devices): each gets its share of the free memory."""
     if budget is None:
-        return int(0.9 * free_bytes(device))
-    if isinstance(budget, bool):
-        raise TypeError(f"memory_budget must be bytes, a string with a unit, or a fraction; got {budget!r}")
+        return int(0.9 * free_bytes(device) / sharing)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"memory_budget {budget!r} is not a budget: {_HOW}")
     if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"memory_budget must be positive, got {budget}")
-        return budget
+        return _bytes(budget, budget)
     if isinstance(budget, float):
-        return _fraction(budget, device)
-    if isinstance(budget, str):
-        text = budget.strip()
-        if text.endswith("%"):
-            return _fraction(float(text[:-1]) / 100.0, device)
-        match = _PATTERN.match(text)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read memory_budget {budget!r}: use bytes, a unit such as '8GiB' or '512MB', "
-                             "or a fraction of free memory such as '0.8' or '80%'")
-        value, unit = float(match.group(1)), match.group(2).lower()
-        if unit == "" and value <= 1.0:
-            return _fraction(value, device)
-        if unit in ("", "b") and value != int(value):
-            raise ValueError(f"memory_budget {budget!r} is a fractional number of bytes")
-        bytes_ = int(value * _UNITS[unit])
-        if bytes_ <= 0:
-            raise ValueError(f"memory_budget must be positive, got {budget!r}")
-        return bytes_
-    raise TypeError(f"memory_budget must be bytes, a string with a unit, or a fraction; got {type(budget).__name__}")
+        return _fraction(budget, device, budget) // sharing
+    text = budget.strip()
+    if text.endswith("%"):
+        return _fraction(_number(text[:-1], budget) / 100.0, device, budget) // sharing
+    match = _PATTERN.match(text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory_budget {budget!r}: {_HOW}")
+    number, unit = match.group(1), match.group(2).lower()
+    if unit == "":
+        try:
+            return _bytes(int(number), budget)
+        except ValueError:
+            return _fraction(_number(number, budget), device, budget) // sharing
+    value = _number(number, budget) * _UNITS[unit]
+    if unit == "b" and value != int(value):
+        raise ValueError(f"memory_budget {budget!r} is a fractional number of bytes")
+    return _bytes(int(value) if value < 2 * LARGEST_BUDGET else 2 * LARGEST_BUDGET, budget)
 
 
-def _fraction(fraction: float, device: torch.device) -> int:
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"a memory_budget fraction must be in (0, 1], got {fraction}")
+def _number(text: str, budget) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"cannot read memory_budget {budget!r}: {_HOW}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"memory_budget {budget!r} is not a finite number")
+    return value
+
+
+def _bytes(n: int, budget) -> int:
+    if n <= 0:
+        raise ValueError(f"memory_budget must be positive, got {budget!r}")
+    if n > LARGEST_BUDGET:
+        raise ValueError(f"memory_budget {budget!r} is more than any device holds (at most {LARGEST_BUDGET} bytes)")
+    return n
+
+
+def _fraction(fraction: float, device: torch.device, budget) -> int:
+    if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"memory_budget {budget!r}: a fraction of free memory must be in (0, 1] (write bytes as an "
+                         "integer or with a unit, e.g. '8GiB')")
     return int(fraction * free_bytes(device))
+
+
+def available_host_bytes() -> int:
+    """Memory the host can give without swapping: MemAvailable (free plus reclaimable caches) where the kernel
+    reports it, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_state_bytes(task) -> int:
+    """What a task's host training state (the engine's ShardStore) will take: per parameter, an fp32 master
+    and the optimizer's fp32 states, a bf16 shadow in bf16, and an fp32 gradient accumulator where steps sum
+    several gradients (micro-batches, clipping). A tied parameter counts once."""
+    seen, numel = set(), 0
+    for shard in task.shard_params:
+        for p in shard:
+            if id(p) not in seen:
+                seen.add(id(p))
+                numel += p.numel()
+    per_element = 4 + 4 * task.optimizer.spec().num_states + (2 if task.precision == "bf16" else 0)
+    if task.accumulate > 1 or task.clip_grad_norm is not None:
+        per_element += 4
+    return numel * per_element
+
+
+def check_host_memory(tasks) -> None:
+    """Refuses, before anything is allocated, tasks whose host state together exceeds what the host has."""
+    need = sum(host_state_bytes(task) for task in tasks)
+    available = available_host_bytes()
+    if need > available:
+        raise MemoryError(f"the tasks' host training state needs {format_bytes(need)} (fp32 masters, optimizer "
+                          f"state, shadows) but the host has {format_bytes(available)} available; train fewer or "
+                          "smaller models in one call")
 
 
 def format_bytes(n: int) -> str:

@@ -66,30 +66,49 @@ class _MicroBatch:
     after_forward: RngState | None = None
 
 
+class DataLengthError(ValueError):
+    pass
+
+
 def step_groups(task: ModelTask):
-    """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each."""
+    """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each. Batches are read
+    as the steps need them (one step's worth is held at a time), and each epoch must yield exactly len(data)
+    batches: the scheduler planned the task from that length."""
+    expected = len(task.data)
+    per_epoch = _epoch_step_sizes(expected, task.accumulate)
     steps = 0
     for epoch in range(task.epochs):
-        group, groups = [], []
-        for batch in task.data:
-            group.append(batch)
-            if len(group) == task.accumulate:
-                groups.append(group)
-                group = []
-        if group:
-            groups.append(group)
-        for i, g in enumerate(groups):
+        batches = iter(task.data)
+        read = 0
+        for i, size in enumerate(per_epoch):
             if task.max_steps is not None and steps >= task.max_steps:
                 return
+            group = []
+            for _ in range(size):
+                try:
+                    group.append(next(batches))
+                except StopIteration:
+                    raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data ended after {read} batches, "
+                                          f"but len(data) is {expected}") from None
+                read += 1
+            last = i == len(per_epoch) - 1
+            if last and next(batches, _END) is not _END:  # checked before the epoch's last step trains
+                raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
+                                      f"{expected} batches")
             steps += 1
-            yield epoch, g, i == len(groups) - 1
+            yield epoch, group, last
+
+
+_END = object()
+
+
+def _epoch_step_sizes(batches: int, accumulate: int) -> list[int]:
+    return [accumulate] * (batches // accumulate) + ([batches % accumulate] if batches % accumulate else [])
 
 
 def step_sizes(task: ModelTask) -> list[int]:
     """Micro-batches in each optimizer step of the whole run, as step_groups will make them."""
-    size = len(task.data)
-    per_epoch = [task.accumulate] * (size // task.accumulate) + ([size % task.accumulate] if size % task.accumulate else [])
-    groups = per_epoch * task.epochs
+    groups = _epoch_step_sizes(len(task.data), task.accumulate) * task.epochs
     return groups[:task.max_steps] if task.max_steps is not None else groups
 
 

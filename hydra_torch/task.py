@@ -1,6 +1,8 @@
 """ModelTask: one model to train, with everything that defines its training run."""
 from __future__ import annotations
 
+import collections.abc
+
 import itertools
 from typing import Any, Callable, Iterable
 
@@ -68,8 +70,6 @@ class ModelTask:
             raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
                             "plans each task's remaining work from its length")
 
-        if adapter is not None and len(data) > 0:
-            adapter.check_batch(next(iter(data)))
         if isinstance(shards, str) and shards != "auto":
             raise ValueError(f"shards={shards!r}: use 'auto', an int, start indices or module groups")
         self.auto_shards = shards == "auto"  # planned by ht.train for its device and budget
@@ -91,6 +91,14 @@ class ModelTask:
                                      f"of shape {tuple(p.shape)} on {p.device}")
                 if not p.is_floating_point():
                     raise ValueError(f"model parameters must be floating point, found {p.dtype}")
+        if len(data) == 0:
+            raise ValueError("data is empty: a task needs at least one batch")
+        one_shot = isinstance(data, collections.abc.Iterator)  # iterating it again would find it spent
+        if one_shot and epochs > 1:
+            raise ValueError(f"data is a one-shot iterator ({type(data).__name__}), so it cannot be read for "
+                             f"epochs={epochs}: pass a list or a DataLoader")
+        if adapter is not None and not one_shot:  # a one-shot iterator's first batch would be lost to the check
+            adapter.check_batch(next(iter(data)))
 
         self.model = model
         self.pieces = pieces

@@ -30,9 +30,70 @@ def test_budget_smaller_than_largest_shard():
 
 def test_empty_model():
     with pytest.raises(ValueError, match="empty"):
-        ht.ModelTask(nn.Sequential(), loss_fn=lm_loss, data=[])
+        ht.ModelTask(nn.Sequential(), loss_fn=lm_loss, data=token_batches(1))
     with pytest.raises(ValueError, match="no parameters"):
-        ht.ModelTask(nn.Sequential(nn.ReLU(), nn.Tanh()), loss_fn=lm_loss, data=[])
+        ht.ModelTask(nn.Sequential(nn.ReLU(), nn.Tanh()), loss_fn=lm_loss, data=token_batches(1))
+
+
+class LyingData:
+    """Yields `actual` batches while len() says `claimed`; counts the batches read."""
+
+    def __init__(self, actual, claimed):
+        self.batches, self.claimed, self.read = token_batches(actual), claimed, 0
+
+    def __len__(self):
+        return self.claimed
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.read += 1
+            yield batch
+
+
+@pytest.mark.parametrize("actual, claimed, message", [(3, 5, "ended after 3 batches, but len"),
+                                                      (6, 4, "more than len")])
+def test_a_lying_len_stops_that_task_only(actual, claimed, message):
+    liar = ht.ModelTask(tied_transformer(seed=0), loss_fn=lm_loss, data=LyingData(actual, claimed), name="liar",
+                        epochs=2)
+    honest_model = tied_transformer(seed=1)
+    honest = ht.ModelTask(honest_model, loss_fn=lm_loss, data=token_batches(4), name="honest", epochs=2)
+    with pytest.warns(RuntimeWarning, match="liar"):
+        results = ht.train([liar, honest], devices="cpu", progress=False)
+    assert isinstance(results[0].error, ValueError) and message in str(results[0].error)
+    assert results[1].error is None and results[1].steps == 8
+    assert all(torch.isfinite(p).all() for p in honest_model.parameters())
+
+
+def test_data_is_read_as_the_steps_need_it():
+    data = LyingData(300, 300)
+    task = ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=data, max_steps=2, accumulate=3)
+    results = ht.train([task], devices="cpu", progress=False)
+    assert results[0].steps == 2 and data.read == 6, "only the batches of the steps trained were read"
+
+
+def test_empty_or_one_shot_data():
+    with pytest.raises(ValueError, match="data is empty"):
+        ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=[])
+
+    class OneShot:
+        def __init__(self, n):
+            self.items = iter(token_batches(n))
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4), epochs=2)
+    results = ht.train([ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4))], devices="cpu",
+                       progress=False)
+    assert results[0].error is None and results[0].steps == 4, "one pass over a one-shot iterator is fine"
 
 
 @pytest.mark.parametrize("device", ["meta"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -64,7 +125,7 @@ def test_unknown_precision_and_optimizer_arguments():
     with pytest.raises(ValueError, match="accumulate"):
         ht.ModelTask(model, loss_fn=lm_loss, data=[], accumulate=0)
     with pytest.raises(ValueError, match="unknown schedule"):
-        ht.train([ht.ModelTask(model, loss_fn=lm_loss, data=[])], devices="cpu", schedule="fastest")
+        ht.train([ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))], devices="cpu", schedule="fastest")
     with pytest.raises(TypeError, match="sized iterable"):
         ht.ModelTask(model, loss_fn=lm_loss, data=iter(token_batches(2)))
 

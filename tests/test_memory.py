@@ -55,10 +55,23 @@ def test_budget_parsing():
     for bad in ("lots", "-1GB", "0", "2.5", "8 parsecs"):
         with pytest.raises(ValueError):
             parse_budget(bad, cpu)
+    # One rule: integers are bytes, numbers with a fraction part are fractions, whatever their spelling.
+    assert parse_budget("2", cpu) == parse_budget(2, cpu) == 2
+    assert parse_budget("1", cpu) == 1
+    assert parse_budget("1.0", cpu) == parse_budget(1.0, cpu) > 1000
+    for bad, message in (("%", "cannot read"), ("abc%", "cannot read"), (2**63, "more than any device"),
+                         ("1e400", "not a finite"), ("1e400GB", "not a finite"), ("1e30 TB", "more than any device"),
+                         (float("nan"), "fraction"), ("150%", "fraction"), ("1e9", "fraction"), (0, "positive")):
+        with pytest.raises(ValueError, match=message):
+            parse_budget(bad, cpu)
     with pytest.raises(ValueError):
         parse_budget(-5, cpu)
     with pytest.raises(TypeError):
         parse_budget([1], cpu)
+    # Two virtual CPU devices share one memory: each gets half of what one would.
+    assert parse_budget("50%", cpu, sharing=2) == pytest.approx(parse_budget("25%", cpu), rel=0.05)
+    assert parse_budget(None, cpu, sharing=4) == pytest.approx(parse_budget(None, cpu) / 4, rel=0.05)
+    assert parse_budget("8GiB", cpu, sharing=2) == 8 * 2**30, "bytes are per device"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
 
 
@@ -84,3 +97,20 @@ def test_host_state_per_parameter(precision, resident, recipe, accumulator):
     assert result.error is None and result.resident == resident
     per_param = 12 + (2 if precision == "bf16" else 0) + (4 if accumulator and not resident else 0)
     assert result.host_bytes == per_param * params
+
+
+def test_host_state_beyond_available_memory_is_refused_before_anything_is_allocated(monkeypatch):
+    from hydra_torch import memory
+    model = tied_transformer()
+    before = [p.detach().clone() for p in model.parameters()]
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2))
+    params = sum(p.numel() for p in set(model.parameters()))
+    assert memory.host_state_bytes(task) == params * 12  # AdamW: master and two moments
+    assert memory.host_state_bytes(ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2), precision="bf16",
+                                                accumulate=2)) == params * 18
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: params * 12 - 1)
+    with pytest.raises(MemoryError, match=r"needs .* but the host has .* available"):
+        ht.train([task], devices="cpu", progress=False)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+

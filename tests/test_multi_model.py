@@ -169,6 +169,44 @@ def test_ctrl_c_stops_cleanly_and_keeps_weights():
         assert model[0].weight is model[-1].weight
 
 
+def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
+    """Ctrl-C twice: the second arrives while the first model's weights are being written back. Every model
+    must still come home: parameters on host storage of their own, no gradients bound, ties intact."""
+    from hydra_torch.runner import TaskRunner
+    data = token_batches(40)
+    calls = [0]
+
+    def interrupting_loss(out, batch):
+        calls[0] += 1
+        if calls[0] == 5:
+            _thread.interrupt_main()
+        return lm_loss(out, batch)
+
+    restore = TaskRunner.restore_buffers
+    second = []
+
+    def interrupt_again(runner):
+        if not second:
+            second.append(runner.task.name)
+            _thread.interrupt_main()
+        restore(runner)
+
+    monkeypatch.setattr(TaskRunner, "restore_buffers", interrupt_again)
+    tasks, models = make_tasks(data)
+    tasks[0].loss_fn = interrupting_loss
+    with pytest.raises(KeyboardInterrupt):
+        ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
+    assert second, "the second Ctrl-C was sent during the write-back"
+    pointers = set()
+    for model in models:
+        assert model[0].weight is model[-1].weight
+        for p in set(model.parameters()):
+            assert p.grad is None
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), "a view into shared memory"
+            assert p.data_ptr() not in pointers
+            pointers.add(p.data_ptr())
+
+
 def test_schedule_chart_and_summary(tmp_path):
     pytest.importorskip("matplotlib")
     data = token_batches(2)

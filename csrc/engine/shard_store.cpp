@@ -153,13 +153,26 @@ void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_
 }
 
 void ShardStore::write_back() {
+  // Every copy is made before any parameter is rebound: memory running out half-way must not leave some
+  // parameters pointing at device memory about to be freed. A parameter whose copy cannot be made keeps a
+  // view of its master buffer instead (the same values, in fp32; the buffer stays alive with it).
+  std::vector<std::pair<ParamEntry*, at::Tensor>> values;
   for (int s = 0; s < num_shards(); ++s) {
     for (ParamEntry& e : layouts_[s]) {
       if (e.owner != s) continue;
-      at::Tensor value = master_[s].narrow(0, e.master_offset, e.numel).view(e.param.sizes());
-      e.param.set_data(value.to(e.original_dtype, /*non_blocking=*/false, /*copy=*/true));
-      e.param.mutable_grad() = at::Tensor();
+      const at::Tensor master = master_[s].narrow(0, e.master_offset, e.numel).view(e.param.sizes());
+      at::Tensor value;
+      try {
+        value = master.to(e.original_dtype, /*non_blocking=*/false, /*copy=*/true);
+      } catch (const std::exception&) {
+        value = master;
+      }
+      values.emplace_back(&e, std::move(value));
     }
+  }
+  for (auto& [entry, value] : values) {
+    entry->param.set_data(value);
+    entry->param.mutable_grad() = at::Tensor();
   }
 }
 
