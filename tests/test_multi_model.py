@@ -148,18 +148,22 @@ def test_resident_models_spread_over_devices():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alone.parameters()))
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_weights():
-    data = token_batches(40)
+def ctrl_c_at_call(n):
+    """The LM loss, pressing Ctrl-C (on the main thread) at its n-th call."""
     calls = [0]
 
     def interrupting_loss(out, batch):
         calls[0] += 1
-        if calls[0] == 5:
+        if calls[0] == n:
             _thread.interrupt_main()
         return lm_loss(out, batch)
+    return interrupting_loss
 
+
+def test_ctrl_c_stops_cleanly_and_keeps_weights():
+    data = token_batches(40)
     tasks, models = make_tasks(data)
-    tasks[0].loss_fn = interrupting_loss
+    tasks[0].loss_fn = ctrl_c_at_call(5)
     before = threading.active_count()
     with pytest.raises(KeyboardInterrupt):
         ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
@@ -174,14 +178,6 @@ def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
     must still come home: parameters on host storage of their own, no gradients bound, ties intact."""
     from hydra_torch.runner import TaskRunner
     data = token_batches(40)
-    calls = [0]
-
-    def interrupting_loss(out, batch):
-        calls[0] += 1
-        if calls[0] == 5:
-            _thread.interrupt_main()
-        return lm_loss(out, batch)
-
     restore = TaskRunner.restore_buffers
     second = []
 
@@ -193,7 +189,7 @@ def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
 
     monkeypatch.setattr(TaskRunner, "restore_buffers", interrupt_again)
     tasks, models = make_tasks(data)
-    tasks[0].loss_fn = interrupting_loss
+    tasks[0].loss_fn = ctrl_c_at_call(5)
     with pytest.raises(KeyboardInterrupt):
         ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
     assert second, "the second Ctrl-C was sent during the write-back"
