@@ -25,6 +25,22 @@ def _default_inputs(batch):
     return batch
 
 
+_DTYPE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _precision(params, precision: str | None) -> str:
+    dtypes = {p.dtype for shard in params for p in shard}
+    unsupported = sorted(str(d) for d in dtypes if d not in _DTYPE_PRECISION)
+    if unsupported:
+        raise ValueError(f"model parameters in {', '.join(unsupported)} are not supported (no loss scaling): pass "
+                         "the model in fp32 (model.float()), with precision='bf16' for bf16 compute")
+    if precision is not None:
+        return precision
+    if len(dtypes) > 1:
+        raise ValueError("the model mixes fp32 and bf16 parameters: choose precision='fp32' or 'bf16'")
+    return _DTYPE_PRECISION[dtypes.pop()]
+
+
 class ModelTask:
     """A model, its optimizer, loss and data.
 
@@ -38,20 +54,23 @@ class ModelTask:
     accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n).
     clip_grad_norm: global gradient-norm clipping as torch.nn.utils.clip_grad_norm_ (steps then wait for
     the whole backward, since the norm needs every shard's gradients).
+    precision: "fp32" or "bf16" compute (weights and gradients on the device); master weights and optimizer
+    state are fp32 either way, and the trained weights come back in the parameters' own dtype. Default: the
+    model's dtype (an fp32 model computes in fp32, a bf16 one in bf16).
     """
 
     _names = itertools.count()
 
     def __init__(self, model, *, data: Iterable, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  optimizer=None,
-                 epochs: int = 1, name: str | None = None, precision: str = "fp32", shards=None,
+                 epochs: int = 1, name: str | None = None, precision: str | None = None, shards=None,
                  accumulate: int = 1, clip_grad_norm: float | None = None,
                  inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None):
         optimizer = optim.AdamW() if optimizer is None else optimizer
         if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
             raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
                             f"{type(optimizer).__name__}: hydra-torch steps shards natively")
-        if precision not in PRECISIONS:
+        if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
         adapter = adapt(model)
         loss_fn = loss_fn if loss_fn is not None else (adapter.loss_fn if adapter else None)
@@ -91,6 +110,7 @@ class ModelTask:
                                      f"of shape {tuple(p.shape)} on {p.device}")
                 if not p.is_floating_point():
                     raise ValueError(f"model parameters must be floating point, found {p.dtype}")
+        precision = _precision(params, precision)
         if len(data) == 0:
             raise ValueError("data is empty: a task needs at least one batch")
         one_shot = isinstance(data, collections.abc.Iterator)  # iterating it again would find it spent

@@ -196,3 +196,25 @@ def test_tasks_sharing_parameters_are_refused():
     b = ht.ModelTask(nn.Sequential(backbone, nn.Linear(8, 3)), loss_fn=lm_loss, data=token_batches(1), name="b")
     with pytest.raises(ValueError, match="share a parameter"):
         ht.train([a, b], devices="cpu", progress=False)
+
+
+def test_a_bf16_model_trains_in_bf16_and_fp16_is_refused():
+    model = tied_transformer(seed=3).to(torch.bfloat16)
+    as_fp32 = tied_transformer(seed=3).to(torch.bfloat16).float()  # the same values, given in fp32
+    data = token_batches(3)
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=data)
+    assert task.precision == "bf16", "the model's own dtype"
+    reference = ht.ModelTask(as_fp32, loss_fn=lm_loss, data=data, precision="bf16")
+    results = ht.train([task, reference], devices="cpu", progress=False)
+    assert all(r.error is None for r in results) and results[0].losses == results[1].losses
+    for a, b in zip(model.parameters(), as_fp32.parameters()):
+        assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+        assert torch.equal(a, b.to(torch.bfloat16))
+    assert ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=data).precision == "fp32"
+    with pytest.raises(ValueError, match="float16 are not supported"):
+        ht.ModelTask(tied_transformer().half(), loss_fn=lm_loss, data=data)
+    mixed = tied_transformer()
+    mixed[1].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="mixes fp32 and bf16"):
+        ht.ModelTask(mixed, loss_fn=lm_loss, data=data)
+    assert ht.ModelTask(mixed, loss_fn=lm_loss, data=data, precision="fp32").precision == "fp32"

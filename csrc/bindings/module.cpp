@@ -34,6 +34,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["staging_bytes"] = s.staging_bytes;
   d["acquire_loads"] = s.acquire_loads;
   d["acquire_wait_seconds"] = s.acquire_wait_seconds;
+  d["grad_wait_seconds"] = s.grad_wait_seconds;
   return d;
 }
 

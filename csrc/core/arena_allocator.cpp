@@ -1,5 +1,7 @@
 #include "core/arena_allocator.h"
 
+#include <iterator>
+
 #include <stdexcept>
 #include <string>
 
@@ -15,18 +17,32 @@ ArenaAllocator::ArenaAllocator(int64_t capacity, int64_t alignment) : alignment_
 }
 
 std::optional<int64_t> ArenaAllocator::allocate(int64_t bytes) {
+  return allocate(bytes, [](int64_t, int64_t) { return true; });
+}
+
+std::optional<int64_t> ArenaAllocator::allocate(int64_t bytes, const std::function<bool(int64_t, int64_t)>& acceptable) {
   if (bytes < 0) throw std::invalid_argument("ArenaAllocator: negative size");
   const int64_t size = rounded(bytes == 0 ? 1 : bytes);
-  auto best = free_.end();
-  for (auto it = free_.begin(); it != free_.end(); ++it) {
-    if (it->second >= size && (best == free_.end() || it->second < best->second)) best = it;
+  // Best fit among acceptable places: the start or the end of each free range that is large enough.
+  std::optional<int64_t> offset;
+  int64_t best_range = 0;
+  for (const auto& [start, range] : free_) {
+    if (range < size || (offset && range >= best_range)) continue;
+    for (int64_t candidate : {start, start + range - size}) {
+      if (acceptable(candidate, size)) {
+        offset = candidate;
+        best_range = range;
+        break;
+      }
+    }
   }
-  if (best == free_.end()) return std::nullopt;
-  const int64_t offset = best->first;
-  const int64_t remaining = best->second - size;
-  free_.erase(best);
-  if (remaining > 0) free_.emplace(offset + size, remaining);
-  used_.emplace(offset, size);
+  if (!offset) return std::nullopt;
+  auto range = std::prev(free_.upper_bound(*offset));
+  const int64_t start = range->first, end = range->first + range->second;
+  free_.erase(range);
+  if (*offset > start) free_.emplace(start, *offset - start);
+  if (*offset + size < end) free_.emplace(*offset + size, end - *offset - size);
+  used_.emplace(*offset, size);
   in_use_ += size;
   if (in_use_ > high_water_) high_water_ = in_use_;
   return offset;

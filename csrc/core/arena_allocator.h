@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 
@@ -19,6 +20,9 @@ class ArenaAllocator {
   // Best fit: the smallest free range that holds `bytes`, so large holes survive for large shards.
   // Returns the offset, or nothing when no free range is large enough.
   std::optional<int64_t> allocate(int64_t bytes);
+  // Best fit among the places `acceptable(offset, size)` admits, trying the start and the end of each free
+  // range: the engine uses it to avoid memory whose last user (a copy) has not finished yet.
+  std::optional<int64_t> allocate(int64_t bytes, const std::function<bool(int64_t, int64_t)>& acceptable);
   // Returns a range to the free list, merging it with its free neighbours.
   void release(int64_t offset);
 

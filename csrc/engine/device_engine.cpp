@@ -291,7 +291,11 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
         load(model, shard, Need::kMust);
         ++stats_.acquire_loads;
       }
-      if (with_grads && !state.grads.valid()) allocate_grads(model, shard);
+      if (with_grads && !state.grads.valid()) {
+        const auto allocating = std::chrono::steady_clock::now();
+        allocate_grads(model, shard);
+        stats_.grad_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - allocating).count();
+      }
       state.ready.order_before(compute_stream());
       stats_.acquire_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
     }

@@ -54,6 +54,7 @@ struct EngineStats {
   // wait for a copy; on a GPU the compute stream waits for copies instead, so only waits for memory count.
   int64_t acquire_loads = 0;
   double acquire_wait_seconds = 0.0;
+  double grad_wait_seconds = 0.0;  // of which: room for the gradients (earlier gradients still copying out)
   // Host memory the gradient copies land in (the staging buffers), in bytes.
   int64_t staging_bytes = 0;
 };

@@ -30,7 +30,15 @@ void DevicePool::ensure_arena() {
 std::optional<Allocation> DevicePool::allocate(int64_t bytes) {
   ensure_arena();
   std::erase_if(released_, [](const auto& entry) { return entry.second.ready(); });
-  std::optional<int64_t> offset = arena_->allocate(bytes);
+  // Memory nobody is still using first: reusing a range a copy is still reading would make the new user
+  // wait for that copy.
+  auto idle = [this](int64_t offset, int64_t size) {
+    for (const auto& [region, fence] : released_)
+      if (region.offset < offset + size && offset < region.offset + region.bytes) return false;
+    return true;
+  };
+  std::optional<int64_t> offset = arena_->allocate(bytes, idle);
+  if (!offset) offset = arena_->allocate(bytes);
   if (!offset) return std::nullopt;
   Allocation allocation{Region{*offset, arena_->rounded(bytes)}, {}};
   const int64_t end = allocation.region.offset + allocation.region.bytes;

@@ -301,4 +301,21 @@ TEST(ArenaAllocator, RandomizedStressKeepsInvariants) {
   EXPECT_EQ(arena.largest_free(), arena.capacity());
 }
 
+TEST(ArenaAllocator, AllocationAvoidsWhatThePredicateRefuses) {
+  ArenaAllocator arena(4096, 256);
+  const auto a = arena.allocate(1024);  // [0, 1024)
+  const auto b = arena.allocate(1024);  // [1024, 2048)
+  ASSERT_TRUE(a && b);
+  arena.release(*a);  // free: [0, 1024) and [2048, 4096)
+  auto not_first_kib = [](int64_t offset, int64_t size) { return offset >= 1024 || offset + size <= 0; };
+  EXPECT_EQ(arena.allocate(1024, not_first_kib), 2048) << "best fit would take [0, 1024)";
+  // [2048, 4096) is now [3072, 4096): a 512-byte request may take its end only if the start is refused.
+  auto not_3072 = [](int64_t offset, int64_t) { return offset != 3072; };
+  EXPECT_EQ(arena.allocate(512, [&](int64_t o, int64_t s) { return not_first_kib(o, s) && not_3072(o, s); }), 3584);
+  EXPECT_FALSE(arena.allocate(256, [](int64_t, int64_t) { return false; }));
+  EXPECT_EQ(arena.in_use(), 1024 + 1024 + 512);
+  EXPECT_EQ(arena.allocate(1024), 0);
+}
+
 }  // namespace
+

@@ -85,7 +85,7 @@ TEST(DevicePool, ViewsAreTypedAndDisjoint) {
   EXPECT_THROW(pool.view(a->region, at::kFloat, 129), c10::Error);
 }
 
-TEST(DevicePool, ReusedRangeCarriesTheFenceOfItsUnfinishedLastUser) {
+TEST(DevicePool, IdleMemoryIsPreferredAndReusedMemoryCarriesTheFenceOfItsLastUser) {
   DevicePool pool(kCpu, 3 * 1024);
   auto a = pool.allocate(1024);
   auto b = pool.allocate(1024);
@@ -93,18 +93,19 @@ TEST(DevicePool, ReusedRangeCarriesTheFenceOfItsUnfinishedLastUser) {
   ManualFence fa;
   pool.release(a->region, fa.fence);
   EXPECT_EQ(pool.in_use(), 1024) << "a released range is free at once";
-  // Best fit takes the exactly-sized hole a left, and must be ordered after a's last user.
+  // a's hole fits exactly, but its last user still runs: the range nobody used is taken, with no ordering.
   auto c = pool.allocate(1024);
   ASSERT_TRUE(c);
-  EXPECT_EQ(c->region.offset, a->region.offset);
-  ASSERT_EQ(c->after.size(), 1u);
-  EXPECT_FALSE(c->after[0].ready());
-  // The range that never held a needs no ordering.
+  EXPECT_NE(c->region.offset, a->region.offset);
+  EXPECT_TRUE(c->after.empty());
+  // Only a's hole is left: it is handed out, ordered after a's last user.
   auto d = pool.allocate(1024);
   ASSERT_TRUE(d);
-  EXPECT_TRUE(d->after.empty());
+  EXPECT_EQ(d->region.offset, a->region.offset);
+  ASSERT_EQ(d->after.size(), 1u);
+  EXPECT_FALSE(d->after[0].ready());
   fa.finish();
-  EXPECT_TRUE(c->after[0].ready());
+  EXPECT_TRUE(d->after[0].ready());
   EXPECT_LE(pool.high_water(), pool.budget());
 }
 
