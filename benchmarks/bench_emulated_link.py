@@ -5,8 +5,8 @@ take bytes / bandwidth seconds, as over PCIe (`hydra_torch.testing.emulated_link
 interleaved, medians:
 
 - memory speed: no emulated link, copies are memcpy (the floor: what perfect hiding would give);
-- link, prefetch one shard: the link, with prefetch limited to one shard's bytes ahead;
-- link, prefetch ahead: the link, with the engine's default (along the plan, as far as the budget allows).
+- link, next shard: the link, prefetching the next planned shard (ht.train's default);
+- link, as far as the budget allows: the link, prefetching along the plan into all free memory.
 
 A ratio to memory speed of 1.0 means every copy was hidden. "link busy" is the share of the wall time each
 direction of the link was copying (the engine's lane timers), so the regime is on record; "misses" the share
@@ -79,8 +79,8 @@ def main():
     shard_bytes = [sum(p.numel() * 4 for p in shard) for shard in probe.shard_params]
     # The working set (a shard's weights and gradients) plus room to cache and prefetch into.
     budget = 2 * max(shard_bytes) + int(args.cache * sum(shard_bytes)) + 65536
-    modes = {"memory speed": (False, None), "link, prefetch one shard": (True, max(shard_bytes)),
-             "link, prefetch ahead": (True, None)}
+    modes = {"memory speed": (False, None), "link, next shard": (True, None),
+             "link, as far as the budget allows": (True, -1)}
     measured = {mode: [] for mode in modes}
     for _ in range(args.rounds):
         for mode, (link, depth) in modes.items():

@@ -10,9 +10,12 @@ import torch
 from hydra_torch import unit_clock
 from hydra_torch.results import TraceEntry
 
-# How many units ahead each device plans its shard visits: a few micro-batches of several tasks, so prefetch
-# can run as far ahead as the budget allows while planning stays a small share of a unit.
+# How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), and how
+# far ahead of the next planned shard prefetch goes, in bytes. Measured on an emulated link
+# (benchmarks/bench_emulated_link.py), prefetching beyond the next planned shard was no faster and with a
+# larger cache slower: plans change as the cost model learns, and copies for far visits hold up the near ones.
 PLAN_UNITS = 32
+PREFETCH_BEYOND_NEXT_BYTES = 0
 
 
 @dataclass
@@ -24,9 +27,8 @@ class DeviceSlot:
     runners: list = None      # TaskRunner per task id
 
     def prefetch(self):
-        """Brings in the planned shards (this task's next ones, and the unit planned next here, possibly
-        another task's) as far ahead as the budget allows."""
-        self.engine.prefetch_ahead()
+        """Brings in the next planned shard not on the device, possibly another task's."""
+        self.engine.prefetch_ahead(PREFETCH_BEYOND_NEXT_BYTES)
 
     def plan(self, runner, unit):
         """Tells the engine which shard visits come next here, in order: this unit's, then the units the

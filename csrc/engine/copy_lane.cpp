@@ -24,7 +24,7 @@ CopyLane::~CopyLane() {
   if (stream_) stream_->synchronize();
 }
 
-Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> job) {
+Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> job, bool urgent) {
   return thread_.submit([this, after = std::move(after), job = std::move(job)]() -> DeviceEvent {
     // On a CPU device events are null: ordering on any stream is waiting for the host part.
     const c10::Stream order = stream_ ? *stream_ : c10::Stream(c10::Stream::DEFAULT, device_);
@@ -32,7 +32,7 @@ Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> jo
     if (!stream_) return job();
     c10::StreamGuard guard(*stream_);
     return job();
-  });
+  }, urgent);
 }
 
 DeviceEvent CopyLane::copy(const Copies& copies) {

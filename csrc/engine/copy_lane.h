@@ -33,7 +33,8 @@ class CopyLane {
   // Runs `job` on the lane's thread once the host part of each of `after` is done, with the lane's stream
   // ordered after their device parts (on the device, not the thread). `after` orders reuse of memory: a
   // failed job there delays the copy but is reported through its own fence.
-  Fence submit(std::vector<Fence> after, std::function<DeviceEvent()> job);
+  // An `urgent` copy (the compute is about to wait for it) goes before the prefetches still queued.
+  Fence submit(std::vector<Fence> after, std::function<DeviceEvent()> job, bool urgent = false);
   // Inside a job: issues the copies and returns the event that marks their end (null on a CPU device, where
   // they are done on return).
   DeviceEvent copy(const Copies& copies);

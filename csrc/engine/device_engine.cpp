@@ -223,12 +223,17 @@ bool DeviceEngine::load(int model, int shard, Need need) {
     if (e.owner != shard)
       copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
                           store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
-  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
+  // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless the
+  // memory it fills is still being filled by one of them (an evicted prefetch): it must not wait on a copy
+  // queued behind it.
+  const bool urgent = (need == Need::kMust || need == Need::kEvictAny) &&
+                      std::all_of(allocation.after.begin(), allocation.after.end(), [](const Fence& f) { return f.ready(); });
   std::vector<Fence> after = std::move(allocation.after);
+  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
   for (Fence& f : pending_steps(model, shard)) after.push_back(std::move(f));
   state.ready = track(model, to_device_.submit(std::move(after), [copies = std::move(copies), this]() -> DeviceEvent {
     return to_device_.copy(copies);
-  }));
+  }, urgent));
   state.last_use = state.ready;
   ++state.loads;
   ++stats_.host_to_device_copies;
@@ -268,7 +273,7 @@ void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
     }
     if (!steps_done(model, shard)) continue;
     const int64_t bytes = models_[model].store->device_numel(shard) * models_[model].store->element_bytes();
-    if (max_bytes >= 0 && issued + bytes > max_bytes) return;
+    if (issued > 0 && max_bytes >= 0 && issued + bytes > max_bytes) return;
     if (!load(model, shard, issued == 0 ? Need::kPrefetch : Need::kPrefetchAhead)) return;  // full of sooner needs
     issued += bytes;
   }

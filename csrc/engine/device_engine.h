@@ -84,8 +84,9 @@ class DeviceEngine {
   void plan(const std::vector<std::pair<int, int>>& visits);
   void plan(int model, const std::vector<int>& shards);
   void prefetch(int model, int shard);
-  // Brings in the planned shards in plan order until `max_bytes` are on their way (< 0: as far as the
-  // budget allows): the first as prefetch() does, the others into free memory only. A shard whose step is
+  // Brings in the planned shards in plan order: the first one not on the device as prefetch() does, then
+  // others into free memory only, while at most `max_bytes` are on their way (< 0: as far as the budget
+  // allows; 0: the first only). A shard whose step is
   // still running on the host is skipped: its copy would wait for the step and hold up every copy behind it.
   void prefetch_ahead(int64_t max_bytes = -1);
   void acquire(int model, int shard, bool with_grads);

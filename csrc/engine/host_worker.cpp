@@ -18,12 +18,16 @@ HostWorker::~HostWorker() {
   for (std::thread& thread : threads_) thread.join();
 }
 
-Fence HostWorker::submit(std::function<DeviceEvent()> job) {
+Fence HostWorker::submit(std::function<DeviceEvent()> job, bool urgent) {
   Job queued{std::move(job), {}};
   Fence fence(queued.done.get_future().share());
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(queued));
+    if (urgent) {
+      queue_.push_front(std::move(queued));
+    } else {
+      queue_.push_back(std::move(queued));
+    }
   }
   wake_.notify_one();
   return fence;

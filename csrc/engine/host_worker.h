@@ -24,8 +24,9 @@ class HostWorker {
   HostWorker(const HostWorker&) = delete;
   HostWorker& operator=(const HostWorker&) = delete;
 
-  // `job` returns the event its device work is ordered by, or null for host-only work.
-  Fence submit(std::function<DeviceEvent()> job);
+  // `job` returns the event its device work is ordered by, or null for host-only work. An `urgent` job goes
+  // before every job still queued (something waits for it now); it must not wait for any of them.
+  Fence submit(std::function<DeviceEvent()> job, bool urgent = false);
   // Blocks until every job submitted so far has run; rethrows nothing (each job's Fence carries its error).
   void drain();
   int threads() const { return static_cast<int>(threads_.size()); }

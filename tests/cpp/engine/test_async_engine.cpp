@@ -141,7 +141,9 @@ TEST(AsyncEngine, PrefetchAheadFollowsThePlanUpToItsBytes) {
   const int m = engine.add_model(store, /*allow_resident=*/false);
   engine.plan(m, {0, 1, 2, 3, 2});
   engine.acquire(m, 0, false);
-  engine.prefetch_ahead(2 * shard_bytes);
+  engine.prefetch_ahead(0);
+  EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 0, 0})) << "0 bytes: the next planned shard only";
+  engine.prefetch_ahead(shard_bytes);  // shard 2, the first not on the device; shard 3 would pass the bytes
   EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 0}));
   engine.prefetch_ahead();
   EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1, 1})) << "shard 2's second visit is cached";

@@ -141,4 +141,26 @@ TEST(HostWorker, AJobsCapturesGoOnceItRanThoughItsFenceIsKept) {
   EXPECT_TRUE(watch.expired()) << "a kept Fence keeps its job's captures alive";
 }
 
+TEST(HostWorker, AnUrgentJobGoesBeforeTheQueuedOnes) {
+  HostWorker worker;
+  ManualFence gate;
+  std::vector<int> order;
+  worker.submit([&]() -> DeviceEvent {
+    gate.fence.wait();
+    return nullptr;
+  });
+  for (int i : {1, 2}) worker.submit([&order, i]() -> DeviceEvent {
+    order.push_back(i);
+    return nullptr;
+  });
+  worker.submit([&order]() -> DeviceEvent {
+    order.push_back(0);
+    return nullptr;
+  }, /*urgent=*/true);
+  gate.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2})) << "the running job finishes, then the urgent one";
+}
+
 }  // namespace
+
