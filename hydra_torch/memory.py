@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 
@@ -29,18 +30,18 @@ _HOW = "use bytes (4096, '8GiB', '512MB') or a fraction of free memory (0.8, '0.
 
 
 def parse_budget(budget, device: torch.device, sharing: int = 1) -> int:
-    """Bytes for `budget`. One rule: an integer is bytes, a number with a fraction part is a fraction in
-    (0, 1] of the device's free memory, as a Python value or as a string ("4096" is bytes, "0.8" and "80%"
-    are fractions); a string may carry a unit ("8GiB", "1.5 KiB", "512MB"). None means 90% of free memory.
+    """Bytes for `budget`. One rule: a whole number is bytes ("4096", 8e9), a number in (0, 1] written with a
+    fraction part is a fraction of the device's free memory (0.8, "0.8", "1.0", "80%"), as a Python value or
+    a string; a string may carry a unit ("8GiB", "1.5 KiB", "512MB"). None means 90% of free memory.
     `sharing` devices draw on the same memory (virtual CPU devices): each gets its share of the free memory."""
     if budget is None:
         return int(0.9 * free_bytes(device) / sharing)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+    if isinstance(budget, bool) or not isinstance(budget, (numbers.Real, str)):
         raise TypeError(f"memory_budget {budget!r} is not a budget: {_HOW}")
-    if isinstance(budget, int):
-        return _bytes(budget, budget)
-    if isinstance(budget, float):
-        return _fraction(budget, device, budget) // sharing
+    if isinstance(budget, numbers.Integral):
+        return _bytes(int(budget), budget)
+    if not isinstance(budget, str):
+        return _real(float(budget), device, budget) // sharing
     text = budget.strip()
     if text.endswith("%"):
         return _fraction(_number(text[:-1], budget) / 100.0, device, budget) // sharing
@@ -52,7 +53,7 @@ def parse_budget(budget, device: torch.device, sharing: int = 1) -> int:
         try:
             return _bytes(int(number), budget)
         except ValueError:
-            return _fraction(_number(number, budget), device, budget) // sharing
+            return _real(_number(number, budget), device, budget) // sharing
     value = _number(number, budget) * _UNITS[unit]
     if unit == "b" and value != int(value):
         raise ValueError(f"memory_budget {budget!r} is a fractional number of bytes")
@@ -67,6 +68,13 @@ def _number(text: str, budget) -> float:
     if not math.isfinite(value):
         raise ValueError(f"memory_budget {budget!r} is not a finite number")
     return value
+
+
+def _real(value: float, device: torch.device, budget) -> int:
+    """A number that is not an integer literal: a fraction when at most 1, else whole bytes ("8e9")."""
+    if math.isfinite(value) and value > 1 and value == int(value):
+        return _bytes(int(value), budget)
+    return _fraction(value, device, budget)
 
 
 def _bytes(n: int, budget) -> int:

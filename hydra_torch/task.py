@@ -117,6 +117,9 @@ class ModelTask:
         if one_shot and epochs > 1:
             raise ValueError(f"data is a one-shot iterator ({type(data).__name__}), so it cannot be read for "
                              f"epochs={epochs}: pass a list or a DataLoader")
+        if one_shot and self.auto_shards:
+            raise ValueError("shards='auto' measures the model on a batch of data, which a one-shot iterator would "
+                             "lose: pass a list or a DataLoader, or choose the shards")
         if adapter is not None and not one_shot:  # a one-shot iterator's first batch would be lost to the check
             adapter.check_batch(next(iter(data)))
 

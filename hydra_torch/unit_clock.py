@@ -15,7 +15,9 @@ import torch
 
 
 class EventClock:
-    """Times read from events once the device is past them; `report(start, end)` is called then, in order."""
+    """Times read from events once the device is past them; `report(start, end)` is called then, in order. If
+    reading them fails (an asynchronous device error surfacing there), `fail(error)` is called instead: the
+    unit's task is the one to blame, whichever unit is running when it shows."""
 
     def __init__(self, make_event=None):
         self._make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True))
@@ -31,18 +33,27 @@ class EventClock:
         event.record()
         return event
 
-    def stop(self, mark, report):
+    def stop(self, mark, report, fail):
         end = self._make_event()
         end.record()
-        self._pending.append((mark, end, report))
+        self._pending.append((mark, end, report, fail))
         self.poll()
 
     def poll(self, wait: bool = False):
         """Reports every unit whose end the device has reached (with `wait`: every unit, waiting for them)."""
-        while self._pending and (wait or self._pending[0][1].query()):
-            start, end, report = self._pending.popleft()
-            end.synchronize()
-            report(self._host_time(start), self._host_time(end))
+        while self._pending:
+            start, end, report, fail = self._pending[0]
+            try:
+                if not (wait or end.query()):
+                    return
+                end.synchronize()
+                times = self._host_time(start), self._host_time(end)
+            except Exception as error:
+                self._pending.popleft()
+                fail(error)
+                continue
+            self._pending.popleft()
+            report(*times)
 
     def _host_time(self, event) -> float:
         return self._origin_host + self._origin.elapsed_time(event) / 1e3

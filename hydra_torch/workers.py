@@ -115,7 +115,12 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
         def measured(begin, end):
             slot.scheduler.observe(unit, max(end - begin, 1e-9))
             record(begin, end)
-        clock.stop(mark, measured)
+
+        def device_failed(error):  # the device reported an error of this unit after it was completed
+            with lock:
+                runner.error = runner.error or error
+            slot.scheduler.fail(unit.task)
+        clock.stop(mark, measured, device_failed)
     else:
         end = time.perf_counter()
         slot.scheduler.complete(slot.index, unit, max(end - start, 1e-9))

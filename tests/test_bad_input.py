@@ -91,6 +91,8 @@ def test_empty_or_one_shot_data():
 
     with pytest.raises(ValueError, match="one-shot iterator"):
         ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4), epochs=2)
+    with pytest.raises(ValueError, match="shards='auto'"):
+        ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4), shards="auto")
     results = ht.train([ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4))], devices="cpu",
                        progress=False)
     assert results[0].error is None and results[0].steps == 4, "one pass over a one-shot iterator is fine"

@@ -59,9 +59,12 @@ def test_budget_parsing():
     assert parse_budget("2", cpu) == parse_budget(2, cpu) == 2
     assert parse_budget("1", cpu) == 1
     assert parse_budget("1.0", cpu) == parse_budget(1.0, cpu) > 1000
+    assert parse_budget("8e9", cpu) == parse_budget(8e9, cpu) == 8 * 10**9, "a whole number is bytes"
+    import numpy
+    assert parse_budget(numpy.int64(4096), cpu) == 4096
     for bad, message in (("%", "cannot read"), ("abc%", "cannot read"), (2**63, "more than any device"),
                          ("1e400", "not a finite"), ("1e400GB", "not a finite"), ("1e30 TB", "more than any device"),
-                         (float("nan"), "fraction"), ("150%", "fraction"), ("1e9", "fraction"), (0, "positive")):
+                         (float("nan"), "fraction"), ("150%", "fraction"), ("2.5", "fraction"), (0, "positive")):
         with pytest.raises(ValueError, match=message):
             parse_budget(bad, cpu)
     with pytest.raises(ValueError):

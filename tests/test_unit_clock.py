@@ -33,12 +33,12 @@ def test_units_are_reported_once_the_device_is_past_them_in_order():
     device = FakeDevice()
     before = time.perf_counter()
     clock = EventClock(lambda: FakeEvent(device))
-    reports = []
+    reports, failures = [], []
     for begin_ms, end_ms in ((10.0, 30.0), (30.0, 75.0)):
         device.now_ms = begin_ms
         mark = clock.start()
         device.now_ms = end_ms
-        clock.stop(mark, lambda start, end: reports.append((start, end)))
+        clock.stop(mark, lambda start, end: reports.append((start, end)), failures.append)
     assert reports == [], "reported before the device reached the unit's end"
     device.reached_ms = 40.0
     clock.poll()
@@ -48,6 +48,22 @@ def test_units_are_reported_once_the_device_is_past_them_in_order():
     clock.poll(wait=True)
     assert len(reports) == 2 and abs((reports[1][1] - reports[1][0]) - 0.045) < 1e-9
     assert abs(reports[1][0] - reports[0][1]) < 1e-9, "both on one device timeline"
+    assert failures == []
+
+
+class FailingEvent(FakeEvent):
+    def query(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_device_error_read_from_an_event_is_reported_as_that_units_failure():
+    device = FakeDevice()
+    clock = EventClock(lambda: FakeEvent(device))
+    clock._make_event = lambda: FailingEvent(device)
+    reports, failures = [], []
+    clock.stop(clock.start(), lambda *t: reports.append(t), failures.append)
+    clock.poll(wait=True)
+    assert reports == [] and len(failures) == 1 and "illegal memory access" in str(failures[0])
 
 
 def test_a_cpu_device_has_no_event_clock():

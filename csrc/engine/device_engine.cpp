@@ -115,7 +115,17 @@ Fence DeviceEngine::compute_point() const {
 
 bool DeviceEngine::current(int model, int shard) const {
   const ShardState& state = models_[model].shards[shard];
-  return state.cached && state.version == models_[model].store->version(shard);
+  return state.cached && state.version == input_version(model, shard);
+}
+
+int64_t DeviceEngine::input_version(int model, int shard) const {
+  // Versions only grow, so the sum changes whenever a step of the shard or of an owner of one of its tied
+  // parameters is submitted.
+  const ShardStore& store = *models_[model].store;
+  int64_t version = store.version(shard);
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner != shard) version += store.version(e.owner);
+  return version;
 }
 
 Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
@@ -213,7 +223,7 @@ bool DeviceEngine::load(int model, int shard, Need need) {
   if (!allocation.region.valid()) return false;
   state.weights = allocation.region;
   state.cached = true;
-  state.version = store.version(shard);
+  state.version = input_version(model, shard);
   at::Tensor target = pool_.view(state.weights, store.compute_dtype(), numel);
   // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
@@ -235,6 +245,9 @@ bool DeviceEngine::load(int model, int shard, Need need) {
     return to_device_.copy(copies);
   }, urgent));
   state.last_use = state.ready;
+  store.add_reader(shard, state.ready);
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner != shard) store.add_reader(e.owner, state.ready);
   ++state.loads;
   ++stats_.host_to_device_copies;
   stats_.host_to_device_bytes += numel * store.element_bytes();

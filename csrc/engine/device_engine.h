@@ -158,6 +158,7 @@ class DeviceEngine {
   std::vector<Fence> pending_steps(int model, int shard) const;
   void evict(ShardState& state);
   bool current(int model, int shard) const;
+  int64_t input_version(int model, int shard) const;  // of what a copy of the shard reads
   at::Tensor grad_view(int model, int shard);
   at::Tensor home_view(int model, int shard, const Region& region, at::ScalarType dtype);
 

@@ -118,7 +118,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
   }));
   ++stats_.device_to_host_copies;
   stats_.device_to_host_bytes += bytes;
-  const Fence weights_in = state.ready;  // the step rewrites the buffer that copy read from
+  const std::vector<Fence> readers = m.store->readers(shard);  // the step rewrites the buffer they read
   std::shared_ptr<ShardStore> owner = m.store;
   Fence done = submit(model, [=, this]() -> DeviceEvent {
     landed.wait();
@@ -133,7 +133,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
       owner->accumulate_grads(shard, gradient);
     }
     if (step) {
-      weights_in.wait();
+      for (const Fence& copy : readers) copy.wait_done();
       step_host(*owner, shard, 1.0, single_pass ? gradient : at::Tensor());
       ++host_steps_done_;
     }
@@ -171,9 +171,9 @@ void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
 void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   ShardState& state = models_[model].shards[shard];
   std::shared_ptr<ShardStore> owner = models_[model].store;
-  const Fence weights_in = state.ready;
+  const std::vector<Fence> readers = owner->readers(shard);
   const Fence done = submit(model, [=, this]() -> DeviceEvent {
-    weights_in.wait();
+    for (const Fence& copy : readers) copy.wait_done();
     const int64_t start = now_ns();
     step_host(*owner, shard, grad_scale, at::Tensor());
     ++host_steps_done_;

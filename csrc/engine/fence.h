@@ -51,6 +51,13 @@ class Fence {
     const DeviceEvent& event = issued_.get();
     if (event) event->synchronize();
   }
+  // Blocks until the work is done, whether or not it succeeded: its error is reported through its own fence.
+  void wait_done() const {
+    try {
+      wait();
+    } catch (...) {
+    }
+  }
   // Orders `stream` after the work without blocking the host on the device part; rethrows likewise.
   void order_before(const c10::Stream& stream) const {
     const DeviceEvent& event = issued_.get();

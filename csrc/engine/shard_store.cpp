@@ -29,6 +29,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
   steps_.assign(n, 0);
   versions_ = std::vector<std::atomic<int64_t>>(n);
   last_steps_.resize(n);
+  readers_.resize(n);
 
   // Owner = first shard listing the parameter; identity is the TensorImpl, as for Python's `is`.
   struct Home {

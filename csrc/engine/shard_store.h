@@ -83,6 +83,19 @@ class ShardStore {
     last_steps_.at(shard) = std::move(step);
   }
 
+  // Copies to a device still reading the shard's transfer source (its own loads, and those of shards that
+  // borrow one of its parameters): a step of the shard rewrites that buffer only after them.
+  void add_reader(int shard, Fence copy) {
+    std::lock_guard<std::mutex> lock(step_mutex_);
+    auto& readers = readers_.at(shard);
+    std::erase_if(readers, [](const Fence& f) { return f.ready(); });
+    readers.push_back(std::move(copy));
+  }
+  std::vector<Fence> readers(int shard) const {
+    std::lock_guard<std::mutex> lock(step_mutex_);
+    return readers_.at(shard);
+  }
+
   // The model's host jobs (gradient accumulation and optimizer steps, submitted by any of its devices) run
   // in submission order on the shared host-step threads: the previous job's completion is exchanged for the
   // new one's. Callers hold a lock that also covers the enqueue, so the order is one global order and every
@@ -114,6 +127,7 @@ class ShardStore {
   std::shared_future<void> last_job_;
   mutable std::mutex step_mutex_;
   std::vector<Fence> last_steps_;
+  std::vector<std::vector<Fence>> readers_;
   std::vector<at::Tensor> master_, grad_, shadow_;
   std::vector<std::vector<at::Tensor>> state_;
 };

@@ -198,4 +198,40 @@ TEST(AsyncEngine, AStoreGoesWithItsEngineAfterSteps) {
   EXPECT_TRUE(watch.expired()) << "the store outlived its engine and every other owner";
 }
 
+TEST(AsyncEngine, AShardBorrowingATiedWeightIsReloadedAfterTheOwnersStep) {
+  // Shard 1 borrows shard 0's weight (a tied embedding). Prefetched while shard 0 computes its backward, its
+  // copy holds the tied weight from before shard 0's step: it must not count as current afterwards.
+  if (!c10::Dispatcher::singleton().findSchema({"hydra::sgd_step", ""}).has_value())
+    GTEST_SKIP() << "hydra::sgd_step is not registered in this build";
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  sgd.lr = 0.5;
+  const at::Tensor tied = at::arange(64, at::kFloat).set_requires_grad(true);
+  const at::Tensor own = at::arange(64, at::kFloat).add(1000.0).set_requires_grad(true);
+  auto store = std::make_shared<ShardStore>(std::vector<std::vector<at::Tensor>>{{tied}, {own, tied}}, sgd,
+                                            /*bf16=*/false, /*pin_memory=*/false);
+  DeviceEngine engine(kCpu, 1 << 20);
+  const int m = engine.add_model(store, /*allow_resident=*/false);
+  engine.plan(m, {1, 0, 1});
+  engine.acquire(m, 1, true);
+  fill_grads(*store, 1, 1.0f);
+  engine.backward_done(m, 1, /*step=*/true);
+  engine.release(m, 1);
+  engine.synchronize(m);
+  engine.acquire(m, 0, true);
+  engine.prefetch_ahead();  // shard 1's next visit: its copy reads the tied weight before shard 0 steps
+  fill_grads(*store, 0, 1.0f);
+  engine.backward_done(m, 0, /*step=*/true);
+  engine.release(m, 0);
+  engine.synchronize(m);
+  engine.acquire(m, 1, false);
+  for (const ParamEntry& e : store->layout(1)) {
+    const at::Tensor expected = store->transfer_source(e.owner).narrow(0, e.master_offset, e.numel).view(e.param.sizes());
+    EXPECT_TRUE(at::equal(e.param.detach(), expected)) << "entry at device offset " << e.device_offset;
+  }
+  engine.release(m, 1);
+  EXPECT_EQ(engine.shard_loads(m)[1], 3) << "loaded, prefetched, and loaded again after the owner's step";
+}
+
 }  // namespace
+
