@@ -122,9 +122,8 @@ int64_t DeviceEngine::input_version(int model, int shard) const {
   // Versions only grow, so the sum changes whenever a step of the shard or of an owner of one of its tied
   // parameters is submitted.
   const ShardStore& store = *models_[model].store;
-  int64_t version = store.version(shard);
-  for (const ParamEntry& e : store.layout(shard))
-    if (e.owner != shard) version += store.version(e.owner);
+  int64_t version = 0;
+  for (int source : store.sources(shard)) version += store.version(source);
   return version;
 }
 
@@ -157,9 +156,8 @@ Fence DeviceEngine::track(int model, Fence fence) {
 
 std::vector<Fence> DeviceEngine::pending_steps(int model, int shard) const {
   const ShardStore& store = *models_[model].store;
-  std::vector<Fence> steps{store.last_step(shard)};
-  for (const ParamEntry& e : store.layout(shard))
-    if (e.owner != shard) steps.push_back(store.last_step(e.owner));
+  std::vector<Fence> steps;
+  for (int source : store.sources(shard)) steps.push_back(store.last_step(source));
   return steps;
 }
 
@@ -245,9 +243,7 @@ bool DeviceEngine::load(int model, int shard, Need need) {
     return to_device_.copy(copies);
   }, urgent));
   state.last_use = state.ready;
-  store.add_reader(shard, state.ready);
-  for (const ParamEntry& e : store.layout(shard))
-    if (e.owner != shard) store.add_reader(e.owner, state.ready);
+  for (int source : store.sources(shard)) store.add_reader(source, state.ready);
   ++state.loads;
   ++stats_.host_to_device_copies;
   stats_.host_to_device_bytes += numel * store.element_bytes();

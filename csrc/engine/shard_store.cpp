@@ -68,13 +68,16 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     // Register owners only after sorting, so borrowers copy the final master offsets.
     for (const ParamEntry& e : layouts_[s]) owned_by.emplace(e.param.unsafeGetTensorImpl(), Home{s, e.master_offset});
   }
+  sources_.resize(n);
   for (int s = 0; s < n; ++s) {
+    sources_[s].push_back(s);
     int64_t offset = owned_numel_[s];
     for (ParamEntry& e : borrowed[s]) {
       e.master_offset = owned_by.at(e.param.unsafeGetTensorImpl()).master_offset;
       e.device_offset = offset;
       offset = aligned(offset + e.numel);
       layouts_[s].push_back(e);
+      if (std::find(sources_[s].begin(), sources_[s].end(), e.owner) == sources_[s].end()) sources_[s].push_back(e.owner);
     }
     device_numel_[s] = offset;
   }

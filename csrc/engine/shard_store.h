@@ -40,6 +40,9 @@ class ShardStore {
 
   int num_shards() const { return static_cast<int>(layouts_.size()); }
   const std::vector<ParamEntry>& layout(int shard) const { return layouts_.at(shard); }
+  // The shards whose transfer sources a copy of `shard` to a device reads: itself, then each distinct owner
+  // of a parameter it borrows (a tied weight).
+  const std::vector<int>& sources(int shard) const { return sources_.at(shard); }
   const OptimizerSpec& optimizer() const { return optimizer_; }
   bool bf16() const { return bf16_; }
   bool pinned() const { return pinned_; }
@@ -122,6 +125,7 @@ class ShardStore {
   bool bf16_;
   bool pinned_;
   std::vector<std::vector<ParamEntry>> layouts_;
+  std::vector<std::vector<int>> sources_;
   std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_future<void> last_job_;

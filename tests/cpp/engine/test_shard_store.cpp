@@ -180,6 +180,10 @@ TEST(ShardStore, TiedParameterIsOwnedByTheLowestShard) {
   EXPECT_FALSE(z2.trainable);
   EXPECT_EQ(store.device_numel(2), 80);  // 64 + 3, aligned
   EXPECT_EQ(store.total_owned_numel(), 80 + 32 + 16);
+  // What a copy of each shard reads: its own buffers, then its borrowed parameters' owners', each once.
+  EXPECT_EQ(store.sources(0), (std::vector<int>{0}));
+  EXPECT_EQ(store.sources(1), (std::vector<int>{1}));
+  EXPECT_EQ(store.sources(2), (std::vector<int>{2, 0, 1}));
 
   // The owner's master holds the tied values once.
   EXPECT_TRUE(at::equal(store.master(0).narrow(0, 0, 40), flat(m.e)));
