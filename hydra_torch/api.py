@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import warnings
 
 import torch
 
-from hydra_torch import _C, interrupts, memory, planner, sharding, testing
+from hydra_torch import _C, interrupts, memory, planner, sharding, task_rng, testing
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
-from hydra_torch.runner import RngState, TaskRunner
+from hydra_torch.runner import TaskRunner
 from hydra_torch.task import ModelTask
 from hydra_torch.workers import DeviceSlot, device_worker
 
@@ -81,7 +82,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         half the cores, at most 4).
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
-    the others finish. Ctrl-C stops every device after its current unit and writes the weights back.
+    the others finish. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
+    and returns the results so far, the tasks it cut short marked (`TaskResult.cut_short`); SIGTERM is then
+    passed on to the handler that was there before. A second Ctrl-C stops at once: the weights still come
+    home, steps in progress are left half-applied, and KeyboardInterrupt propagates.
     """
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
@@ -115,13 +119,15 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             planner.apply_plan(task, planner.plan(task, device=resolved[smallest], budget=budgets[smallest]))
     link = testing.link_bytes_per_second()
     engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(resolved, budgets)]
-    start_rng = RngState(resolved[0])
+    task_rng.new_run()
+    start_rng = task_rng.TaskRng.current(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
     _place(runners, engines, budgets, pin)
     # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
     specs = [(r.n, r.micro_batches, r.home, sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
-    slots = [DeviceSlot(i, d, e, scheduler, runners) for i, (d, e) in enumerate(zip(resolved, engines))]
+    stop = interrupts.StopRequest()
+    slots = [DeviceSlot(i, d, e, scheduler, runners, stop) for i, (d, e) in enumerate(zip(resolved, engines))]
 
     trace, lock = [], threading.Lock()
     threads_per_device = 1 if len(resolved) > 1 and resolved[0].type == "cpu" else None
@@ -134,12 +140,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     start = time.perf_counter()
     interrupted = None
     try:
-        for thread in threads:
-            thread.start()
-        device_worker(slots[0], trace, lock, threads_per_device)
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.1)
+        with interrupts.stop_requests(stop):
+            for thread in threads:
+                thread.start()
+            device_worker(slots[0], trace, lock, threads_per_device)
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.1)
     except BaseException as interrupt:  # Ctrl-C, or a fatal error: stop the others, then write weights back
         interrupted = interrupt
     # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
@@ -152,8 +159,15 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         wall = time.perf_counter() - start
         bars.close(runners)
         results = _finish(runners, engines, trace, start, resolved, wall)
+        results.interrupted = stop.name
     if interrupted is not None:
         raise interrupted
+    if stop.is_set():
+        cut = [r.name for r in results if r.cut_short]
+        warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
+                      f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=2)
+        if stop.signal != signal.SIGINT:
+            interrupts.deliver(stop.signal)
     for result in results:
         if result.error is not None:
             warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=2)
@@ -222,7 +236,7 @@ def _finish(runners, engines, trace, start, devices, wall) -> Results:
                                   (max(e.end for e in units) - start) if units else 0.0,
                                   any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
                                   runner.error, busy_time=sum(e.end - e.start for e in units),
-                                  host_bytes=runner.store.host_bytes))
+                                  host_bytes=runner.store.host_bytes, cut_short=runner.cut_short))
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]

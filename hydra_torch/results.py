@@ -17,6 +17,7 @@ class TaskResult:
     busy_time: float = 0.0       # seconds its units ran, all devices together: its own share of the run
     host_bytes: int = 0          # its training state in host memory at the end: fp32 master, optimizer state,
                                  # bf16 shadow, and fp32 gradient accumulators where a step sums gradients
+    cut_short: str | None = None  # why it stopped at a step boundary before its last step (say "Ctrl-C")
 
     @property
     def ok(self) -> bool:
@@ -47,6 +48,7 @@ class Results:
     stats: list[dict] = field(default_factory=list)   # per device: budget, arena, high-water, bytes copied
     trace: list[TraceEntry] = field(default_factory=list)
     wall_time: float = 0.0
+    interrupted: str | None = None  # the signal that stopped every task at a step boundary ("Ctrl-C", "SIGTERM")
 
     def __iter__(self):
         return iter(self.tasks)
@@ -82,7 +84,7 @@ class Results:
     def summary(self) -> str:
         lines = [f"{'task':<16} {'steps':>6} {'final loss':>11} {'seconds':>8}  status"]
         for t in self.tasks:
-            status = "ok" if t.ok else f"failed: {t.error}"
+            status = f"failed: {t.error}" if not t.ok else f"cut short by {t.cut_short}" if t.cut_short else "ok"
             lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.wall_time:>8.1f}  {status}")
         for device, share in self.utilisation().items():
             lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s")

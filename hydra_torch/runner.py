@@ -10,6 +10,7 @@ tensors follow the task. Memory and copies are the device engine's: one native c
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydra_torch import _C
 from hydra_torch.task import ModelTask
+from hydra_torch.task_rng import TaskRng
 
 FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
 
@@ -39,20 +41,6 @@ def _to(tree, device):
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
-class RngState:
-    """The global generators a shard may draw from: the CPU one, and the CUDA device's."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def restore(self, device: torch.device):
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(self.cuda, device)
-
-
 @dataclass
 class _MicroBatch:
     batch: object
@@ -60,10 +48,9 @@ class _MicroBatch:
     count: int                       # micro-batches in this optimizer step
     last: bool                       # the step's last micro-batch: its backward triggers the step
     saved: dict = field(default_factory=dict)
-    rng: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)   # shard -> the task's generator states its forward started from
     grad: list | None = None
     loss: float = 0.0
-    after_forward: RngState | None = None
 
 
 class DataLengthError(ValueError):
@@ -117,7 +104,7 @@ def count_micro_batches(task: ModelTask) -> int:
 
 
 class TaskRunner:
-    def __init__(self, task: ModelTask, index: int, start_rng: RngState):
+    def __init__(self, task: ModelTask, index: int, start_rng: TaskRng):
         self.task = task
         self.index = index
         self.n = task.num_shards
@@ -133,12 +120,15 @@ class TaskRunner:
         self.steps = 0
         self.epochs_done = 0
         self.error: BaseException | None = None
+        self.cut_short: str | None = None     # why it stopped at a step boundary before its last step
         self.micro_batches = count_micro_batches(task)
         self.on_step = None                   # called after each optimizer step (progress bars)
         self._groups = step_groups(task)
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
         self._mb: _MicroBatch | None = None
-        self._rng = start_rng
+        self._stepped: list[int] = []         # shards whose part of the current step has been applied
+        # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
+        self._rng = TaskRng(*start_rng.snapshot())
         self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
                           if b is not None] for group in task.modules]
 
@@ -146,7 +136,6 @@ class TaskRunner:
         """Runs one unit on `slot` (engine + device); `slot.prefetch()` is called once the unit's own shard
         is in place, to bring in the shard planned next on that device."""
         device, s = slot.device, unit.shard
-        self._rng.restore(device)
         self._place_buffers(s, device)
         if unit.phase == FORWARD:
             if s == 0:
@@ -161,19 +150,34 @@ class TaskRunner:
         else:
             self._backward(s, slot)
             if s == 0:
-                self._mb.after_forward.restore(device)
                 self._end_micro_batch(slot)
-        self._rng = RngState(device)
+
+    def at_step_boundary(self) -> bool:
+        """No step in progress: every shard has had the same number of steps applied."""
+        return self._mb is None and (self._group is None or self._position == len(self._group))
+
+    def note_partial_step(self, error: BaseException):
+        """After a failure inside a step's backward: says which shards that step had already reached."""
+        if self._stepped and len(self._stepped) < self.n and hasattr(error, "add_note"):
+            error.add_note(f"task {self.task.name!r}: step {self.steps + 1} had been applied to shards "
+                           f"{sorted(self._stepped)} only; the other shards' weights are one step behind")
+
+    @contextmanager
+    def _random(self, key, device, start=None, save=True):
+        """The task's own generators for the block (see task_rng)."""
+        with self._rng.cpu_section(key, start, save), self._rng.on_device(device, start, save):
+            yield
 
     # -- micro-batches and steps -------------------------------------------------------------------------------
     def _begin_micro_batch(self, device):
-        if self._group is None or self._position == len(self._group):
-            epoch, self._group, self._epoch_end = next(self._groups)
-            self._epoch = epoch
-            self._position, self._loss_sum = 0, 0.0
-        batch = _to(self._group[self._position], device)
-        self._position += 1
-        x = self.task.inputs(batch)
+        with self._random(None, device):  # a shuffled loader draws its order, a dataset may augment
+            if self._group is None or self._position == len(self._group):
+                epoch, self._group, self._epoch_end = next(self._groups)
+                self._epoch = epoch
+                self._position, self._loss_sum = 0, 0.0
+            batch = _to(self._group[self._position], device)
+            self._position += 1
+            x = self.task.inputs(batch)
         if self.compute_dtype != torch.float32:
             x = tree_map(lambda t: t.to(self.compute_dtype) if _floating(t) else t, x)
         self._mb = _MicroBatch(batch, x, len(self._group), self._position == len(self._group))
@@ -184,6 +188,7 @@ class TaskRunner:
         self._mb = None
         if not mb.last:
             return
+        self._stepped = []
         if self.task.clip_grad_norm is not None:
             slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm))
         self.steps += 1
@@ -207,8 +212,8 @@ class TaskRunner:
         engine.acquire(mid, s, with_grads=False)
         try:
             slot.prefetch()
-            mb.rng[s] = RngState(slot.device)
-            with torch.set_grad_enabled(self.keep_graphs):
+            mb.rng[s] = self._rng.snapshot()
+            with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs):
                 y = _run_shard(self.task.modules[s], x)
         finally:
             engine.release(mid, s)
@@ -222,16 +227,17 @@ class TaskRunner:
         engine.acquire(mid, s, with_grads=True)
         try:
             slot.prefetch()
-            with torch.enable_grad():
+            # The task's streams go on from where this forward and loss leave them: a backward's recompute
+            # replays a forward's draws and must not advance them.
+            with self._random(("forward_backward",), slot.device), torch.enable_grad():
                 out = _run_shard(self.task.modules[s], x_in)
                 if self.compute_dtype != torch.float32:
                     out = tree_map(lambda t: t.float() if _floating(t) else t, out)
                 loss = self.task.loss_fn(out, _to(mb.batch, slot.device))
                 mb.loss = self._check_loss(loss)
-            mb.after_forward = RngState(slot.device)
             (loss / mb.count).backward()
             mb.grad = self._input_grads(x_in)
-            engine.backward_done(mid, s, step=self._steps_now(mb))
+            self._backward_done(engine, mid, s, mb)
         finally:
             engine.release(mid, s)
 
@@ -248,14 +254,14 @@ class TaskRunner:
                     x_in, y = saved
                 else:
                     x_in = self._requires_grad(_to(saved, slot.device))
-                    rng.restore(slot.device)
                     # The forward already updated running statistics (BatchNorm); re-running it must not. The
                     # recompute gets throw-away copies (not restored in place: autograd saved what it used).
                     originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
                     for m, name, buffer in originals:
                         m._buffers[name] = buffer.clone()
                     try:
-                        y = _run_shard(self.task.modules[s], x_in)
+                        with self._random(("forward", s), slot.device, start=rng, save=False):
+                            y = _run_shard(self.task.modules[s], x_in)
                     finally:
                         for m, name, buffer in originals:
                             m._buffers[name] = buffer
@@ -264,12 +270,15 @@ class TaskRunner:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             mb.grad = self._input_grads(x_in) if s > 0 else None
-            engine.backward_done(mid, s, step=self._steps_now(mb))
+            self._backward_done(engine, mid, s, mb)
         finally:
             engine.release(mid, s)
 
-    def _steps_now(self, mb) -> bool:
-        return mb.last and self.task.clip_grad_norm is None
+    def _backward_done(self, engine, mid, s, mb):
+        step = mb.last and self.task.clip_grad_norm is None
+        engine.backward_done(mid, s, step=step)
+        if step:
+            self._stepped.append(s)
 
     def _place_buffers(self, s, device):
         for module, name in self._buffers[s]:

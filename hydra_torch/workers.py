@@ -25,6 +25,7 @@ class DeviceSlot:
     engine: object            # _C.DeviceEngine
     scheduler: object = None  # _C.Scheduler
     runners: list = None      # TaskRunner per task id
+    stop: object = None       # interrupts.StopRequest: once set, tasks end at their next step boundary
 
     def prefetch(self):
         """Brings in the next planned shard not on the device, possibly another task's."""
@@ -73,10 +74,24 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
             unit = _next_unit(slot)
             if unit is None:
                 return
+            if slot.stop is not None and slot.stop.is_set() and _cut_short(slot, unit):
+                continue
             _run_unit(slot, unit, clock, trace, lock)
     finally:
         if clock is not None:
             clock.poll(wait=True)
+
+
+def _cut_short(slot: DeviceSlot, unit) -> bool:
+    """After a stop request: ends the task here, without running `unit`, if it sits at a step boundary. A task
+    in the middle of a step runs on until the step is applied to every shard."""
+    runner = slot.runners[unit.task]
+    if not runner.at_step_boundary():
+        return False
+    runner.cut_short = slot.stop.name
+    slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
+    slot.scheduler.complete(slot.index, unit, None)
+    return True
 
 
 def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
@@ -90,11 +105,13 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
         slot.plan(runner, unit)
         runner.run_unit(unit, slot)
     except Exception as error:  # the task ends; the others go on
+        runner.note_partial_step(error)
         with lock:
             runner.error = error
         slot.scheduler.fail(unit.task)
         failed = True
     except BaseException as error:  # Ctrl-C or an exit: the task ends, and so does this worker
+        runner.note_partial_step(error)
         with lock:
             runner.error = runner.error or error
         slot.scheduler.fail(unit.task)

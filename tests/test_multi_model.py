@@ -1,5 +1,7 @@
 """Several models in one ht.train call, on several (virtual CPU) devices: same results as alone."""
 import _thread
+import os
+import signal
 import threading
 
 import pytest
@@ -148,29 +150,120 @@ def test_resident_models_spread_over_devices():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alone.parameters()))
 
 
-def ctrl_c_at_call(n):
-    """The LM loss, pressing Ctrl-C (on the main thread) at its n-th call."""
+def ctrl_c_at_call(*calls_to_interrupt, signum=signal.SIGINT):
+    """The LM loss, sending `signum` (Ctrl-C by default) to the process at the given calls."""
     calls = [0]
 
     def interrupting_loss(out, batch):
         calls[0] += 1
-        if calls[0] == n:
-            _thread.interrupt_main()
+        if calls[0] in calls_to_interrupt:
+            if signum == signal.SIGINT:
+                _thread.interrupt_main()
+            else:
+                os.kill(os.getpid(), signum)
         return lm_loss(out, batch)
     return interrupting_loss
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_weights():
+def check_home(models):
+    """Every model is back on host storage of its own, no gradients bound, ties intact."""
+    pointers = set()
+    for model in models:
+        assert model[0].weight is model[-1].weight
+        for p in set(model.parameters()):
+            assert p.device.type == "cpu" and p.grad is None and torch.isfinite(p).all()
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), "a view into shared memory"
+            assert p.data_ptr() not in pointers
+            pointers.add(p.data_ptr())
+
+
+def test_ctrl_c_stops_every_task_at_a_step_boundary_and_returns_the_results():
+    """Mid-step when Ctrl-C comes, each task finishes its step on every shard; each ends as if trained alone
+    for the steps it took."""
     data = token_batches(40)
-    tasks, models = make_tasks(data)
-    tasks[0].loss_fn = ctrl_c_at_call(5)
+    budget = int(0.45 * model_bytes(tied_transformer()))
+    tasks, models = make_tasks(data, accumulate=2)
+    tasks[0].loss_fn = ctrl_c_at_call(5)  # step 3's first micro-batch: the step must still complete
+    before = threading.active_count()
+    with pytest.warns(RuntimeWarning, match="stopped by Ctrl-C at step boundaries; 4 of 4 tasks cut short"):
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, progress=False)
+    assert threading.active_count() == before, "every worker thread joined"
+    assert results.interrupted == "Ctrl-C"
+    check_home(models)
+    assert results[0].steps >= 3
+    for i, (model, result) in enumerate(zip(models, results)):
+        assert result.ok and result.cut_short == "Ctrl-C" and result.steps < 20
+        assert len(result.losses) == result.steps
+        alone, alone_result = train_alone(data, i, budget, accumulate=2, max_steps=result.steps)
+        assert result.losses == alone_result.losses
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alone.parameters())), \
+            f"task {i} is not where {result.steps} whole steps take it"
+    assert "cut short by Ctrl-C" in results.summary()
+
+
+def test_a_second_ctrl_c_stops_at_once_and_still_brings_every_model_home():
+    data = token_batches(40)
+    tasks, models = make_tasks(data, accumulate=2)
+    tasks[0].loss_fn = ctrl_c_at_call(5, 6)  # the second comes while task 0 finishes its step
     before = threading.active_count()
     with pytest.raises(KeyboardInterrupt):
         ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
     assert threading.active_count() == before, "every worker thread joined"
-    for model in models:
-        assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in model.parameters())
-        assert model[0].weight is model[-1].weight
+    check_home(models)
+
+
+def test_sigterm_stops_at_step_boundaries_then_reaches_the_previous_handler():
+    data = token_batches(40)
+    tasks, models = make_tasks(data)
+    tasks[1].loss_fn = ctrl_c_at_call(4, signum=signal.SIGTERM)
+    seen = []
+
+    def previous_handler(signum, frame):  # a job system's own handler: it runs once the weights are home
+        seen.append((signum, models[0][0].weight.grad is None))
+
+    original = signal.signal(signal.SIGTERM, previous_handler)
+    try:
+        with pytest.warns(RuntimeWarning, match="stopped by SIGTERM"):
+            results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])),
+                               progress=False)
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    assert seen == [(signal.SIGTERM, True)]
+    assert results.interrupted == "SIGTERM" and all(r.cut_short == "SIGTERM" for r in results)
+    check_home(models)
+
+
+class FailingBackward(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        FailingBackward.calls += 1
+        if FailingBackward.calls == 3:
+            raise RuntimeError("boom in backward")
+        return grad
+
+
+class RaisesInBackward(torch.nn.Module):
+    def forward(self, x):
+        return FailingBackward.apply(x)
+
+
+def test_a_failure_inside_a_backward_says_which_shards_took_the_step():
+    FailingBackward.calls = 0
+    model = tied_transformer(dropout=0.0)
+    model.insert(3, RaisesInBackward())
+    modules = list(model)
+    task = ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=1e-3), loss_fn=lm_loss, data=token_batches(6),
+                        shards=[modules[:2], modules[2:4], modules[4:5], modules[5:6], modules[6:]])
+    with pytest.warns(RuntimeWarning, match="boom in backward"):
+        result = ht.train([task], devices="cpu", memory_budget=int(0.45 * model_bytes(model)), progress=False)[0]
+    assert result.steps == 2 and "boom in backward" in str(result.error)
+    assert any("applied to shards [2, 3, 4] only" in note for note in result.error.__notes__)
 
 
 def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
@@ -193,14 +286,7 @@ def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
     assert second, "the second Ctrl-C was sent during the write-back"
-    pointers = set()
-    for model in models:
-        assert model[0].weight is model[-1].weight
-        for p in set(model.parameters()):
-            assert p.grad is None
-            assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), "a view into shared memory"
-            assert p.data_ptr() not in pointers
-            pointers.add(p.data_ptr())
+    check_home(models)
 
 
 def test_schedule_chart_and_summary(tmp_path):
