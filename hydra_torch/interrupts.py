@@ -50,13 +50,13 @@ class StopRequest:
 @contextmanager
 def _handling(handler):
     if threading.current_thread() is not threading.main_thread():
-        yield False
+        yield
         return
     previous = {}
     try:
         for signum in HELD:
             previous[signum] = signal.signal(signum, handler)
-        yield True
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)

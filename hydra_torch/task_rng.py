@@ -62,7 +62,7 @@ class TaskRng:
     def on_device(self, device: torch.device, start: tuple | None = None, save: bool = True):
         """Sets `device`'s CUDA generator to the task's state (or to the `start` snapshot's) for the block,
         and keeps what the block leaves there as the task's state when `save`."""
-        cuda = (start[1] if start is not None else self.cuda)
+        cuda = start[1] if start is not None else self.cuda
         if device.type != "cuda":
             yield
             return
