@@ -30,6 +30,19 @@ def add_workload_args(parser, steps: int):
     parser.add_argument("--rounds", type=int, default=3)
 
 
+def add_config_args(parser):
+    """The demo's configurations: widths x learning rates."""
+    parser.add_argument("--widths", type=int, nargs="+", default=[96, 128])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+
+
+def spilled_budget(args, data) -> int:
+    """The spilled budget: room for three of the largest shard."""
+    probes = [ht.ModelTask(m, data=data) for m in make_models(args)]
+    largest_shard = max(sum(p.numel() * 4 for p in shard) for probe in probes for shard in probe.shard_params)
+    return 3 * largest_shard + 65536
+
+
 def token_batches(args) -> list[dict]:
     """`args.steps` batches of random tokens, the same in every run (seeded)."""
     g = torch.Generator().manual_seed(0)
@@ -78,21 +91,18 @@ def hydra_seconds(args, data, devices, budget):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--widths", type=int, nargs="+", default=[96, 128])
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    add_config_args(parser)
     add_workload_args(parser, steps=20)
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
 
     data = token_batches(args)
-    probes = [ht.ModelTask(m, data=data) for m in make_models(args)]
-    largest_shard = max(sum(p.numel() * 4 for p in shard) for probe in probes for shard in probe.shard_params)
-    spilled_budget = 3 * largest_shard + 65536
+    spilled = spilled_budget(args, data)
     resident_budget = "4GiB"
     modes = {
         "plain, one after another": lambda: (plain_seconds(args, data), None),
-        "hydra 1 device, spilled": lambda: hydra_seconds(args, data, ["cpu"], spilled_budget),
-        "hydra 2 virtual devices, spilled": lambda: hydra_seconds(args, data, ["cpu", "cpu"], spilled_budget),
+        "hydra 1 device, spilled": lambda: hydra_seconds(args, data, ["cpu"], spilled),
+        "hydra 2 virtual devices, spilled": lambda: hydra_seconds(args, data, ["cpu", "cpu"], spilled),
         "hydra 1 device, resident": lambda: hydra_seconds(args, data, ["cpu"], resident_budget),
         "hydra 2 virtual devices, resident": lambda: hydra_seconds(args, data, ["cpu", "cpu"], resident_budget),
     }
@@ -109,7 +119,7 @@ def main():
     params = [sum(p.numel() for p in m.parameters()) for m in make_models(args)]
     print(f"{len(params)} GPT-2 configurations of {min(params) / 1e6:.2f}-{max(params) / 1e6:.2f}M params, "
           f"{args.steps} steps of {args.batch}x{args.seq} "
-          f"tokens each; spilled budget {spilled_budget} bytes per device; torch {torch.__version__}, "
+          f"tokens each; spilled budget {spilled} bytes per device; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print("| mode | median s | tokens/s | speed-up vs plain | device busy |")
     print("|---|---|---|---|---|")
