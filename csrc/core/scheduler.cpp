@@ -20,8 +20,8 @@ std::vector<TaskSpec> validated(std::vector<TaskSpec> tasks, int num_devices) {
     if (spec.num_shards < 1) {
       throw std::invalid_argument(which + "num_shards must be >= 1, got " + std::to_string(spec.num_shards));
     }
-    if (spec.micro_batches < 1) {
-      throw std::invalid_argument(which + "micro_batches must be >= 1, got " + std::to_string(spec.micro_batches));
+    if (spec.micro_batches < 0) {
+      throw std::invalid_argument(which + "micro_batches must be >= 0, got " + std::to_string(spec.micro_batches));
     }
     if (spec.device && (*spec.device < 0 || *spec.device >= num_devices)) {
       throw std::invalid_argument(which + "device " + std::to_string(*spec.device) + " out of range [0, " +
@@ -38,7 +38,10 @@ Scheduler::Scheduler(std::vector<TaskSpec> tasks, int num_devices, PolicyKind po
       cost_model_(validated(tasks, num_devices)),
       policy_(policy, static_cast<int>(tasks.size()), num_devices, seed) {
   tasks_.reserve(tasks.size());
-  for (const TaskSpec& spec : tasks) tasks_.push_back(TaskState{spec, total_units(spec)});
+  for (const TaskSpec& spec : tasks) {
+    tasks_.push_back(TaskState{spec, total_units(spec)});
+    if (tasks_.back().total_units == 0) tasks_.back().state = State::kDone;  // resumed after its last step
+  }
   candidates_.reserve(tasks.size());
 }
 

@@ -23,8 +23,9 @@ namespace hydra::core {
 
 class Scheduler {
  public:
-  // Throws std::invalid_argument: no tasks, num_devices < 1, num_shards < 1, micro_batches < 1, or a
-  // task's device outside [0, num_devices).
+  // Throws std::invalid_argument: no tasks, num_devices < 1, num_shards < 1, micro_batches < 0, or a
+  // task's device outside [0, num_devices). A task with no micro-batches (one resumed after its last step)
+  // is finished from the start.
   Scheduler(std::vector<TaskSpec> tasks, int num_devices, PolicyKind policy, uint64_t seed = 0);
 
   Scheduler(const Scheduler&) = delete;

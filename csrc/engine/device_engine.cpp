@@ -231,14 +231,15 @@ bool DeviceEngine::load(int model, int shard, Need need) {
     if (e.owner != shard)
       copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
                           store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
-  // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless the
-  // memory it fills is still being filled by one of them (an evicted prefetch): it must not wait on a copy
-  // queued behind it.
-  const bool urgent = (need == Need::kMust || need == Need::kEvictAny) &&
-                      std::all_of(allocation.after.begin(), allocation.after.end(), [](const Fence& f) { return f.ready(); });
   std::vector<Fence> after = std::move(allocation.after);
   // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
   for (Fence& f : pending_steps(model, shard)) after.push_back(std::move(f));
+  // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless it
+  // waits on anything not yet done: the memory it fills may still be filled by one of them (an evicted
+  // prefetch), and a pending step may wait for a copy queued ahead that still reads the step's buffer. A copy
+  // that jumped the queue would then wait on a copy queued behind it, forever.
+  const bool urgent = (need == Need::kMust || need == Need::kEvictAny) &&
+                      std::all_of(after.begin(), after.end(), [](const Fence& f) { return f.ready(); });
   state.ready = track(model, to_device_.submit(std::move(after), [copies = std::move(copies), this]() -> DeviceEvent {
     return to_device_.copy(copies);
   }, urgent));
@@ -348,6 +349,7 @@ void DeviceEngine::release(int model, int shard) {
   ShardState& state = models_.at(model).shards.at(shard);
   TORCH_CHECK(state.pins > 0, "release of shard ", shard, " of model ", model, " that was not acquired");
   --state.pins;
+  state.bound_grads.clear();  // a backward that never completed (an error) received nothing
   if (models_[model].resident) return;
   state.last_use = compute_point();
   if (state.grads.valid()) {  // backward never completed (an error): the gradients are abandoned

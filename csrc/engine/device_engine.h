@@ -92,7 +92,10 @@ class DeviceEngine {
   void acquire(int model, int shard, bool with_grads);
   void release(int model, int shard);
   // The shard's backward for this micro-batch is issued. Gradients are accumulated; with `step` the shard's
-  // optimizer step follows (on the host for spilled models, overlapping the compute of other shards).
+  // optimizer step follows (on the host for spilled models, overlapping the compute of other shards). A step
+  // updates only the parameters that received a gradient since the last one, through the shard's own use or
+  // another's (a tied weight), in any micro-batch: the others keep their values, state and step count, as
+  // torch.optim leaves a parameter whose .grad is None.
   void backward_done(int model, int shard, bool step);
   // Global-norm clipping: after backward_done(step=false) on every shard, scales all gradients so their
   // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_), steps every shard, returns the norm.
@@ -125,6 +128,10 @@ class DeviceEngine {
     // Resident: the shard's whole training state, in master layout.
     Region home_weights, home_grads, home_master;
     std::vector<Region> home_states;
+    // The .grad tensors bind() gave the parameters, per layout entry (undefined where none), while the shard
+    // is acquired with gradients. Each has a version counter of its own, which autograd's in-place
+    // accumulation bumps: a tensor whose counter moved is a parameter that received a gradient.
+    std::vector<at::Tensor> bound_grads;
   };
   struct Model {
     std::shared_ptr<ShardStore> store;
@@ -147,6 +154,10 @@ class DeviceEngine {
   void start();  // on first use: uploads every resident model
   void upload_resident(int model);
   void bind(int model, int shard, bool with_grads);
+  // Tells the store which of the shard's parameters received a gradient since bind() (see bound_grads).
+  void note_gradients(int model, int shard);
+  // The shard's optimizer step, submitted now: it updates the parameters that received a gradient since the
+  // last one (ShardStore::take_step).
   void step_resident(int model, int shard, double grad_scale);
   void step_spilled(int model, int shard, double grad_scale);
   // Queues a host job after the model's previous one.

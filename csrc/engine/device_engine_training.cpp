@@ -18,18 +18,16 @@ int64_t now_ns() {
       .count();
 }
 
-// Steps the shard's host buffers; runs on a host-step thread. `landed`: the shard's one gradient of
-// this step, in device layout and compute dtype, read in the step's single pass; undefined: the accumulator,
-// which is zeroed for the next step.
-void step_host(ShardStore& store, int shard, double grad_scale, const at::Tensor& landed) {
-  const int64_t n = store.trainable_numel(shard);
+// Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
+// runs on a host-step thread. `landed`: the shard's one gradient of this step, in device layout and compute
+// dtype, read in the step's single pass; undefined: the accumulator, which is zeroed for the next step.
+void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
+               const at::Tensor& landed) {
   std::vector<at::Tensor> states;
-  for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k).narrow(0, 0, n));
-  const at::Tensor shadow = store.bf16() ? store.shadow(shard).narrow(0, 0, n) : at::Tensor();
-  const at::Tensor grad = landed.defined() ? landed.narrow(0, 0, n) : store.grad(shard).narrow(0, 0, n);
-  step_flat(store.optimizer(), store.master(shard).narrow(0, 0, n), grad, states, shadow, store.steps_taken(shard) + 1,
-            grad_scale);
-  store.count_step(shard);
+  for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
+  const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
+  const at::Tensor grad = landed.defined() ? landed : store.grad(shard);
+  step_ranges(store.optimizer(), store.master(shard), grad, states, shadow, ranges, grad_scale);
   if (!landed.defined()) store.grad(shard).zero_();
 }
 
@@ -78,7 +76,7 @@ void DeviceEngine::bind(int model, int shard, bool with_grads) {
   const at::ScalarType dtype = store.compute_dtype();
   // Spilled shards hold every parameter they use (tied ones copied in); resident models keep one copy of
   // each parameter, in its owner's buffers, so a tied weight is one tensor on the device too.
-  std::vector<at::Tensor> weights(store.num_shards()), grads(store.num_shards());
+  std::vector<at::Tensor> weights(store.num_shards()), grads(store.num_shards()), bound;
   for (const ParamEntry& e : store.layout(shard)) {
     const int source = m.resident ? e.owner : shard;
     if (!weights[source].defined()) {
@@ -92,19 +90,34 @@ void DeviceEngine::bind(int model, int shard, bool with_grads) {
     }
     const int64_t offset = m.resident ? e.master_offset : e.device_offset;
     e.param.set_data(weights[source].narrow(0, offset, e.numel).view(e.param.sizes()));
-    e.param.mutable_grad() =
-        with_grads && e.trainable ? grads[source].narrow(0, offset, e.numel).view(e.param.sizes()) : at::Tensor();
+    // variable_data(): the same memory under a version counter of its own (see ShardState::bound_grads).
+    const at::Tensor grad = with_grads && e.trainable
+                                ? grads[source].narrow(0, offset, e.numel).view(e.param.sizes()).variable_data()
+                                : at::Tensor();
+    e.param.mutable_grad() = grad;
+    bound.push_back(grad);
   }
+  m.shards[shard].bound_grads = std::move(bound);
+}
+
+void DeviceEngine::note_gradients(int model, int shard) {
+  ShardStore& store = *models_[model].store;
+  std::vector<at::Tensor>& bound = models_[model].shards[shard].bound_grads;
+  const std::vector<ParamEntry>& layout = store.layout(shard);
+  for (size_t i = 0; i < bound.size(); ++i)
+    if (bound[i].defined() && bound[i]._version() > 0) store.note_gradient(layout[i].owner, layout[i].owner_index);
+  bound.clear();  // noted once: a later backward of the shard binds afresh
 }
 
 void DeviceEngine::backward_done(int model, int shard, bool step) {
   Model& m = models_.at(model);
   ShardState& state = m.shards.at(shard);
+  TORCH_CHECK(m.resident || state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
+  note_gradients(model, shard);
   if (m.resident) {
     if (step) step_resident(model, shard, 1.0);
     return;
   }
-  TORCH_CHECK(state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   const at::Tensor device_grad = grad_view(model, shard);
   const at::ScalarType dtype = m.store->compute_dtype();
   const int64_t numel = device_grad.numel();
@@ -119,6 +132,8 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
   ++stats_.device_to_host_copies;
   stats_.device_to_host_bytes += bytes;
   const std::vector<Fence> readers = m.store->readers(shard);  // the step rewrites the buffer they read
+  // Taken now, on this thread: later micro-batches note their gradients for the next step meanwhile.
+  const std::vector<StepRange> ranges = step ? m.store->take_step(shard) : std::vector<StepRange>{};
   std::shared_ptr<ShardStore> owner = m.store;
   Fence done = submit(model, [=, this]() -> DeviceEvent {
     landed.wait();
@@ -134,7 +149,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
     }
     if (step) {
       for (const Fence& copy : readers) copy.wait_done();
-      step_host(*owner, shard, 1.0, single_pass ? gradient : at::Tensor());
+      step_host(*owner, shard, ranges, 1.0, single_pass ? gradient : at::Tensor());
       ++host_steps_done_;
     }
     host_step_ns_ += now_ns() - start;
@@ -154,17 +169,15 @@ void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
   Model& m = models_[model];
   ShardStore& store = *m.store;
   ShardState& state = m.shards[shard];
-  const int64_t n = store.trainable_numel(shard);
   c10::DeviceGuard device_guard(device_);
   const at::Tensor weights = home_view(model, shard, state.home_weights, store.compute_dtype());
   const at::Tensor grads = home_view(model, shard, state.home_grads, store.compute_dtype());
   // In bf16 the fp32 master is stepped and the bf16 weights the shard computes with are its shadow.
   const at::Tensor param = store.bf16() ? home_view(model, shard, state.home_master, at::kFloat) : weights;
   std::vector<at::Tensor> states;
-  for (const Region& r : state.home_states) states.push_back(home_view(model, shard, r, at::kFloat).narrow(0, 0, n));
-  step_flat(store.optimizer(), param.narrow(0, 0, n), grads.narrow(0, 0, n), states,
-            store.bf16() ? weights.narrow(0, 0, n) : at::Tensor(), store.steps_taken(shard) + 1, grad_scale);
-  store.count_step(shard);
+  for (const Region& r : state.home_states) states.push_back(home_view(model, shard, r, at::kFloat));
+  step_ranges(store.optimizer(), param, grads, states, store.bf16() ? weights : at::Tensor(), store.take_step(shard),
+              grad_scale);
   grads.zero_();
 }
 
@@ -172,10 +185,11 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   ShardState& state = models_[model].shards[shard];
   std::shared_ptr<ShardStore> owner = models_[model].store;
   const std::vector<Fence> readers = owner->readers(shard);
+  const std::vector<StepRange> ranges = owner->take_step(shard);
   const Fence done = submit(model, [=, this]() -> DeviceEvent {
     for (const Fence& copy : readers) copy.wait_done();
     const int64_t start = now_ns();
-    step_host(*owner, shard, grad_scale, at::Tensor());
+    step_host(*owner, shard, ranges, grad_scale, at::Tensor());
     ++host_steps_done_;
     host_step_ns_ += now_ns() - start;
     return nullptr;
@@ -216,6 +230,7 @@ double DeviceEngine::clip_and_step(int model, double max_norm) {
 void DeviceEngine::discard_grads(int model) {
   synchronize(model);
   Model& m = models_.at(model);
+  m.store->forget_gradients();
   for (int s = 0; s < m.store->num_shards(); ++s) {
     if (m.resident && m.uploaded) {
       home_view(model, s, m.shards[s].home_grads, m.store->compute_dtype()).zero_();

@@ -34,4 +34,15 @@ void step_flat(const OptimizerSpec& spec, const at::Tensor& param, const at::Ten
   }
 }
 
+void step_ranges(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
+                 const std::vector<at::Tensor>& states, const at::Tensor& shadow,
+                 const std::vector<StepRange>& ranges, double grad_scale) {
+  for (const StepRange& r : ranges) {
+    auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, r.begin, r.end - r.begin) : t; };
+    std::vector<at::Tensor> state_parts;
+    for (const at::Tensor& s : states) state_parts.push_back(part(s));
+    step_flat(spec, part(param), part(grad), state_parts, part(shadow), r.step, grad_scale);
+  }
+}
+
 }  // namespace hydra::engine

@@ -34,6 +34,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
   // Owner = first shard listing the parameter; identity is the TensorImpl, as for Python's `is`.
   struct Home {
     int owner;
+    int index;
     int64_t master_offset;
   };
   std::unordered_map<const c10::TensorImpl*, Home> owned_by;
@@ -46,7 +47,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
       TORCH_CHECK(at::isFloatingType(p.scalar_type()), "ShardStore: parameters must be floating point, found ",
                   p.scalar_type());
       if (!seen_here.emplace(p.unsafeGetTensorImpl(), true).second) continue;
-      ParamEntry entry{p, s, 0, 0, p.numel(), p.requires_grad(), p.scalar_type()};
+      ParamEntry entry{p, s, 0, 0, 0, p.numel(), p.requires_grad(), p.scalar_type()};
       auto found = owned_by.find(p.unsafeGetTensorImpl());
       if (found == owned_by.end()) {
         owned[s].push_back(entry);
@@ -65,21 +66,29 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     }
     owned_numel_[s] = offset;
     for (ParamEntry& e : owned[s]) layouts_[s].push_back(e);
-    // Register owners only after sorting, so borrowers copy the final master offsets.
-    for (const ParamEntry& e : layouts_[s]) owned_by.emplace(e.param.unsafeGetTensorImpl(), Home{s, e.master_offset});
+    // Register owners only after sorting, so borrowers copy the final master offsets and entry indices.
+    for (int i = 0; i < static_cast<int>(layouts_[s].size()); ++i) {
+      ParamEntry& e = layouts_[s][i];
+      e.owner_index = i;
+      owned_by.emplace(e.param.unsafeGetTensorImpl(), Home{s, i, e.master_offset});
+    }
   }
   sources_.resize(n);
   for (int s = 0; s < n; ++s) {
     sources_[s].push_back(s);
     int64_t offset = owned_numel_[s];
     for (ParamEntry& e : borrowed[s]) {
-      e.master_offset = owned_by.at(e.param.unsafeGetTensorImpl()).master_offset;
+      const Home& home = owned_by.at(e.param.unsafeGetTensorImpl());
+      e.master_offset = home.master_offset;
+      e.owner_index = home.index;
       e.device_offset = offset;
       offset = aligned(offset + e.numel);
       layouts_[s].push_back(e);
       if (std::find(sources_[s].begin(), sources_[s].end(), e.owner) == sources_[s].end()) sources_[s].push_back(e.owner);
     }
     device_numel_[s] = offset;
+    received_.emplace_back(layouts_[s].size(), 0);
+    param_steps_.emplace_back(layouts_[s].size(), 0);
   }
 
   for (int s = 0; s < n; ++s) {
@@ -140,6 +149,32 @@ int64_t ShardStore::host_bytes() const {
     if (bf16_) add(shadow_[s]);
   }
   return bytes;
+}
+
+void ShardStore::forget_gradients() {
+  for (std::vector<uint8_t>& received : received_) std::fill(received.begin(), received.end(), 0);
+}
+
+std::vector<StepRange> ShardStore::take_step(int shard) {
+  std::vector<StepRange> ranges;
+  std::vector<uint8_t>& received = received_.at(shard);
+  const std::vector<ParamEntry>& layout = layouts_[shard];
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const ParamEntry& e = layout[i];
+    if (e.owner != shard || !e.trainable || !received[i]) continue;
+    const int64_t step = ++param_steps_[shard][i];
+    // Up to the next entry's offset: the padding steps with its parameter, so that when every parameter
+    // steps the one range is the whole trainable buffer, as one pass of the fused kernel.
+    const int64_t end = aligned(e.master_offset + e.numel);
+    if (!ranges.empty() && ranges.back().end == e.master_offset && ranges.back().step == step) {
+      ranges.back().end = end;
+    } else {
+      ranges.push_back({e.master_offset, end, step});
+    }
+  }
+  std::fill(received.begin(), received.end(), 0);
+  ++steps_[shard];
+  return ranges;
 }
 
 void ShardStore::accumulate_grads(int shard, const at::Tensor& device_layout_grad) {

@@ -16,6 +16,7 @@
 
 #include "engine/fence.h"
 #include "engine/optimizer_spec.h"
+#include "engine/optimizer_step.h"
 
 namespace hydra::engine {
 
@@ -23,6 +24,7 @@ namespace hydra::engine {
 struct ParamEntry {
   at::Tensor param;       // the user's Parameter: its data is rebound, the object stays the same
   int owner;              // shard whose master buffer holds it
+  int owner_index;        // its entry's index in the owner's layout: where its step count and gradient note are
   int64_t master_offset;  // in the owner's master buffer
   int64_t device_offset;  // in this shard's device buffers (owned first, borrowed after)
   int64_t numel;
@@ -69,8 +71,23 @@ class ShardStore {
   at::Tensor& transfer_source(int shard) { return bf16_ ? shadow_.at(shard) : master_.at(shard); }
   at::Tensor& shadow(int shard) { return shadow_.at(shard); }
 
+  // Optimizer steps the shard has been through, whether or not any of its parameters received a gradient.
   int64_t steps_taken(int shard) const { return steps_.at(shard); }
-  void count_step(int shard) { ++steps_.at(shard); }
+  // Steps one owned parameter (entry `index` of the shard's layout) has taken: only those of steps in which it
+  // received a gradient, as torch.optim, which skips a parameter whose .grad is None.
+  int64_t param_steps(int shard, int index) const { return param_steps_.at(shard).at(index); }
+
+  // A gradient of the parameter at entry `index` of `owner`'s layout came in, through any shard that uses it
+  // (a tied weight through its borrowers too), in any micro-batch since the owner's last step. Called by the
+  // thread issuing the model's units, as take_step is.
+  void note_gradient(int owner, int index) { received_.at(owner).at(index) = 1; }
+  // Forgets the gradients noted since the last step (a failed micro-batch must not leak into one).
+  void forget_gradients();
+  // Starts one optimizer step of the shard, at its submission: the ranges of its flat buffers to update, each
+  // with its parameters' step number. A parameter that received no gradient since the last step is left out
+  // and keeps its step count, as torch.optim leaves it. When every trainable parameter received one (the usual
+  // case) the step is one range over all of them. Resets the notes for the next step.
+  std::vector<StepRange> take_step(int shard);
   // Bumped when a step of the shard is submitted: a device copy of an older version is stale.
   // Atomic: one device's thread bumps what another device's prefetch reads.
   int64_t version(int shard) const { return versions_.at(shard).load(std::memory_order_acquire); }
@@ -127,6 +144,10 @@ class ShardStore {
   std::vector<std::vector<ParamEntry>> layouts_;
   std::vector<std::vector<int>> sources_;
   std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
+  // Per shard, per entry of its layout (only owned, trainable ones are used): whether a gradient came in
+  // since the shard's last step, and the parameter's own step count.
+  std::vector<std::vector<uint8_t>> received_;
+  std::vector<std::vector<int64_t>> param_steps_;
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_future<void> last_job_;
   mutable std::mutex step_mutex_;

@@ -88,9 +88,20 @@ TEST(SchedulerConstruction, RejectsBadInputWithClearMessages) {
   EXPECT_NE(message([] { Scheduler({spec(2, 1)}, 0, PolicyKind::kLrtf); }).find("num_devices"), std::string::npos);
   EXPECT_NE(message([] { Scheduler({spec(2, 1), spec(0, 1)}, 1, PolicyKind::kLrtf); }).find("task 1: num_shards"),
             std::string::npos);
-  EXPECT_NE(message([] { Scheduler({spec(2, 0)}, 1, PolicyKind::kLrtf); }).find("micro_batches"), std::string::npos);
+  EXPECT_NE(message([] { Scheduler({spec(2, -1)}, 1, PolicyKind::kLrtf); }).find("micro_batches"), std::string::npos);
   EXPECT_NE(message([] { Scheduler({spec(2, 1, 2)}, 2, PolicyKind::kLrtf); }).find("device 2 out of range"),
             std::string::npos);
+}
+
+TEST(Scheduler, ATaskWithNoMicroBatchesIsFinishedFromTheStart) {
+  Scheduler scheduler({spec(2, 0), spec(1, 1)}, 1, PolicyKind::kLrtf);
+  EXPECT_TRUE(scheduler.finished(0));
+  EXPECT_EQ(scheduler.remaining_units(0), 0);
+  const auto unit = scheduler.next(0);
+  ASSERT_TRUE(unit);
+  EXPECT_EQ(unit->task, 1);
+  scheduler.complete(0, *unit, 1e-3);
+  EXPECT_FALSE(scheduler.next(0));
 }
 
 TEST(Scheduler, OneDeviceRunsEveryUnitInOrderThenStops) {

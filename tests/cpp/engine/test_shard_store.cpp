@@ -190,6 +190,68 @@ TEST(ShardStore, TiedParameterIsOwnedByTheLowestShard) {
   EXPECT_TRUE(at::equal(store.master(1).narrow(0, 16, 3), flat(m.z)));
 }
 
+TEST(ShardStore, BorrowedEntriesKnowTheirIndexInTheOwnersLayout) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, false, false);
+  for (int s = 0; s < store.num_shards(); ++s) {
+    for (const ParamEntry& e : store.layout(s)) {
+      const ParamEntry& home = store.layout(e.owner).at(e.owner_index);
+      EXPECT_TRUE(home.param.is_same(e.param)) << "shard " << s << " offset " << e.device_offset;
+      EXPECT_EQ(home.owner, e.owner);
+    }
+  }
+  EXPECT_EQ(entry_for(store, 2, m.e).owner_index, 0);
+  EXPECT_EQ(entry_for(store, 2, m.z).owner_index, 1);
+}
+
+TEST(ShardStore, AStepCoversOnlyTheParametersThatReceivedAGradient) {
+  at::Tensor x = param({5}, 1.0), y = param({20}, 2.0), w = param({3}, 3.0), frozen = param({4}, 4.0, false);
+  ShardStore store({{x, frozen, y, w}}, OptimizerSpec{}, false, false);  // x at 0, y at 16, w at 48, frozen after
+  ASSERT_EQ(store.trainable_numel(0), 64);
+  auto note = [&](std::initializer_list<int> entries) {
+    for (int i : entries) store.note_gradient(0, i);
+  };
+  auto ranges = [](std::vector<hydra::engine::StepRange> taken) {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& r : taken) out.push_back({r.begin, r.end, r.step});
+    return out;
+  };
+  using Ranges = std::vector<std::vector<int64_t>>;
+
+  note({0, 1, 2, 3});  // every parameter, and a note for the frozen one that nothing steps
+  EXPECT_EQ(ranges(store.take_step(0)), (Ranges{{0, 64, 1}})) << "the usual step: one pass over the trainable buffer";
+  note({0, 1, 2});
+  EXPECT_EQ(ranges(store.take_step(0)), (Ranges{{0, 64, 2}}));
+  note({0, 2});  // y (entry 1) received nothing: x and w step around it
+  EXPECT_EQ(ranges(store.take_step(0)), (Ranges{{0, 16, 3}, {48, 64, 3}}));
+  EXPECT_EQ(store.param_steps(0, 1), 2) << "y's own count stands still";
+  note({0, 1, 2});  // neighbours at different counts are stepped apart, each with its own step number
+  EXPECT_EQ(ranges(store.take_step(0)), (Ranges{{0, 16, 4}, {16, 48, 3}, {48, 64, 4}}));
+  EXPECT_EQ(ranges(store.take_step(0)), Ranges{}) << "notes are reset by a step";
+  note({1});
+  store.forget_gradients();
+  EXPECT_EQ(ranges(store.take_step(0)), Ranges{}) << "forgotten gradients step nothing";
+  EXPECT_EQ(store.steps_taken(0), 6) << "every step counts for the shard";
+  EXPECT_EQ(store.param_steps(0, 0), 4);
+  EXPECT_EQ(store.param_steps(0, 1), 3);
+  EXPECT_EQ(store.param_steps(0, 2), 4);
+  EXPECT_EQ(store.param_steps(0, 3), 0) << "frozen";
+}
+
+TEST(ShardStore, ATiedParameterStepsWithItsOwnerWhenOnlyABorrowerUsedIt) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, false, false);
+  const ParamEntry& borrowed = entry_for(store, 2, m.e);
+  store.note_gradient(borrowed.owner, borrowed.owner_index);
+  const auto borrower = store.take_step(2);
+  EXPECT_TRUE(borrower.empty()) << "g received nothing; e is not the borrower's to step";
+  const auto owner = store.take_step(0);
+  ASSERT_EQ(owner.size(), 1u);
+  EXPECT_EQ(owner[0].begin, 0);
+  EXPECT_EQ(owner[0].end, 48) << "e and its padding, not a";
+  EXPECT_EQ(owner[0].step, 1);
+}
+
 TEST(ShardStore, AccumulateGradsAddsOwnedAndRoutesBorrowedToTheOwner) {
   TiedModel m;
   ShardStore store(m.shards(), OptimizerSpec{}, false, false);
