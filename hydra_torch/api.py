@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
-from hydra_torch import _C, interrupts, memory, planner, sharding, task_rng, testing
+from hydra_torch import _C, checkpoint, interrupts, memory, planner, sharding, task_rng, testing
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
@@ -65,7 +67,8 @@ def _host_step_threads(host_threads) -> int:
 
 
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
-          progress: bool = True, seed: int = 0, host_threads: int | None = None) -> Results:
+          progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
+          checkpoint_every=None) -> Results:
     """Trains every task concurrently and returns their results; the user's modules hold the trained weights.
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
@@ -80,6 +83,11 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     progress: tqdm progress bars, one per task and a total.
     host_threads: threads for the host optimizer steps of spilled models, shared by all devices (default:
         half the cores, at most 4).
+    checkpoint_dir: a directory for each task's checkpoints (weights, optimizer state, data position, random
+        states, losses). A task with a checkpoint there continues from it: the same call after a crash resumes
+        every task, and ends as the uninterrupted run would have. Also written when a task ends or is stopped.
+    checkpoint_every: steps (an int) or a duration ("10min", "30s") between a task's checkpoints; default
+        "10min". Only with checkpoint_dir.
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
@@ -106,6 +114,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     except ValueError as error:
         raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
     resolved = resolve_devices(devices)
+    loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
     memory.check_host_memory(tasks)
     host_steps = _C.HostSteps(_host_step_threads(host_threads))
     # Virtual CPU devices share one memory: a fraction of it (or the default) is split between them.
@@ -123,11 +132,19 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     start_rng = task_rng.TaskRng.current(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
     _place(runners, engines, budgets, pin)
+    for runner, state in zip(runners, loaded):
+        if state is not None:
+            checkpoint.restore(state, runner)
+    del loaded
+    checkpoints = checkpoint.Checkpointer(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
+    for runner in runners if checkpoints is not None else ():
+        checkpoints.started(runner)
     # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
     specs = [(r.n, r.micro_batches, r.home, sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     stop = interrupts.StopRequest()
-    slots = [DeviceSlot(i, d, e, scheduler, runners, stop) for i, (d, e) in enumerate(zip(resolved, engines))]
+    slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints)
+             for i, (d, e) in enumerate(zip(resolved, engines))]
 
     trace, lock = [], threading.Lock()
     threads_per_device = 1 if len(resolved) > 1 and resolved[0].type == "cpu" else None
@@ -158,7 +175,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         torch.set_num_threads(threads_before)
         wall = time.perf_counter() - start
         bars.close(runners)
-        results = _finish(runners, engines, trace, start, resolved, wall)
+        results = _finish(runners, engines, trace, start, resolved, wall, checkpoints)
         results.interrupted = stop.name
     if interrupted is not None:
         raise interrupted
@@ -167,6 +184,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
                       f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=2)
         if stop.signal != signal.SIGINT:
+            if checkpoints is not None:
+                sys.stderr.write(f"{stop.name}: every task stopped at a step boundary and was checkpointed in "
+                                 f"{checkpoint_dir}; the same ht.train call with checkpoint_dir={checkpoint_dir!r} "
+                                 "resumes it\n")
             interrupts.deliver(stop.signal)
     for result in results:
         if result.error is not None:
@@ -213,7 +234,24 @@ def _place(runners, engines, budgets, pin: bool):
             raise ValueError(f"task {runner.task.name!r}: {error}") from None
 
 
-def _finish(runners, engines, trace, start, devices, wall) -> Results:
+def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
+    """Each task's checkpoint in `checkpoint_dir` (None where it has none), checked against the task before
+    anything is allocated."""
+    if checkpoint_dir is None:
+        if checkpoint_every is not None:
+            raise ValueError("checkpoint_every needs checkpoint_dir: where to keep the checkpoints")
+        return [None] * len(tasks)
+    checkpoint.parse_every(checkpoint_every)
+    try:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} cannot be created: {error}") from None
+    if not os.access(checkpoint_dir, os.W_OK):
+        raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} is not writable")
+    return [checkpoint.load(checkpoint_dir, task) for task in tasks]
+
+
+def _finish(runners, engines, trace, start, devices, wall, checkpoints=None) -> Results:
     results = []
     for runner in runners:
         home = runner.home if runner.home is not None else next(iter(runner.model_ids))
@@ -230,6 +268,8 @@ def _finish(runners, engines, trace, start, devices, wall) -> Results:
         except Exception as error:
             runner.error = runner.error or error
         runner.restore_buffers()
+        if checkpoints is not None and runner.error is None and runner.at_step_boundary():
+            checkpoints.submit(runner, final=True)
         units = [e for e in trace if e.task == runner.index]
         loads = [sum(col) for col in zip(*(engines[i].shard_loads(m) for i, m in runner.model_ids.items()))]
         results.append(TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
@@ -237,6 +277,8 @@ def _finish(runners, engines, trace, start, devices, wall) -> Results:
                                   any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
                                   runner.error, busy_time=sum(e.end - e.start for e in units),
                                   host_bytes=runner.store.host_bytes, cut_short=runner.cut_short))
+    if checkpoints is not None:
+        checkpoints.close()
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]

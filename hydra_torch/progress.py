@@ -16,10 +16,11 @@ class Progress:
         from tqdm.auto import tqdm
 
         steps = [len(step_sizes(r.task)) for r in runners]
-        self._total = tqdm(total=sum(steps), desc="all tasks", unit="step", position=0, dynamic_ncols=True)
-        for i, (runner, total) in enumerate(zip(runners, steps)):
-            self._bars[runner.index] = tqdm(total=total, desc=runner.task.name, unit="step", position=i + 1,
-                                            leave=True, dynamic_ncols=True)
+        self._total = tqdm(total=sum(steps), initial=sum(r.steps for r in runners), desc="all tasks", unit="step",
+                           position=0, dynamic_ncols=True)
+        for i, (runner, total) in enumerate(zip(runners, steps)):  # a resumed task starts where it was
+            self._bars[runner.index] = tqdm(total=total, initial=runner.steps, desc=runner.task.name, unit="step",
+                                            position=i + 1, leave=True, dynamic_ncols=True)
             runner.on_step = self.step
 
     def step(self, runner):

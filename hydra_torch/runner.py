@@ -57,14 +57,26 @@ class DataLengthError(ValueError):
     pass
 
 
-def step_groups(task: ModelTask):
+def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch.Tensor | None = None):
     """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each. Batches are read
     as the steps need them (one step's worth is held at a time), and each epoch must yield exactly len(data)
-    batches: the scheduler planned the task from that length."""
+    batches: the scheduler planned the task from that length.
+
+    Called where the CPU generator holds the task's state. `on_epoch(state)` learns the generator's state as
+    each epoch begins (what a shuffled loader draws its order from). Resuming after `start` steps in the middle
+    of an epoch replays that epoch's beginning from `epoch_rng`, its state then, so the order is the same, and
+    skips the batches its steps took; the generator then goes on from where it was."""
     expected = len(task.data)
     per_epoch = _epoch_step_sizes(expected, task.accumulate)
-    steps = 0
-    for epoch in range(task.epochs):
+    steps = start
+    first_epoch, skip = divmod(start, len(per_epoch))
+    for epoch in range(first_epoch, task.epochs):
+        replay = epoch == first_epoch and skip > 0
+        if replay:
+            current = torch.get_rng_state()
+            torch.set_rng_state(epoch_rng)
+        if on_epoch is not None:
+            on_epoch(torch.get_rng_state())
         batches = iter(task.data)
         read = 0
         for i, size in enumerate(per_epoch):
@@ -78,6 +90,10 @@ def step_groups(task: ModelTask):
                     raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data ended after {read} batches, "
                                           f"but len(data) is {expected}") from None
                 read += 1
+            if replay and i < skip:  # taken by the steps before the checkpoint
+                if i == skip - 1:
+                    torch.set_rng_state(current)
+                continue
             last = i == len(per_epoch) - 1
             if last and next(batches, _END) is not _END:  # checked before the epoch's last step trains
                 raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
@@ -99,8 +115,8 @@ def step_sizes(task: ModelTask) -> list[int]:
     return groups[:task.max_steps] if task.max_steps is not None else groups
 
 
-def count_micro_batches(task: ModelTask) -> int:
-    return sum(step_sizes(task))
+def count_micro_batches(task: ModelTask, after_steps: int = 0) -> int:
+    return sum(step_sizes(task)[after_steps:])
 
 
 class TaskRunner:
@@ -123,7 +139,8 @@ class TaskRunner:
         self.cut_short: str | None = None     # why it stopped at a step boundary before its last step
         self.micro_batches = count_micro_batches(task)
         self.on_step = None                   # called after each optimizer step (progress bars)
-        self._groups = step_groups(task)
+        self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
+        self._groups = step_groups(task, self._epoch_began)
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
         self._mb: _MicroBatch | None = None
         self._stepped: list[int] = []         # shards whose part of the current step has been applied
@@ -131,6 +148,21 @@ class TaskRunner:
         self._rng = TaskRng(*start_rng.snapshot())
         self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
                           if b is not None] for group in task.modules]
+
+    def _epoch_began(self, state):
+        self.epoch_rng = state
+
+    def resume(self, steps: int, losses: list[float], epochs_done: int, rng: TaskRng, epoch_rng):
+        """Continues after `steps` steps taken by an earlier run, from its checkpoint."""
+        self.steps, self.losses, self.epochs_done = steps, list(losses), epochs_done
+        self._rng = rng
+        self.epoch_rng = epoch_rng
+        self.micro_batches = count_micro_batches(self.task, steps)
+        self._groups = step_groups(self.task, self._epoch_began, steps, epoch_rng)
+
+    @property
+    def rng(self) -> TaskRng:
+        return self._rng
 
     def run_unit(self, unit, slot):
         """Runs one unit on `slot` (engine + device); `slot.prefetch()` is called once the unit's own shard

@@ -26,6 +26,7 @@ class DeviceSlot:
     scheduler: object = None  # _C.Scheduler
     runners: list = None      # TaskRunner per task id
     stop: object = None       # interrupts.StopRequest: once set, tasks end at their next step boundary
+    checkpoints: object = None  # checkpoint.Checkpointer, when the run keeps checkpoints
 
     def prefetch(self):
         """Brings in the next planned shard not on the device, possibly another task's."""
@@ -76,10 +77,20 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
                 return
             if slot.stop is not None and slot.stop.is_set() and _cut_short(slot, unit):
                 continue
+            _checkpoint_if_due(slot, slot.runners[unit.task])
             _run_unit(slot, unit, clock, trace, lock)
     finally:
         if clock is not None:
             clock.poll(wait=True)
+
+
+def _checkpoint_if_due(slot: DeviceSlot, runner):
+    """At a step boundary of a task due a checkpoint: its pending steps are waited for and its resident state
+    copied home, then a copy of the state goes to the background writer. Other tasks run on meanwhile."""
+    if slot.checkpoints is None or not runner.at_step_boundary() or not slot.checkpoints.due(runner):
+        return
+    slot.engine.snapshot(runner.model_ids[slot.index])
+    slot.checkpoints.submit(runner)
 
 
 def _cut_short(slot: DeviceSlot, unit) -> bool:

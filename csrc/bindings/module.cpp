@@ -75,6 +75,15 @@ PYBIND11_MODULE(_C, m) {
       .def("grad", &ShardStore::grad)
       .def("has_grad", &ShardStore::has_grad)
       .def_property_readonly("host_bytes", &ShardStore::host_bytes)
+      .def("param_states",
+           [](ShardStore& store) {
+             std::vector<std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t>> states;
+             for (ShardStore::ParamState& p : store.param_states())
+               states.emplace_back(p.param, p.master, std::move(p.states), p.steps);
+             return states;
+           })
+      .def("set_param_steps", &ShardStore::set_param_steps, py::arg("param"), py::arg("steps"))
+      .def("refresh_shadow", &ShardStore::refresh_shadow)
       .def("write_back", &ShardStore::write_back);
 
   // The host-step threads one run's device engines share.
@@ -106,6 +115,7 @@ PYBIND11_MODULE(_C, m) {
       .def("clip_and_step", &DeviceEngine::clip_and_step, release_gil())
       .def("discard_grads", &DeviceEngine::discard_grads, release_gil())
       .def("synchronize", &DeviceEngine::synchronize, release_gil())
+      .def("snapshot", &DeviceEngine::snapshot, release_gil())
       .def("finish", &DeviceEngine::finish, release_gil())
       .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)

@@ -105,6 +105,9 @@ class DeviceEngine {
   // Waits for all of the model's queued host jobs, on every device (they form one chain), and the copies
   // queued here, rethrowing the first error among them.
   void synchronize(int model);
+  // Brings the model's whole training state up to date in its ShardStore, for a checkpoint: waits for its
+  // host jobs (synchronize) and copies a resident model's device state home. Training goes on afterwards.
+  void snapshot(int model);
   // Brings device-resident state home and points the user's parameters at host tensors again; does so
   // even when a queued job failed, then rethrows that job's error.
   void finish(int model);
@@ -153,6 +156,8 @@ class DeviceEngine {
   void allocate_grads(int model, int shard);
   void start();  // on first use: uploads every resident model
   void upload_resident(int model);
+  // Copies a resident model's device state (weights, master, optimizer states) into its store.
+  void copy_resident_home(int model);
   void bind(int model, int shard, bool with_grads);
   // Tells the store which of the shard's parameters received a gradient since bind() (see bound_grads).
   void note_gradients(int model, int shard);

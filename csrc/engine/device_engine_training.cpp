@@ -258,6 +258,29 @@ void DeviceEngine::synchronize(int model) {
   if (first_error) std::rethrow_exception(first_error);
 }
 
+void DeviceEngine::copy_resident_home(int model) {
+  Model& m = models_.at(model);
+  ShardStore& store = *m.store;
+  if (!m.resident || !m.uploaded) return;  // never uploaded: the store holds the state
+  c10::DeviceGuard device_guard(device_);
+  for (int s = 0; s < store.num_shards(); ++s) {
+    const ShardState& state = m.shards[s];
+    if (store.bf16()) {
+      store.master(s).copy_(home_view(model, s, state.home_master, at::kFloat));
+      store.shadow(s).copy_(home_view(model, s, state.home_weights, at::kBFloat16));
+    } else {
+      store.master(s).copy_(home_view(model, s, state.home_weights, at::kFloat));
+    }
+    for (int k = 0; k < store.optimizer().num_states(); ++k)
+      store.state(s, k).copy_(home_view(model, s, state.home_states[k], at::kFloat));
+  }
+}
+
+void DeviceEngine::snapshot(int model) {
+  synchronize(model);
+  copy_resident_home(model);
+}
+
 void DeviceEngine::finish(int model) {
   std::exception_ptr failure;
   try {
@@ -265,22 +288,8 @@ void DeviceEngine::finish(int model) {
   } catch (...) {
     failure = std::current_exception();
   }
-  Model& m = models_.at(model);
-  ShardStore& store = *m.store;
-  if (m.resident && m.uploaded) {
-    for (int s = 0; s < store.num_shards(); ++s) {
-      const ShardState& state = m.shards[s];
-      if (store.bf16()) {
-        store.master(s).copy_(home_view(model, s, state.home_master, at::kFloat));
-        store.shadow(s).copy_(home_view(model, s, state.home_weights, at::kBFloat16));
-      } else {
-        store.master(s).copy_(home_view(model, s, state.home_weights, at::kFloat));
-      }
-      for (int k = 0; k < store.optimizer().num_states(); ++k)
-        store.state(s, k).copy_(home_view(model, s, state.home_states[k], at::kFloat));
-    }
-  }
-  store.write_back();
+  copy_resident_home(model);
+  models_.at(model).store->write_back();
   if (failure) std::rethrow_exception(failure);
 }
 

@@ -191,6 +191,41 @@ void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_
   }
 }
 
+std::vector<ShardStore::ParamState> ShardStore::param_states() {
+  std::vector<ParamState> found;
+  for (int s = 0; s < num_shards(); ++s) {
+    for (size_t i = 0; i < layouts_[s].size(); ++i) {
+      const ParamEntry& e = layouts_[s][i];
+      if (e.owner != s) continue;
+      auto view = [&](const at::Tensor& flat) { return flat.narrow(0, e.master_offset, e.numel).view(e.param.sizes()); };
+      ParamState state{e.param, view(master_[s]), {}, param_steps_[s][i]};
+      if (e.trainable)
+        for (const at::Tensor& t : state_[s]) state.states.push_back(view(t));
+      found.push_back(std::move(state));
+    }
+  }
+  return found;
+}
+
+void ShardStore::set_param_steps(const at::Tensor& param, int64_t steps) {
+  TORCH_CHECK(steps >= 0, "set_param_steps: a step count cannot be negative, got ", steps);
+  for (int s = 0; s < num_shards(); ++s) {
+    for (size_t i = 0; i < layouts_[s].size(); ++i) {
+      const ParamEntry& e = layouts_[s][i];
+      if (e.owner == s && e.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
+        param_steps_[s][i] = steps;
+        return;
+      }
+    }
+  }
+  TORCH_CHECK(false, "set_param_steps: the parameter of shape ", param.sizes(), " is not in this store");
+}
+
+void ShardStore::refresh_shadow() {
+  if (!bf16_) return;
+  for (int s = 0; s < num_shards(); ++s) shadow_[s].copy_(master_[s]);
+}
+
 void ShardStore::write_back() {
   // Every copy is made before any parameter is rebound: memory running out half-way must not leave some
   // parameters pointing at device memory about to be freed. A parameter whose copy cannot be made keeps a

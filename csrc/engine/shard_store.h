@@ -131,6 +131,22 @@ class ShardStore {
   // Only the borrowed parameters' part of it, into their owners' accumulators (the owned part is stepped from
   // where it landed).
   void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad);
+  // One owned parameter's host training state, for checkpoints: the parameter, views shaped like it of its
+  // fp32 master value and of its optimizer states (none when it is frozen), and its own step count.
+  struct ParamState {
+    at::Tensor param, master;
+    std::vector<at::Tensor> states;
+    int64_t steps;
+  };
+  // Every parameter once (a tied one under its owner). Current only when no step is pending (after
+  // DeviceEngine::snapshot or before training). Writing into the views restores a checkpoint; refresh_shadow()
+  // then.
+  std::vector<ParamState> param_states();
+  // Sets an owned parameter's own step count (a restored checkpoint). Throws if the store does not hold it.
+  void set_param_steps(const at::Tensor& param, int64_t steps);
+  // After the master values were overwritten: the bf16 copies that travel to the device follow them.
+  void refresh_shadow();
+
   // Points every parameter at a host tensor of its own holding the master value in its original dtype,
   // and drops the gradients: the user's modules come back as plain PyTorch modules, ties intact.
   void write_back();
