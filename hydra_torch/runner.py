@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hydra_torch import _C
+from hydra_torch import _C, schedules
 from hydra_torch.task import ModelTask
 from hydra_torch.task_rng import TaskRng
 
@@ -144,6 +144,8 @@ class TaskRunner:
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
         self._mb: _MicroBatch | None = None
         self._stepped: list[int] = []         # shards whose part of the current step has been applied
+        self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, len(step_sizes(task)))
+        self._lr_scale = 1.0                  # the schedule's multiplier for the current step
         # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
         self._rng = TaskRng(*start_rng.snapshot())
         self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
@@ -207,6 +209,8 @@ class TaskRunner:
                 epoch, self._group, self._epoch_end = next(self._groups)
                 self._epoch = epoch
                 self._position, self._loss_sum = 0, 0.0
+                # Before any of the step's work: a schedule that fails stops the task with no step half-done.
+                self._lr_scale = schedules.multiplier_at(self._lr_at, self.steps, self.task.name)
             batch = _to(self._group[self._position], device)
             self._position += 1
             x = self.task.inputs(batch)
@@ -222,7 +226,7 @@ class TaskRunner:
             return
         self._stepped = []
         if self.task.clip_grad_norm is not None:
-            slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm))
+            slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm), self._lr_scale)
         self.steps += 1
         self.losses.append(self._loss_sum / mb.count)
         if self._epoch_end:
@@ -308,7 +312,7 @@ class TaskRunner:
 
     def _backward_done(self, engine, mid, s, mb):
         step = mb.last and self.task.clip_grad_norm is None
-        engine.backward_done(mid, s, step=step)
+        engine.backward_done(mid, s, step=step, lr_scale=self._lr_scale)
         if step:
             self._stepped.append(s)
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from hydra_torch import optim, sharding
+from hydra_torch import optim, schedules, sharding
 from hydra_torch.integrations import adapt
 
 PRECISIONS = ("fp32", "bf16")
@@ -54,6 +54,9 @@ class ModelTask:
     accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n).
     clip_grad_norm: global gradient-norm clipping as torch.nn.utils.clip_grad_norm_ (steps then wait for
     the whole backward, since the norm needs every shard's gradients).
+    lr_schedule: the learning rate's multiplier at each step, as transformers.get_scheduler's schedules: a name
+    ("linear", "cosine", "constant_with_warmup", ...) with ``warmup_steps``, over the task's steps (epochs and
+    max_steps counted), or a callable step -> multiplier (LambdaLR semantics: step 0 is the first step).
     precision: "fp32" or "bf16" compute (weights and gradients on the device); master weights and optimizer
     state are fp32 either way, and the trained weights come back in the parameters' own dtype. Default: the
     model's dtype (an fp32 model computes in fp32, a bf16 one in bf16).
@@ -65,7 +68,8 @@ class ModelTask:
                  optimizer=None,
                  epochs: int = 1, name: str | None = None, precision: str | None = None, shards=None,
                  accumulate: int = 1, clip_grad_norm: float | None = None,
-                 inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None):
+                 inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None, lr_schedule=None,
+                 warmup_steps: int = 0):
         optimizer = optim.AdamW() if optimizer is None else optimizer
         if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
             raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
@@ -85,6 +89,7 @@ class ModelTask:
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
+        schedules.check(lr_schedule, warmup_steps)
         if data is None or not hasattr(data, "__iter__") or not hasattr(data, "__len__"):
             raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
                             "plans each task's remaining work from its length")
@@ -136,6 +141,8 @@ class ModelTask:
         self.accumulate = accumulate
         self.clip_grad_norm = clip_grad_norm
         self.max_steps = max_steps
+        self.lr_schedule = lr_schedule
+        self.warmup_steps = warmup_steps
         self.precision = precision
         self.name = name if name is not None else f"task{next(self._names)}"
 

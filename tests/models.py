@@ -55,9 +55,12 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def train_plain(model, data, make_optimizer, accumulate: int = 1, clip: float | None = None, seed: int = 123):
-    """The reference: the usual PyTorch loop, averaging the loss over `accumulate` micro-batches."""
+def train_plain(model, data, make_optimizer, accumulate: int = 1, clip: float | None = None, seed: int = 123,
+                make_scheduler=None):
+    """The reference: the usual PyTorch loop, averaging the loss over `accumulate` micro-batches;
+    `make_scheduler(optimizer)`: an LR scheduler stepped after each optimizer step."""
     optimizer = make_optimizer(model.parameters())
+    scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
     torch.manual_seed(seed)
     losses = []
     for start in range(0, len(data), accumulate):
@@ -71,6 +74,8 @@ def train_plain(model, data, make_optimizer, accumulate: int = 1, clip: float | 
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(total / len(group))
     return losses
 

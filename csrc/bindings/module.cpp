@@ -111,8 +111,9 @@ PYBIND11_MODULE(_C, m) {
       .def("acquire", &DeviceEngine::acquire, py::arg("model"), py::arg("shard"), py::arg("with_grads"), release_gil())
       .def("release", &DeviceEngine::release, release_gil())
       .def("backward_done", &DeviceEngine::backward_done, py::arg("model"), py::arg("shard"), py::arg("step"),
-           release_gil())
-      .def("clip_and_step", &DeviceEngine::clip_and_step, release_gil())
+           py::arg("lr_scale") = 1.0, release_gil())
+      .def("clip_and_step", &DeviceEngine::clip_and_step, py::arg("model"), py::arg("max_norm"),
+           py::arg("lr_scale") = 1.0, release_gil())
       .def("discard_grads", &DeviceEngine::discard_grads, release_gil())
       .def("synchronize", &DeviceEngine::synchronize, release_gil())
       .def("snapshot", &DeviceEngine::snapshot, release_gil())

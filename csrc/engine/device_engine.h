@@ -95,11 +95,12 @@ class DeviceEngine {
   // optimizer step follows (on the host for spilled models, overlapping the compute of other shards). A step
   // updates only the parameters that received a gradient since the last one, through the shard's own use or
   // another's (a tied weight), in any micro-batch: the others keep their values, state and step count, as
-  // torch.optim leaves a parameter whose .grad is None.
-  void backward_done(int model, int shard, bool step);
+  // torch.optim leaves a parameter whose .grad is None. The step's learning rate is the optimizer's times
+  // `lr_scale` (the task's schedule at this step).
+  void backward_done(int model, int shard, bool step, double lr_scale = 1.0);
   // Global-norm clipping: after backward_done(step=false) on every shard, scales all gradients so their
   // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_), steps every shard, returns the norm.
-  double clip_and_step(int model, double max_norm);
+  double clip_and_step(int model, double max_norm, double lr_scale = 1.0);
   // Forgets the gradients accumulated since the last step (a failed micro-batch must not leak into one).
   void discard_grads(int model);
   // Waits for all of the model's queued host jobs, on every device (they form one chain), and the copies
@@ -163,8 +164,8 @@ class DeviceEngine {
   void note_gradients(int model, int shard);
   // The shard's optimizer step, submitted now: it updates the parameters that received a gradient since the
   // last one (ShardStore::take_step).
-  void step_resident(int model, int shard, double grad_scale);
-  void step_spilled(int model, int shard, double grad_scale);
+  void step_resident(int model, int shard, double grad_scale, double lr_scale);
+  void step_spilled(int model, int shard, double grad_scale, double lr_scale);
   // Queues a host job after the model's previous one.
   Fence submit(int model, std::function<DeviceEvent()> job);
   Fence track(int model, Fence fence);  // a copy of the model's, whose error synchronize() must report

@@ -18,16 +18,23 @@ int64_t now_ns() {
       .count();
 }
 
+// The task's optimizer at this step: its learning rate times the schedule's multiplier.
+OptimizerSpec scheduled(const OptimizerSpec& spec, double lr_scale) {
+  OptimizerSpec step_spec = spec;
+  step_spec.lr *= lr_scale;
+  return step_spec;
+}
+
 // Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
 // runs on a host-step thread. `landed`: the shard's one gradient of this step, in device layout and compute
 // dtype, read in the step's single pass; undefined: the accumulator, which is zeroed for the next step.
 void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
-               const at::Tensor& landed) {
+               double lr_scale, const at::Tensor& landed) {
   std::vector<at::Tensor> states;
   for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
   const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
   const at::Tensor grad = landed.defined() ? landed : store.grad(shard);
-  step_ranges(store.optimizer(), store.master(shard), grad, states, shadow, ranges, grad_scale);
+  step_ranges(scheduled(store.optimizer(), lr_scale), store.master(shard), grad, states, shadow, ranges, grad_scale);
   if (!landed.defined()) store.grad(shard).zero_();
 }
 
@@ -109,13 +116,13 @@ void DeviceEngine::note_gradients(int model, int shard) {
   bound.clear();  // noted once: a later backward of the shard binds afresh
 }
 
-void DeviceEngine::backward_done(int model, int shard, bool step) {
+void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale) {
   Model& m = models_.at(model);
   ShardState& state = m.shards.at(shard);
   TORCH_CHECK(m.resident || state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   note_gradients(model, shard);
   if (m.resident) {
-    if (step) step_resident(model, shard, 1.0);
+    if (step) step_resident(model, shard, 1.0, lr_scale);
     return;
   }
   const at::Tensor device_grad = grad_view(model, shard);
@@ -149,7 +156,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
     }
     if (step) {
       for (const Fence& copy : readers) copy.wait_done();
-      step_host(*owner, shard, ranges, 1.0, single_pass ? gradient : at::Tensor());
+      step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
       ++host_steps_done_;
     }
     host_step_ns_ += now_ns() - start;
@@ -165,7 +172,7 @@ void DeviceEngine::backward_done(int model, int shard, bool step) {
   }
 }
 
-void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
+void DeviceEngine::step_resident(int model, int shard, double grad_scale, double lr_scale) {
   Model& m = models_[model];
   ShardStore& store = *m.store;
   ShardState& state = m.shards[shard];
@@ -176,12 +183,12 @@ void DeviceEngine::step_resident(int model, int shard, double grad_scale) {
   const at::Tensor param = store.bf16() ? home_view(model, shard, state.home_master, at::kFloat) : weights;
   std::vector<at::Tensor> states;
   for (const Region& r : state.home_states) states.push_back(home_view(model, shard, r, at::kFloat));
-  step_ranges(store.optimizer(), param, grads, states, store.bf16() ? weights : at::Tensor(), store.take_step(shard),
-              grad_scale);
+  step_ranges(scheduled(store.optimizer(), lr_scale), param, grads, states, store.bf16() ? weights : at::Tensor(),
+              store.take_step(shard), grad_scale);
   grads.zero_();
 }
 
-void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
+void DeviceEngine::step_spilled(int model, int shard, double grad_scale, double lr_scale) {
   ShardState& state = models_[model].shards[shard];
   std::shared_ptr<ShardStore> owner = models_[model].store;
   const std::vector<Fence> readers = owner->readers(shard);
@@ -189,7 +196,7 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   const Fence done = submit(model, [=, this]() -> DeviceEvent {
     for (const Fence& copy : readers) copy.wait_done();
     const int64_t start = now_ns();
-    step_host(*owner, shard, ranges, grad_scale, at::Tensor());
+    step_host(*owner, shard, ranges, grad_scale, lr_scale, at::Tensor());
     ++host_steps_done_;
     host_step_ns_ += now_ns() - start;
     return nullptr;
@@ -199,7 +206,7 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale) {
   if (state.cached && state.pins == 0) evict(state);
 }
 
-double DeviceEngine::clip_and_step(int model, double max_norm) {
+double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) {
   synchronize(model);
   Model& m = models_.at(model);
   ShardStore& store = *m.store;
@@ -219,9 +226,9 @@ double DeviceEngine::clip_and_step(int model, double max_norm) {
   const double scale = std::min(1.0, max_norm / (total + 1e-6));
   for (int s = store.num_shards() - 1; s >= 0; --s) {
     if (m.resident) {
-      step_resident(model, s, scale);
+      step_resident(model, s, scale, lr_scale);
     } else {
-      step_spilled(model, s, scale);
+      step_spilled(model, s, scale, lr_scale);
     }
   }
   return total;

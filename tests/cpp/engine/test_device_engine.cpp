@@ -104,7 +104,7 @@ std::vector<at::Tensor> expected_grads(ShardStore& store, int micro_batches) {
 // The runner's visit sequence for one optimizer step: forward 0..n-2 without gradients, the last shard with
 // gradients, backward n-2..0, prefetching the next shard at every visit.
 void run_step(DeviceEngine& engine, int model, ShardStore& store, int micro_batches, bool check_values = true,
-              bool step = false) {
+              bool step = false, double lr_scale = 1.0) {
   const int n = store.num_shards();
   std::vector<int> visits;
   for (int mb = 0; mb < micro_batches; ++mb) {
@@ -126,7 +126,7 @@ void run_step(DeviceEngine& engine, int model, ShardStore& store, int micro_batc
       if (s > 0) engine.prefetch(model, s - 1);
       if (check_values) expect_bound_to_master(store, s);
       write_grads(store, s);
-      engine.backward_done(model, s, last);
+      engine.backward_done(model, s, last, lr_scale);
       engine.release(model, s);
     }
   }
@@ -589,6 +589,32 @@ TEST(DeviceEngine, ResidentSgdStepIsWrittenBackByFinish) {
     EXPECT_TRUE(at::allclose(store->master(s), before[s] - grads[s] * 0.25, 1e-6, 1e-6)) << "shard " << s;
     for (const ParamEntry& e : store->layout(s))
       EXPECT_TRUE(at::equal(e.param.detach().reshape({-1}), store->master(s).narrow(0, e.master_offset, e.numel)));
+  }
+}
+
+// A scheduled step (lr_scale: the task's schedule at this step) moves by the scaled rate, spilled and resident,
+// through backward_done and through clip_and_step.
+TEST(DeviceEngine, StepsUseTheScheduledLearningRate) {
+  ASSERT_TRUE(op_registered("hydra::sgd_step")) << "the engine tests link the op registrations";
+  OptimizerSpec sgd;
+  sgd.kind = OptimizerSpec::Kind::kSgd;
+  sgd.lr = 0.5;
+  for (const bool resident : {false, true}) {
+    for (const bool clipped : {false, true}) {
+      SCOPED_TRACE(testing::Message() << (resident ? "resident" : "spilled") << (clipped ? ", clipped" : ""));
+      auto store = make_store({linear_shard(0, 30), linear_shard(1, 30)}, false, sgd);
+      std::vector<at::Tensor> before;
+      for (int s = 0; s < 2; ++s) before.push_back(store->master(s).clone());
+      DeviceEngine engine(kCpu, resident ? int64_t{1} << 24 : tight_budget(*store));
+      const int m = engine.add_model(store);
+      ASSERT_EQ(engine.resident(m), resident);
+      run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/!clipped, /*lr_scale=*/0.25);
+      if (clipped) engine.clip_and_step(m, /*max_norm=*/1e9, /*lr_scale=*/0.25);
+      engine.finish(m);
+      const auto grads = expected_grads(*store, 1);
+      for (int s = 0; s < 2; ++s)
+        EXPECT_TRUE(at::allclose(store->master(s), before[s] - grads[s] * (0.5 * 0.25), 1e-6, 1e-6)) << "shard " << s;
+    }
   }
 }
 
