@@ -263,6 +263,8 @@ def _finish(runners, engines, trace, start, devices, wall, checkpoints=None) -> 
                     engines[slot_index].synchronize(model)
         except Exception as error:  # a host job of the task failed after its last unit
             runner.error = runner.error or error
+        if checkpoints is not None:  # finish rewrites the store a resident task's last checkpoint may be reading
+            checkpoints.wait(runner)
         try:
             engines[home].finish(runner.model_ids[home])  # writes the weights back even when it raises
         except Exception as error:

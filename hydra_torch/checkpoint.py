@@ -152,16 +152,18 @@ def restore(loaded: Loaded, runner):
                   TaskRng(tensors["rng/cpu"], cuda), tensors.get("rng/epoch"))
 
 
-def snapshot(runner) -> tuple[dict, dict]:
-    """Copies of the task's state now (its store must be up to date: pending steps done, resident state home)."""
+def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
+    """The task's state now (its store must be up to date: pending steps done, resident state home). `copy`:
+    clones of the store's buffers, for a task whose steps go on rewriting them; else views of them."""
     task = runner.task
     names, ties = named_parameters(task)
     tensors, params = {}, {}
+    keep = (lambda t: t.clone()) if copy else (lambda t: t)
     for param, master, states, steps in runner.store.param_states():
         name = names[id(param)]
-        tensors[f"param/{name}"] = master.clone()
+        tensors[f"param/{name}"] = keep(master)
         for k, state in enumerate(states):
-            tensors[f"state{k}/{name}"] = state.clone()
+            tensors[f"state{k}/{name}"] = keep(state)
         params[name] = {"shape": list(param.shape), "steps": steps}
     for name, (module, attribute) in _named_buffers(task).items():
         tensors[f"buffer/{name}"] = module._buffers[attribute].detach().to("cpu", copy=True)
@@ -176,6 +178,11 @@ def snapshot(runner) -> tuple[dict, dict]:
                 "optimizer": _optimizer_record(task), "precision": task.precision, "data_length": len(task.data),
                 "accumulate": task.accumulate, "time": time.time()}
     return tensors, manifest
+
+
+def _fsync(path: Path):
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_write(path: Path, write):
@@ -198,13 +205,20 @@ def _fsync_dir(directory: Path):
 
 def write(root, tensors: dict, manifest: dict):
     """Writes one task's checkpoint atomically: a fresh tensor file, then the manifest that names it."""
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     directory = _task_dir(Path(root), manifest["task"])
     directory.mkdir(parents=True, exist_ok=True)
     name = f"state-{manifest['steps']:08d}-{time.time_ns()}.safetensors"
-    blob = save({key: t.contiguous() for key, t in tensors.items()})
-    _fsync_write(directory / (name + ".tmp"), lambda f: f.write(blob))
+    temporary = directory / (name + ".tmp")
+    tensors = {key: t.contiguous() for key, t in tensors.items()}
+    try:
+        save_file(tensors, str(temporary))  # straight to disk from the tensors' memory
+    except RuntimeError as error:  # safetensors before 0.8 refuses views of one buffer: copies, on this thread
+        if "share memory" not in str(error):
+            raise
+        save_file({key: t.clone() for key, t in tensors.items()}, str(temporary))
+    _fsync(temporary)
     os.replace(directory / (name + ".tmp"), directory / name)
     manifest = {**manifest, "tensors": name}
     _fsync_write(directory / (MANIFEST + ".tmp"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -224,6 +238,7 @@ class Checkpointer:
         self._last: dict[int, tuple[int, float]] = {}   # task -> (steps, time) at its last checkpoint
         self._pending: set[int] = set()
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
         self._queue: queue.Queue = queue.Queue()
         self.errors: list[str] = []
         self.written = 0
@@ -241,16 +256,25 @@ class Checkpointer:
             return runner.steps - steps >= self.every_steps
         return time.monotonic() - at >= self.every_seconds
 
-    def submit(self, runner, final: bool = False):
-        """Hands a copy of the task's state to the writer. `final`: as the run ends; skipped when its last
-        checkpoint (or the one it resumed from) already holds this step."""
+    def submit(self, runner, final: bool = False, resident: bool = False):
+        """Hands the task's state to the writer. `final`: as the run ends, its weights home; skipped when its
+        last checkpoint (or the one it resumed from) already holds this step. The writer reads the store's
+        buffers themselves when nothing rewrites them before it is done: after the run, or for a `resident`
+        task, whose steps run on the device (its store changes only when DeviceEngine::snapshot or finish
+        copies the device state home, which waits for this write: `due`, `wait`). Otherwise, copies."""
         if final and self._last[runner.index][0] == runner.steps:
             return
-        tensors, manifest = snapshot(runner)
+        tensors, manifest = snapshot(runner, copy=not (final or resident))
         self._last[runner.index] = (runner.steps, time.monotonic())
         with self._lock:
             self._pending.add(runner.index)
         self._queue.put((runner.index, tensors, manifest))
+
+    def wait(self, runner):
+        """Until the task's checkpoint being written, if any, is on disk."""
+        with self._lock:
+            while runner.index in self._pending:
+                self._written.wait()
 
     def _write_loop(self):
         while True:
@@ -266,6 +290,7 @@ class Checkpointer:
             finally:
                 with self._lock:
                     self._pending.discard(index)
+                    self._written.notify_all()
 
     def close(self):
         """Waits for every write; warns about the ones that failed."""

@@ -89,8 +89,9 @@ def _checkpoint_if_due(slot: DeviceSlot, runner):
     copied home, then a copy of the state goes to the background writer. Other tasks run on meanwhile."""
     if slot.checkpoints is None or not runner.at_step_boundary() or not slot.checkpoints.due(runner):
         return
-    slot.engine.snapshot(runner.model_ids[slot.index])
-    slot.checkpoints.submit(runner)
+    model = runner.model_ids[slot.index]
+    slot.engine.snapshot(model)
+    slot.checkpoints.submit(runner, resident=slot.engine.resident(model))
 
 
 def _cut_short(slot: DeviceSlot, unit) -> bool:

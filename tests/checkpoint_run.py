@@ -1,9 +1,10 @@
 """One training run of test_checkpoint.py's, in a process of its own so it can be killed part-way.
 
-    python checkpoint_run.py CHECKPOINT_DIR OUT [--signal KILL|TERM --at N]
+    python checkpoint_run.py CHECKPOINT_DIR OUT [--signal KILL|TERM --at N] [--resident]
 
 Trains two dropout models with shuffled loaders on two virtual CPU devices, a checkpoint every 2 steps; with
---signal, sends it to itself at the N-th loss of the first model; saves weights and losses to OUT.
+--signal, sends it to itself at the N-th loss of the first model; saves weights and losses to OUT. Spilled, or
+with --resident each model resident on one of the devices.
 """
 import argparse
 import os
@@ -24,6 +25,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--signal", choices=["KILL", "TERM"])
     parser.add_argument("--at", type=int, default=0)
+    parser.add_argument("--resident", action="store_true")
     args = parser.parse_args()
     calls = [0]
 
@@ -42,8 +44,10 @@ def main():
                                   data=DataLoader(samples, batch_size=4, shuffle=True)))
         models.append(model)
     torch.manual_seed(5)
-    results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])),
-                       progress=False, checkpoint_dir=args.checkpoint_dir, checkpoint_every=2)
+    budget = int((50 if args.resident else 0.45) * model_bytes(models[0]))
+    results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, progress=False,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=2)
+    assert all(r.resident == args.resident for r in results)
     torch.save({"weights": [m.state_dict() for m in models], "losses": [r.losses for r in results],
                 "units": len(results.trace)}, args.out)
 

@@ -28,23 +28,24 @@ def same(a, b):
             assert torch.equal(weights_a[name], weights_b[name]), name
 
 
-@pytest.mark.parametrize("kill", ["KILL", "TERM"])
-def test_a_run_killed_part_way_and_resumed_ends_bit_identical(tmp_path, kill):
-    whole = run(tmp_path / "whole", tmp_path / "whole.pt")
+@pytest.mark.parametrize("kill,placement", [("KILL", "spilled"), ("TERM", "spilled"), ("KILL", "resident")])
+def test_a_run_killed_part_way_and_resumed_ends_bit_identical(tmp_path, kill, placement):
+    options = ["--resident"] if placement == "resident" else []
+    whole = run(tmp_path / "whole", tmp_path / "whole.pt", *options)
     assert whole.returncode == 0, whole.stderr
-    killed = run(tmp_path / "resumed", tmp_path / "killed.pt", "--signal", kill, "--at", 7)
+    killed = run(tmp_path / "resumed", tmp_path / "killed.pt", "--signal", kill, "--at", 7, *options)
     assert killed.returncode == -getattr(signal, f"SIG{kill}"), killed.stderr
     assert not (tmp_path / "killed.pt").exists()
     if kill == "TERM":
         assert "checkpointed in" in killed.stderr and "resumes it" in killed.stderr
     manifest = json.loads((tmp_path / "resumed" / "model%200" / "manifest.json").read_text())
     assert 0 < manifest["steps"] < 10
-    resumed = run(tmp_path / "resumed", tmp_path / "resumed.pt")
+    resumed = run(tmp_path / "resumed", tmp_path / "resumed.pt", *options)
     assert resumed.returncode == 0, resumed.stderr
     whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     same(whole, resumed)
     assert resumed["units"] < whole["units"], "the resumed run did not start over"
-    again = run(tmp_path / "resumed", tmp_path / "again.pt")  # everything done: nothing to train
+    again = run(tmp_path / "resumed", tmp_path / "again.pt", *options)  # everything done: nothing to train
     again = torch.load(tmp_path / "again.pt")
     same(whole, again)
     assert again["units"] == 0
