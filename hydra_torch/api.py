@@ -208,6 +208,8 @@ def _place(runners, engines, budgets, pin: bool):
                           "synchronous and slower", RuntimeWarning, stacklevel=3)
         stores.append(store)
         runner.store = store
+        for param, lr, weight_decay in runner.task.param_options.values():
+            store.set_param_options(param, lr, weight_decay)
     resident_need = [_C.DeviceEngine.resident_need(s) for s in stores]
     spilled_need = [_C.DeviceEngine.spilled_need(s) for s in stores]
     free = list(budgets)

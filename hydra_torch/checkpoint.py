@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hydra_torch import sharding
 from hydra_torch.task_rng import TaskRng
 
 FORMAT = 1
@@ -55,7 +56,7 @@ def _task_dir(root: Path, name: str) -> Path:
 
 def named_parameters(task) -> tuple[dict[int, str], dict[str, str]]:
     """Each parameter's name (by id) and the ties: every further name of a parameter -> its first name."""
-    model = task.model if isinstance(task.model, nn.Module) else nn.ModuleList(task.pieces)
+    model = sharding.root_module(task.model, task.pieces)
     names, ties = {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first = names.setdefault(id(p), name)
@@ -65,7 +66,7 @@ def named_parameters(task) -> tuple[dict[int, str], dict[str, str]]:
 
 
 def _named_buffers(task) -> dict[str, tuple[nn.Module, str]]:
-    model = task.model if isinstance(task.model, nn.Module) else nn.ModuleList(task.pieces)
+    model = sharding.root_module(task.model, task.pieces)
     found = {}
     for module_name, module in model.named_modules():
         for name, buffer in module._buffers.items():
@@ -75,8 +76,12 @@ def _named_buffers(task) -> dict[str, tuple[nn.Module, str]]:
 
 
 def _optimizer_record(task) -> dict:
-    """The optimizer's kind and arguments, as the manifest holds them (JSON: tuples become lists)."""
-    return json.loads(json.dumps({"kind": type(task.optimizer).__name__, **dataclasses.asdict(task.optimizer)}))
+    """The optimizer's kind and arguments and each grouped parameter's (lr, weight_decay), as the manifest holds
+    them (JSON: tuples become lists)."""
+    names, _ = named_parameters(task)
+    groups = {names[key]: [lr, weight_decay] for key, (_, lr, weight_decay) in task.param_options.items()}
+    return json.loads(json.dumps({"kind": type(task.optimizer).__name__, **dataclasses.asdict(task.optimizer),
+                                  "param_groups": dict(sorted(groups.items()))}))
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hydra_torch import _C
+from hydra_torch.param_groups import NO_WEIGHT_DECAY  # noqa: F401  (ht.optim.NO_WEIGHT_DECAY)
 
 
 def _check(condition: bool, message: str) -> None:

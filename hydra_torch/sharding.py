@@ -7,6 +7,11 @@ import torch
 from torch import nn
 
 
+def root_module(model, pieces) -> nn.Module:
+    """The module whose parameter names name a task's parameters: the model, or its pieces in a ModuleList."""
+    return model if isinstance(model, nn.Module) else nn.ModuleList(pieces)
+
+
 def model_pieces(model) -> list[nn.Module]:
     """The ordered layers of `model`: an nn.Sequential's children, or a list of modules."""
     if isinstance(model, nn.Sequential):

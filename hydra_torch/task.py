@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hydra_torch import optim, schedules, sharding
+from hydra_torch import param_groups as param_groups_
 from hydra_torch.integrations import adapt
 
 PRECISIONS = ("fp32", "bf16")
@@ -57,6 +58,10 @@ class ModelTask:
     lr_schedule: the learning rate's multiplier at each step, as transformers.get_scheduler's schedules: a name
     ("linear", "cosine", "constant_with_warmup", ...) with ``warmup_steps``, over the task's steps (epochs and
     max_steps counted), or a callable step -> multiplier (LambdaLR semantics: step 0 is the first step).
+    param_groups: other learning rates and weight decays for some parameters, as torch.optim's param groups,
+    chosen by name pattern, module type or callable (see hydra_torch.param_groups); e.g.
+    ``[{"params": ht.optim.NO_WEIGHT_DECAY, "weight_decay": 0.0}]`` exempts biases and norms, as
+    transformers.Trainer does.
     precision: "fp32" or "bf16" compute (weights and gradients on the device); master weights and optimizer
     state are fp32 either way, and the trained weights come back in the parameters' own dtype. Default: the
     model's dtype (an fp32 model computes in fp32, a bf16 one in bf16).
@@ -69,7 +74,7 @@ class ModelTask:
                  epochs: int = 1, name: str | None = None, precision: str | None = None, shards=None,
                  accumulate: int = 1, clip_grad_norm: float | None = None,
                  inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None, lr_schedule=None,
-                 warmup_steps: int = 0):
+                 warmup_steps: int = 0, param_groups=None):
         optimizer = optim.AdamW() if optimizer is None else optimizer
         if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
             raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
@@ -127,6 +132,8 @@ class ModelTask:
                              "lose: pass a list or a DataLoader, or choose the shards")
         if adapter is not None and not one_shot:  # a one-shot iterator's first batch would be lost to the check
             adapter.check_batch(next(iter(data)))
+        # id(parameter) -> (parameter, lr, weight_decay) where a group overrides the optimizer's
+        self.param_options = param_groups_.resolve(param_groups, sharding.root_module(model, pieces), optimizer)
 
         self.model = model
         self.pieces = pieces

@@ -83,6 +83,7 @@ PYBIND11_MODULE(_C, m) {
              return states;
            })
       .def("set_param_steps", &ShardStore::set_param_steps, py::arg("param"), py::arg("steps"))
+      .def("set_param_options", &ShardStore::set_param_options, py::arg("param"), py::arg("lr"), py::arg("weight_decay"))
       .def("refresh_shadow", &ShardStore::refresh_shadow)
       .def("write_back", &ShardStore::write_back);
 

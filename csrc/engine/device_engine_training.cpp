@@ -18,13 +18,6 @@ int64_t now_ns() {
       .count();
 }
 
-// The task's optimizer at this step: its learning rate times the schedule's multiplier.
-OptimizerSpec scheduled(const OptimizerSpec& spec, double lr_scale) {
-  OptimizerSpec step_spec = spec;
-  step_spec.lr *= lr_scale;
-  return step_spec;
-}
-
 // Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
 // runs on a host-step thread. `landed`: the shard's one gradient of this step, in device layout and compute
 // dtype, read in the step's single pass; undefined: the accumulator, which is zeroed for the next step.
@@ -34,7 +27,7 @@ void step_host(ShardStore& store, int shard, const std::vector<StepRange>& range
   for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
   const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
   const at::Tensor grad = landed.defined() ? landed : store.grad(shard);
-  step_ranges(scheduled(store.optimizer(), lr_scale), store.master(shard), grad, states, shadow, ranges, grad_scale);
+  step_ranges(store.optimizer(), store.master(shard), grad, states, shadow, ranges, grad_scale, lr_scale);
   if (!landed.defined()) store.grad(shard).zero_();
 }
 
@@ -183,8 +176,8 @@ void DeviceEngine::step_resident(int model, int shard, double grad_scale, double
   const at::Tensor param = store.bf16() ? home_view(model, shard, state.home_master, at::kFloat) : weights;
   std::vector<at::Tensor> states;
   for (const Region& r : state.home_states) states.push_back(home_view(model, shard, r, at::kFloat));
-  step_ranges(scheduled(store.optimizer(), lr_scale), param, grads, states, store.bf16() ? weights : at::Tensor(),
-              store.take_step(shard), grad_scale);
+  step_ranges(store.optimizer(), param, grads, states, store.bf16() ? weights : at::Tensor(), store.take_step(shard),
+              grad_scale, lr_scale);
   grads.zero_();
 }
 

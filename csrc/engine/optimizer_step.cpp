@@ -36,12 +36,15 @@ void step_flat(const OptimizerSpec& spec, const at::Tensor& param, const at::Ten
 
 void step_ranges(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
                  const std::vector<at::Tensor>& states, const at::Tensor& shadow,
-                 const std::vector<StepRange>& ranges, double grad_scale) {
+                 const std::vector<StepRange>& ranges, double grad_scale, double lr_scale) {
+  OptimizerSpec range_spec = spec;
   for (const StepRange& r : ranges) {
+    range_spec.lr = r.lr * lr_scale;
+    range_spec.weight_decay = r.weight_decay;
     auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, r.begin, r.end - r.begin) : t; };
     std::vector<at::Tensor> state_parts;
     for (const at::Tensor& s : states) state_parts.push_back(part(s));
-    step_flat(spec, part(param), part(grad), state_parts, part(shadow), r.step, grad_scale);
+    step_flat(range_spec, part(param), part(grad), state_parts, part(shadow), r.step, grad_scale);
   }
 }
 

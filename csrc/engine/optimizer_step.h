@@ -12,21 +12,25 @@
 namespace hydra::engine {
 
 // Elements [begin, end) of a shard's flat buffers that one step updates, all of parameters with the same
-// step number (counting from 1: each parameter's own count, as torch.optim's per-parameter state['step']).
+// step number (counting from 1: each parameter's own count, as torch.optim's per-parameter state['step'])
+// and the same learning rate and weight decay (their parameter group's, as torch.optim's param_groups).
 struct StepRange {
   int64_t begin;
   int64_t end;
   int64_t step;
+  double lr;
+  double weight_decay;
 };
 
 // `shadow` (undefined when not training in bf16) receives the updated weights in bf16. `step` counts from 1.
 void step_flat(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
                const std::vector<at::Tensor>& states, const at::Tensor& shadow, int64_t step, double grad_scale);
 
-// step_flat over each range of the buffers (whole-shard flat tensors in one layout); elements outside every
-// range, parameters that received no gradient, are left as they are.
+// step_flat over each range of the buffers (whole-shard flat tensors in one layout) with the range's learning
+// rate times `lr_scale` (the task's schedule) and its weight decay; elements outside every range, parameters
+// that received no gradient, are left as they are.
 void step_ranges(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
                  const std::vector<at::Tensor>& states, const at::Tensor& shadow,
-                 const std::vector<StepRange>& ranges, double grad_scale);
+                 const std::vector<StepRange>& ranges, double grad_scale, double lr_scale);
 
 }  // namespace hydra::engine

@@ -89,6 +89,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     device_numel_[s] = offset;
     received_.emplace_back(layouts_[s].size(), 0);
     param_steps_.emplace_back(layouts_[s].size(), 0);
+    options_.emplace_back(layouts_[s].size(), ParamOptions{optimizer.lr, optimizer.weight_decay});
   }
 
   for (int s = 0; s < n; ++s) {
@@ -163,13 +164,15 @@ std::vector<StepRange> ShardStore::take_step(int shard) {
     const ParamEntry& e = layout[i];
     if (e.owner != shard || !e.trainable || !received[i]) continue;
     const int64_t step = ++param_steps_[shard][i];
+    const ParamOptions& options = options_[shard][i];
     // Up to the next entry's offset: the padding steps with its parameter, so that when every parameter
     // steps the one range is the whole trainable buffer, as one pass of the fused kernel.
     const int64_t end = aligned(e.master_offset + e.numel);
-    if (!ranges.empty() && ranges.back().end == e.master_offset && ranges.back().step == step) {
+    if (!ranges.empty() && ranges.back().end == e.master_offset && ranges.back().step == step &&
+        ranges.back().lr == options.lr && ranges.back().weight_decay == options.weight_decay) {
       ranges.back().end = end;
     } else {
-      ranges.push_back({e.master_offset, end, step});
+      ranges.push_back({e.master_offset, end, step, options.lr, options.weight_decay});
     }
   }
   std::fill(received.begin(), received.end(), 0);
@@ -207,18 +210,27 @@ std::vector<ShardStore::ParamState> ShardStore::param_states() {
   return found;
 }
 
-void ShardStore::set_param_steps(const at::Tensor& param, int64_t steps) {
-  TORCH_CHECK(steps >= 0, "set_param_steps: a step count cannot be negative, got ", steps);
+std::pair<int, size_t> ShardStore::owned_entry(const at::Tensor& param, const char* what) const {
   for (int s = 0; s < num_shards(); ++s) {
     for (size_t i = 0; i < layouts_[s].size(); ++i) {
       const ParamEntry& e = layouts_[s][i];
-      if (e.owner == s && e.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
-        param_steps_[s][i] = steps;
-        return;
-      }
+      if (e.owner == s && e.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return {s, i};
     }
   }
-  TORCH_CHECK(false, "set_param_steps: the parameter of shape ", param.sizes(), " is not in this store");
+  TORCH_CHECK(false, what, ": the parameter of shape ", param.sizes(), " is not in this store");
+  return {-1, 0};  // not reached
+}
+
+void ShardStore::set_param_steps(const at::Tensor& param, int64_t steps) {
+  TORCH_CHECK(steps >= 0, "set_param_steps: a step count cannot be negative, got ", steps);
+  const auto [shard, index] = owned_entry(param, "set_param_steps");
+  param_steps_[shard][index] = steps;
+}
+
+void ShardStore::set_param_options(const at::Tensor& param, double lr, double weight_decay) {
+  TORCH_CHECK(lr >= 0 && weight_decay >= 0, "set_param_options: lr and weight_decay must be >= 0");
+  const auto [shard, index] = owned_entry(param, "set_param_options");
+  options_[shard][index] = ParamOptions{lr, weight_decay};
 }
 
 void ShardStore::refresh_shadow() {

@@ -144,6 +144,9 @@ class ShardStore {
   std::vector<ParamState> param_states();
   // Sets an owned parameter's own step count (a restored checkpoint). Throws if the store does not hold it.
   void set_param_steps(const at::Tensor& param, int64_t steps);
+  // Gives a parameter its group's learning rate and weight decay (torch.optim's param_groups) instead of the
+  // optimizer's, before training. Throws if the store does not hold it.
+  void set_param_options(const at::Tensor& param, double lr, double weight_decay);
   // After the master values were overwritten: the bf16 copies that travel to the device follow them.
   void refresh_shadow();
 
@@ -164,6 +167,14 @@ class ShardStore {
   // since the shard's last step, and the parameter's own step count.
   std::vector<std::vector<uint8_t>> received_;
   std::vector<std::vector<int64_t>> param_steps_;
+  // Per shard, per entry: its learning rate and weight decay (the optimizer's unless set_param_options).
+  struct ParamOptions {
+    double lr;
+    double weight_decay;
+  };
+  std::vector<std::vector<ParamOptions>> options_;
+  // The owned entry holding `param`: (shard, index); throws naming `what` if there is none.
+  std::pair<int, size_t> owned_entry(const at::Tensor& param, const char* what) const;
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_future<void> last_job_;
   mutable std::mutex step_mutex_;

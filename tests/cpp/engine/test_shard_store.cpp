@@ -238,6 +238,28 @@ TEST(ShardStore, AStepCoversOnlyTheParametersThatReceivedAGradient) {
   EXPECT_EQ(store.param_steps(0, 3), 0) << "frozen";
 }
 
+TEST(ShardStore, ParametersOfAnotherGroupAreSteppedApartWithTheirOwnRateAndDecay) {
+  at::Tensor x = param({5}, 1.0), y = param({20}, 2.0), w = param({3}, 3.0);
+  OptimizerSpec adamw;
+  adamw.lr = 0.1;
+  adamw.weight_decay = 0.01;
+  ShardStore store({{x, y, w}}, adamw, false, false);  // x at 0, y at 16, w at 48
+  store.set_param_options(y, 0.1, 0.0);  // y: no weight decay
+  for (int i = 0; i < 3; ++i) store.note_gradient(0, i);
+  const auto ranges = store.take_step(0);
+  ASSERT_EQ(ranges.size(), 3u);
+  EXPECT_EQ(ranges[0].end, 16);
+  EXPECT_DOUBLE_EQ(ranges[0].weight_decay, 0.01);
+  EXPECT_EQ(ranges[1].begin, 16);
+  EXPECT_DOUBLE_EQ(ranges[1].weight_decay, 0.0);
+  EXPECT_DOUBLE_EQ(ranges[1].lr, 0.1);
+  EXPECT_DOUBLE_EQ(ranges[2].weight_decay, 0.01);
+  store.set_param_options(y, 0.1, 0.01);  // the same options again: one range
+  for (int i = 0; i < 3; ++i) store.note_gradient(0, i);
+  EXPECT_EQ(store.take_step(0).size(), 1u);
+  EXPECT_THROW(store.set_param_options(param({2}, 5.0), 0.1, 0.0), c10::Error) << "not in the store";
+}
+
 TEST(ShardStore, ATiedParameterStepsWithItsOwnerWhenOnlyABorrowerUsedIt) {
   TiedModel m;
   ShardStore store(m.shards(), OptimizerSpec{}, false, false);
