@@ -60,6 +60,11 @@ def check(schedule, warmup_steps) -> None:
     if schedule not in names:
         raise ValueError(f"unknown lr_schedule {schedule!r}: use one of {sorted(names | set(_NATIVE))} or a "
                          "callable step -> multiplier")
+    try:  # some need arguments of their own (cosine_with_min_lr: a minimum), which ModelTask does not take
+        _from_transformers(schedule, warmup_steps, max(warmup_steps, 1) + 1)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"lr_schedule {schedule!r} cannot be used here: {error}; pass a callable "
+                         "step -> multiplier instead") from None
 
 
 def multipliers(schedule, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

@@ -74,6 +74,7 @@ def test_the_schedule_spans_every_epoch_and_stops_at_max_steps():
 @pytest.mark.parametrize("schedule,warmup,error,match", [
     ("linaer", 0, ValueError, "unknown lr_schedule 'linaer'"),
     ("reduce_lr_on_plateau", 0, ValueError, "unknown lr_schedule"),
+    ("cosine_with_min_lr", 0, ValueError, "cannot be used here.*min_lr"),
     (0.5, 0, TypeError, "lr_schedule must be a name"),
     ("linear", -1, ValueError, "warmup_steps must be an int >= 0"),
     ("linear", 2.5, ValueError, "warmup_steps must be an int >= 0"),
