@@ -25,8 +25,9 @@ from bench_multi_model import add_config_args, add_workload_args, configs, make_
 TEN_MINUTES = 600.0
 
 
-def _timed(module, name, seconds: list):
-    """Replaces module.name by a wrapper adding its time to seconds[0]; returns the original."""
+def _timed(module, name, totals: list):
+    """Replaces module.name by a wrapper adding its seconds to totals[0] and its calls to totals[1]; returns
+    the original."""
     real = getattr(module, name)
 
     def wrapper(*a, **k):
@@ -34,7 +35,8 @@ def _timed(module, name, seconds: list):
         try:
             return real(*a, **k)
         finally:
-            seconds[0] += time.perf_counter() - start
+            totals[0] += time.perf_counter() - start
+            totals[1] += 1
     setattr(module, name, wrapper)
     return real
 
@@ -45,21 +47,15 @@ def run(args, data, budget, checkpoint_dir) -> tuple[float, int, float, float]:
     tasks = [ht.ModelTask(m, data=data, optimizer=ht.optim.AdamW(lr=lr), name=f"w{w}-lr{lr:g}")
              for m, (w, lr) in zip(make_models(args), configs(args))]
     options = {} if checkpoint_dir is None else {"checkpoint_dir": checkpoint_dir, "checkpoint_every": args.every}
-    on_thread, writing = [0.0], [0.0]
+    on_thread, writing, periodic = [0.0, 0], [0.0, 0], [0]
     real_write = _timed(checkpoint, "write", writing)
     real_due = _timed(workers, "_checkpoint_if_due", on_thread)
-    written, periodic = [0], [0]
-    counting, real_submit = checkpoint.write, checkpoint.Checkpointer.submit
+    real_submit = checkpoint.Checkpointer.submit
 
     def submit(self, runner, final=False, **k):
         periodic[0] += not final
         return real_submit(self, runner, final, **k)
     checkpoint.Checkpointer.submit = submit
-
-    def counted(*a, **k):
-        counting(*a, **k)
-        written[0] += 1
-    checkpoint.write = counted
     try:
         start = time.perf_counter()
         results = ht.train(tasks, devices=["cpu"], memory_budget=budget, progress=False, **options)
@@ -68,7 +64,7 @@ def run(args, data, budget, checkpoint_dir) -> tuple[float, int, float, float]:
         checkpoint.write, workers._checkpoint_if_due = real_write, real_due
         checkpoint.Checkpointer.submit = real_submit
     assert all(r.error is None for r in results)
-    return seconds, written[0], on_thread[0] / max(1, periodic[0]), writing[0]
+    return seconds, writing[1], on_thread[0] / max(1, periodic[0]), writing[0]
 
 
 def main():

@@ -4,8 +4,9 @@ One directory per task under `checkpoint_dir`: `manifest.json` (position, losses
 the tensors it names in a safetensors file (fp32 master weights, optimizer moments, module buffers, generator
 states), keyed by parameter name, so a checkpoint resumes on other devices or another shard plan. A new
 checkpoint is written under a new file name, flushed to disk, then the manifest is replaced atomically: a crash
-in the middle of a write leaves the previous checkpoint whole. The tensors are copied on the training thread
-(after the task's pending steps) and written by a background thread while training goes on.
+in the middle of a write leaves the previous checkpoint whole. The state is taken on the training thread
+after the task's pending steps (copied when its steps would go on rewriting it) and written by a background
+thread while training goes on.
 """
 from __future__ import annotations
 
@@ -112,8 +113,9 @@ def load(root, task) -> Loaded | None:
         raise ValueError(f"{where} is of another model: parameters {differ[:5]} differ in name or shape")
     if manifest["ties"] != ties:
         raise ValueError(f"{where} ties {manifest['ties']}, but the model ties {ties}")
-    if manifest["optimizer"] != _optimizer_record(task):
-        raise ValueError(f"{where} was trained with {manifest['optimizer']}, not {_optimizer_record(task)}: "
+    optimizer = _optimizer_record(task)
+    if manifest["optimizer"] != optimizer:
+        raise ValueError(f"{where} was trained with {manifest['optimizer']}, not {optimizer}: "
                          "resume with the same optimizer, or use another checkpoint_dir")
     if manifest["data_length"] != len(task.data) or manifest["accumulate"] != task.accumulate:
         raise ValueError(f"{where} was taken with len(data) = {manifest['data_length']} and accumulate = "
@@ -224,7 +226,7 @@ def write(root, tensors: dict, manifest: dict):
             raise
         save_file({key: t.clone() for key, t in tensors.items()}, str(temporary))
     _fsync(temporary)
-    os.replace(directory / (name + ".tmp"), directory / name)
+    os.replace(temporary, directory / name)
     manifest = {**manifest, "tensors": name}
     _fsync_write(directory / (MANIFEST + ".tmp"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     os.replace(directory / (MANIFEST + ".tmp"), directory / MANIFEST)
@@ -246,7 +248,6 @@ class Checkpointer:
         self._written = threading.Condition(self._lock)
         self._queue: queue.Queue = queue.Queue()
         self.errors: list[str] = []
-        self.written = 0
         self._thread = threading.Thread(target=self._write_loop, name="hydra-checkpoints", daemon=True)
         self._thread.start()
 
@@ -289,7 +290,6 @@ class Checkpointer:
             index, tensors, manifest = item
             try:
                 write(self.root, tensors, manifest)
-                self.written += 1
             except Exception as error:  # a full disk must not stop training: reported when the run ends
                 self.errors.append(f"task {manifest['task']!r} at step {manifest['steps']}: {error}")
             finally:

@@ -86,7 +86,8 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
 
 def _checkpoint_if_due(slot: DeviceSlot, runner):
     """At a step boundary of a task due a checkpoint: its pending steps are waited for and its resident state
-    copied home, then a copy of the state goes to the background writer. Other tasks run on meanwhile."""
+    copied home, then the state goes to the background writer (see Checkpointer.submit). Other tasks run on
+    meanwhile."""
     if slot.checkpoints is None or not runner.at_step_boundary() or not slot.checkpoints.due(runner):
         return
     model = runner.model_ids[slot.index]
