@@ -16,6 +16,7 @@ from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results, TaskResult
 from hydra_torch.runner import TaskRunner
+from hydra_torch.selection import SuccessiveHalving
 from hydra_torch.task import ModelTask
 from hydra_torch.workers import DeviceSlot, device_worker
 
@@ -68,7 +69,7 @@ def _host_step_threads(host_threads) -> int:
 
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
           progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
-          checkpoint_every=None) -> Results:
+          checkpoint_every=None, selection=None) -> Results:
     """Trains every task concurrently and returns their results; the user's modules hold the trained weights.
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
@@ -88,6 +89,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         every task, and ends as the uninterrupted run would have. Also written when a task ends or is stopped.
     checkpoint_every: steps (an int) or a duration ("10min", "30s") between a task's checkpoints; default
         "10min". Only with checkpoint_dir.
+    selection: a rule that stops the worse tasks early, such as ht.SuccessiveHalving(min_steps=20); the devices
+        go to the others at once. A stopped task's result says when and why (`TaskResult.stopped`).
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
@@ -109,6 +112,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             if other != task.name:
                 raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
                                  "each task needs a model of its own (copy.deepcopy it)")
+    if selection is not None:
+        if not isinstance(selection, SuccessiveHalving):
+            raise TypeError(f"selection must be a hydra_torch.SuccessiveHalving(...), got {type(selection).__name__}")
+        selection.check(tasks)
     try:
         _C.parse_policy(schedule)
     except ValueError as error:
@@ -136,11 +143,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         if state is not None:
             checkpoint.restore(state, runner)
     del loaded
+    if selection is not None:
+        selection.start(runners)
     checkpoints = checkpoint.Checkpointer(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
     for runner in runners if checkpoints is not None else ():
         checkpoints.started(runner)
     # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
-    specs = [(r.n, r.micro_batches, r.home, sharding.shard_costs(r.task.modules)) for r in runners]
+    specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     stop = interrupts.StopRequest()
     slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints)
@@ -280,7 +289,8 @@ def _finish(runners, engines, trace, start, devices, wall, checkpoints=None) -> 
                                   (max(e.end for e in units) - start) if units else 0.0,
                                   any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
                                   runner.error, busy_time=sum(e.end - e.start for e in units),
-                                  host_bytes=runner.store.host_bytes, cut_short=runner.cut_short))
+                                  host_bytes=runner.store.host_bytes, cut_short=runner.cut_short,
+                                  eval_losses=list(runner.eval_losses), stopped=runner.stopped))
     if checkpoints is not None:
         checkpoints.close()
     names = [str(d) for d in devices]

@@ -156,7 +156,8 @@ def restore(loaded: Loaded, runner):
             module._buffers[attribute].copy_(tensors[f"buffer/{name}"])
     cuda = tensors.get("rng/cuda")
     runner.resume(manifest["steps"], manifest["losses"], manifest["epochs_done"],
-                  TaskRng(tensors["rng/cpu"], cuda), tensors.get("rng/epoch"))
+                  TaskRng(tensors["rng/cpu"], cuda), tensors.get("rng/epoch"), manifest.get("eval_losses", ()),
+                  manifest.get("stopped"), manifest.get("rung_reports", ()))
 
 
 def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
@@ -181,7 +182,8 @@ def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
     if runner.epoch_rng is not None:
         tensors["rng/epoch"] = runner.epoch_rng.clone()
     manifest = {"format": FORMAT, "task": task.name, "steps": runner.steps, "epochs_done": runner.epochs_done,
-                "losses": list(runner.losses), "params": params, "ties": ties,
+                "losses": list(runner.losses), "eval_losses": [list(e) for e in runner.eval_losses],
+                "stopped": runner.stopped, "rung_reports": [list(r) for r in runner.rung_reports], "params": params, "ties": ties,
                 "optimizer": _optimizer_record(task), "precision": task.precision, "data_length": len(task.data),
                 "accumulate": task.accumulate, "time": time.time()}
     return tensors, manifest

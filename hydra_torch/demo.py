@@ -84,11 +84,9 @@ def validation_loss(model, batches):
     return sum(losses) / len(losses)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    widths = [args.width] if args.width else args.widths
-    started = time.perf_counter()
-    print("preparing text and tokenizer ...", flush=True)
+def prepare_data(args):
+    """(training batches, validation batches, vocabulary size): text split 95/5, a tokenizer trained on the
+    training part (or GPT-2's with --pretrained), and random windows of each."""
     text = local_text(args.corpus_bytes)
     split = int(0.95 * len(text))
     if args.pretrained:
@@ -107,6 +105,15 @@ def main(argv=None):
     g = torch.Generator().manual_seed(args.seed)
     train_data = lm_batches(train_ids, args.batch, args.seq, args.steps, g)
     valid_data = lm_batches(valid_ids, args.batch, args.seq, 8, g)
+    return train_data, valid_data, vocab_size
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    widths = [args.width] if args.width else args.widths
+    started = time.perf_counter()
+    print("preparing text and tokenizer ...", flush=True)
+    train_data, valid_data, vocab_size = prepare_data(args)
 
     configs = [(w, lr) for w in widths for lr in args.lrs]
     models, tasks = [], []

@@ -18,6 +18,8 @@ class TaskResult:
     host_bytes: int = 0          # its training state in host memory at the end: fp32 master, optimizer state,
                                  # bf16 shadow, and fp32 gradient accumulators where a step sums gradients
     cut_short: str | None = None  # why it stopped at a step boundary before its last step (say "Ctrl-C")
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps taken, mean validation loss)
+    stopped: str | None = None   # when and why a selection rule stopped it (say successive halving at a rung)
 
     @property
     def ok(self) -> bool:
@@ -27,6 +29,14 @@ class TaskResult:
     def final_loss(self) -> float:
         return self.losses[-1] if self.losses else float("nan")
 
+    @property
+    def final_eval_loss(self) -> float:
+        return self.eval_losses[-1][1] if self.eval_losses else float("nan")
+
+
+def _nan_last(value: float) -> float:
+    return float("inf") if value != value else value
+
 
 @dataclass
 class TraceEntry:
@@ -35,7 +45,7 @@ class TraceEntry:
     task_name: str
     unit: int                    # the unit's index in its task's chain
     shard: int
-    phase: str                   # forward, forward_backward or backward
+    phase: str                   # forward, forward_backward, backward or evaluate
     start: float                 # perf_counter seconds
     end: float
     bytes_copied: int            # host-to-device bytes the unit's device copied meanwhile (prefetches too)
@@ -66,9 +76,15 @@ class Results:
 
     @property
     def best(self) -> TaskResult | None:
-        """The task with the lowest final training loss, among those that finished without error."""
+        """Among the tasks that ran without error and were not stopped by a selection rule, the one with the
+        lowest final validation loss when every one of them was evaluated, else the lowest final training loss."""
         finished = [t for t in self.tasks if t.ok and t.losses]
-        return min(finished, key=lambda t: t.final_loss) if finished else None
+        finished = [t for t in finished if t.stopped is None] or finished
+        if not finished:
+            return None
+        if all(t.eval_losses for t in finished):
+            return min(finished, key=lambda t: _nan_last(t.final_eval_loss))
+        return min(finished, key=lambda t: _nan_last(t.final_loss))
 
     def utilisation(self) -> dict[str, float]:
         """Per device, the fraction of the run's wall time it spent running units."""
@@ -82,15 +98,30 @@ class Results:
         return {device: (busy[i] / span if span > 0 else 0.0) for i, device in enumerate(self.devices)}
 
     def summary(self) -> str:
-        lines = [f"{'task':<16} {'steps':>6} {'final loss':>11} {'seconds':>8}  status"]
+        lines = [f"{'task':<16} {'steps':>6} {'final loss':>11} {'eval loss':>10} {'seconds':>8}  status"]
         for t in self.tasks:
-            status = f"failed: {t.error}" if not t.ok else f"cut short by {t.cut_short}" if t.cut_short else "ok"
-            lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.wall_time:>8.1f}  {status}")
+            status = (f"failed: {t.error}" if not t.ok else f"cut short by {t.cut_short}" if t.cut_short
+                      else f"stopped: {t.stopped}" if t.stopped else "ok")
+            lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
+                         f"{t.wall_time:>8.1f}  {status}")
         for device, share in self.utilisation().items():
             lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s")
-        if self.best is not None:
-            lines.append(f"best: {self.best.name} (final loss {self.best.final_loss:.4f})")
+        best = self.best
+        if best is not None:
+            measure = (f"validation loss {best.final_eval_loss:.4f}" if best.eval_losses
+                       else f"final loss {best.final_loss:.4f}")
+            lines.append(f"best: {best.name} ({measure})")
         return "\n".join(lines)
+
+    def plot_curves(self, path=None):
+        """Training and validation loss against steps, one colour per task (a stopped task's curve ends where
+        it stopped). Saved to `path` if given; returns the matplotlib figure."""
+        from hydra_torch.plotting import curves_figure
+
+        figure = curves_figure(self)
+        if path is not None:
+            figure.savefig(path, dpi=120, bbox_inches="tight")
+        return figure
 
     def plot_schedule(self, path=None):
         """A Gantt chart of the trace: one row per device, one colour per task. Saved to `path` if given;

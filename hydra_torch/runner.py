@@ -6,6 +6,9 @@ recomputed); then backward B(n-2)..B(0), each re-running its shard's forward fro
 same RNG state (so dropout draws the same mask) and back-propagating the gradient handed down from the
 shard above. Units of one task run in order, one at a time, but may run on different devices: boundary
 tensors follow the task. Memory and copies are the device engine's: one native call per shard visit.
+
+An evaluation pass, between two steps, is E(0)..E(n-1) per validation batch: each shard's forward under
+no_grad with its modules in eval mode, the last one computing the loss. It draws from no training stream.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from hydra_torch.task import ModelTask
 from hydra_torch.task_rng import TaskRng
 
 FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
+EVALUATE = _C.Phase.evaluate
 
 
 class NonFiniteLossError(RuntimeError):
@@ -55,6 +59,15 @@ class _MicroBatch:
 
 class DataLengthError(ValueError):
     pass
+
+
+@dataclass
+class _EvalPass:
+    batches: object                  # iterator over the task's eval_data
+    count: int                       # len(eval_data)
+    batch: object = None             # the batch going through the shards
+    x: object = None                 # the next shard's input
+    loss_sum: float = 0.0
 
 
 def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch.Tensor | None = None):
@@ -119,6 +132,31 @@ def count_micro_batches(task: ModelTask, after_steps: int = 0) -> int:
     return sum(step_sizes(task)[after_steps:])
 
 
+def eval_steps(task: ModelTask, extra=()) -> list[int]:
+    """The steps after which the task is evaluated: every eval_every, the last, and `extra` (rungs of a
+    selection rule) within the run."""
+    if task.eval_data is None:
+        return []
+    total = len(step_sizes(task))
+    steps = {total, *(s for s in extra if 0 < s <= total)}
+    if task.eval_every is not None:
+        steps.update(range(task.eval_every, total + 1, task.eval_every))
+    return sorted(steps)
+
+
+@contextmanager
+def _eval_mode(modules):
+    """The modules in eval mode (no dropout, running statistics) for the block, each as it was afterwards."""
+    modes = [(m, m.training) for module in modules for m in module.modules()]
+    for module in modules:
+        module.train(False)
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 class TaskRunner:
     def __init__(self, task: ModelTask, index: int, start_rng: TaskRng):
         self.task = task
@@ -137,6 +175,12 @@ class TaskRunner:
         self.epochs_done = 0
         self.error: BaseException | None = None
         self.cut_short: str | None = None     # why it stopped at a step boundary before its last step
+        self.stopped: str | None = None       # why a selection rule stopped it (see hydra_torch.selection)
+        self.selection = None                 # the run's selection rule, told of every step and evaluation
+        self.eval_losses: list[tuple[int, float]] = []  # (steps taken, mean validation loss)
+        self.rung_reports: list[tuple[int, float]] = []  # (rung, metric) the selection rule judged it on
+        self.eval_at = eval_steps(task)
+        self._eval: _EvalPass | None = None
         self.micro_batches = count_micro_batches(task)
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
@@ -154,13 +198,32 @@ class TaskRunner:
     def _epoch_began(self, state):
         self.epoch_rng = state
 
-    def resume(self, steps: int, losses: list[float], epochs_done: int, rng: TaskRng, epoch_rng):
-        """Continues after `steps` steps taken by an earlier run, from its checkpoint."""
+    def resume(self, steps: int, losses: list[float], epochs_done: int, rng: TaskRng, epoch_rng,
+               eval_losses=(), stopped: str | None = None, rung_reports=()):
+        """Continues after `steps` steps taken by an earlier run, from its checkpoint; a task a selection
+        rule had stopped stays stopped."""
         self.steps, self.losses, self.epochs_done = steps, list(losses), epochs_done
+        self.eval_losses = [(int(step), float(loss)) for step, loss in eval_losses]
+        self.stopped = stopped
+        self.rung_reports = [(int(rung), float(metric)) for rung, metric in rung_reports]
         self._rng = rng
         self.epoch_rng = epoch_rng
         self.micro_batches = count_micro_batches(self.task, steps)
         self._groups = step_groups(self.task, self._epoch_began, steps, epoch_rng)
+
+    def scheduler_spec(self, shard_costs) -> tuple:
+        """What the scheduler plans the rest of the task from: (shards, micro-batches, device, shard costs,
+        micro-batches after which an evaluation pass runs, batches per pass)."""
+        if self.stopped:  # by a selection rule, in an earlier run or as this one resumed it
+            return self.n, 0, self.home, shard_costs, [], 0
+        evaluated = {step for step, _ in self.eval_losses}
+        pending = [k for k in self.eval_at if k > self.steps or (k == self.steps and k not in evaluated)]
+        cumulative = [0]
+        for size in step_sizes(self.task):
+            cumulative.append(cumulative[-1] + size)
+        after = [cumulative[k] - cumulative[self.steps] for k in pending]
+        batches = len(self.task.eval_data) if after else 0
+        return self.n, self.micro_batches, self.home, shard_costs, after, batches
 
     @property
     def rng(self) -> TaskRng:
@@ -171,7 +234,9 @@ class TaskRunner:
         is in place, to bring in the shard planned next on that device."""
         device, s = slot.device, unit.shard
         self._place_buffers(s, device)
-        if unit.phase == FORWARD:
+        if unit.phase == EVALUATE:
+            self._evaluate(unit, slot)
+        elif unit.phase == FORWARD:
             if s == 0:
                 self._begin_micro_batch(device)
             self._forward(s, slot)
@@ -188,7 +253,7 @@ class TaskRunner:
 
     def at_step_boundary(self) -> bool:
         """No step in progress: every shard has had the same number of steps applied."""
-        return self._mb is None and (self._group is None or self._position == len(self._group))
+        return self._mb is None and self._eval is None and (self._group is None or self._position == len(self._group))
 
     def note_partial_step(self, error: BaseException):
         """After a failure inside a step's backward: says which shards that step had already reached."""
@@ -233,6 +298,8 @@ class TaskRunner:
             self.epochs_done = self._epoch + 1
         if self.on_step is not None:
             self.on_step(self)
+        if self.selection is not None:
+            self.selection.after_step(self)
 
     def discard_unfinished_step(self, engines):
         """After a failure: the gradients of a step that will never complete must not linger."""
@@ -316,6 +383,56 @@ class TaskRunner:
         if step:
             self._stepped.append(s)
 
+    def _evaluate(self, unit, slot):
+        """E(s) of validation batch unit.micro_batch: reads the batch at shard 0, adds its loss at the last."""
+        s, b, device = unit.shard, unit.micro_batch, slot.device
+        if s == 0 and b == 0:
+            with self._rng.cpu_section(None, save=False):  # a shuffled loader's order, off the training stream
+                self._eval = _EvalPass(iter(self.task.eval_data), len(self.task.eval_data))
+        ev = self._eval
+        try:
+            if s == 0:
+                with self._rng.cpu_section(None, save=False):
+                    ev.batch = next(ev.batches, _END)
+                if ev.batch is _END:
+                    raise DataLengthError(f"task {self.task.name!r}: eval_data ended after {b} batches, but "
+                                          f"len(eval_data) is {ev.count}")
+                ev.x = self.task.inputs(_to(ev.batch, device))
+                if self.compute_dtype != torch.float32:
+                    ev.x = tree_map(lambda t: t.to(self.compute_dtype) if _floating(t) else t, ev.x)
+            engine, mid = slot.engine, self.model_ids[slot.index]
+            x = _to(ev.x, device)
+            engine.acquire(mid, s, with_grads=False)
+            try:
+                slot.prefetch()
+                with _eval_mode(self.task.modules[s]), torch.no_grad(), \
+                        self._random(("evaluate", s), device, save=False):
+                    y = _run_shard(self.task.modules[s], x)
+                    if s == self.n - 1:
+                        if self.compute_dtype != torch.float32:
+                            y = tree_map(lambda t: t.float() if _floating(t) else t, y)
+                        loss = self.task.loss_fn(y, _to(ev.batch, device))
+            finally:
+                engine.release(mid, s)
+        except Exception as error:
+            if hasattr(error, "add_note"):
+                error.add_note(f"task {self.task.name!r}: in the evaluation after step {self.steps}, validation "
+                               f"batch {b}, shard {s}")
+            raise
+        if s < self.n - 1:
+            ev.x = y
+            return
+        ev.loss_sum += self._loss_value(loss)
+        if b < ev.count - 1:
+            return
+        if next(ev.batches, _END) is not _END:
+            raise DataLengthError(f"task {self.task.name!r}: eval_data has more than len(eval_data) = {ev.count} "
+                                  "batches")
+        self._eval = None
+        self.eval_losses.append((self.steps, ev.loss_sum / ev.count))
+        if self.selection is not None:
+            self.selection.after_evaluation(self)
+
     def _place_buffers(self, s, device):
         for module, name in self._buffers[s]:
             buffer = module._buffers[name]
@@ -336,11 +453,14 @@ class TaskRunner:
         leaves, _ = tree_flatten(x_in)
         return [t.grad if _floating(t) else None for t in leaves]
 
-    def _check_loss(self, loss) -> float:
+    def _loss_value(self, loss) -> float:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"task {self.task.name!r}: loss_fn must return a scalar tensor, got {shape}")
-        value = float(loss.detach())
+        return float(loss.detach())
+
+    def _check_loss(self, loss) -> float:
+        value = self._loss_value(loss)
         if not math.isfinite(value):
             raise NonFiniteLossError(f"task {self.task.name!r}: the loss is {value} at step {self.steps}; "
                                      "training stopped and the weights of the last completed step were kept")

@@ -42,6 +42,22 @@ def _precision(params, precision: str | None) -> str:
     return _DTYPE_PRECISION[dtypes.pop()]
 
 
+def _check_evaluation(eval_data, eval_every):
+    if eval_data is None:
+        if eval_every is not None:
+            raise ValueError("eval_every needs eval_data: the batches to evaluate on")
+        return
+    if isinstance(eval_data, collections.abc.Iterator):
+        raise ValueError(f"eval_data is a one-shot iterator ({type(eval_data).__name__}), spent after one "
+                         "evaluation: pass a list or a DataLoader")
+    if not hasattr(eval_data, "__iter__") or not hasattr(eval_data, "__len__"):
+        raise TypeError("eval_data must be a sized iterable of batches (a list or a DataLoader)")
+    if len(eval_data) == 0:
+        raise ValueError("eval_data is empty: an evaluation needs at least one batch")
+    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
+        raise ValueError(f"eval_every must be a positive int (steps) or None, got {eval_every!r}")
+
+
 class ModelTask:
     """A model, its optimizer, loss and data.
 
@@ -62,6 +78,10 @@ class ModelTask:
     chosen by name pattern, module type or callable (see hydra_torch.param_groups); e.g.
     ``[{"params": ht.optim.NO_WEIGHT_DECAY, "weight_decay": 0.0}]`` exempts biases and norms, as
     transformers.Trainer does.
+    eval_data: validation batches (a sized iterable, like data): the mean of loss_fn over them is measured under
+    no_grad, the modules in eval mode, after every ``eval_every`` steps and after the last step, as units of
+    their own, so one model's evaluation overlaps others' training. Results keep the curve
+    (``TaskResult.eval_losses``); evaluation draws no random numbers from the task's training streams.
     precision: "fp32" or "bf16" compute (weights and gradients on the device); master weights and optimizer
     state are fp32 either way, and the trained weights come back in the parameters' own dtype. Default: the
     model's dtype (an fp32 model computes in fp32, a bf16 one in bf16).
@@ -74,7 +94,8 @@ class ModelTask:
                  epochs: int = 1, name: str | None = None, precision: str | None = None, shards=None,
                  accumulate: int = 1, clip_grad_norm: float | None = None,
                  inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None, lr_schedule=None,
-                 warmup_steps: int = 0, param_groups=None):
+                 warmup_steps: int = 0, param_groups=None, eval_data: Iterable | None = None,
+                 eval_every: int | None = None):
         optimizer = optim.AdamW() if optimizer is None else optimizer
         if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
             raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
@@ -95,6 +116,7 @@ class ModelTask:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
         schedules.check(lr_schedule, warmup_steps)
+        _check_evaluation(eval_data, eval_every)
         if data is None or not hasattr(data, "__iter__") or not hasattr(data, "__len__"):
             raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
                             "plans each task's remaining work from its length")
@@ -132,6 +154,11 @@ class ModelTask:
                              "lose: pass a list or a DataLoader, or choose the shards")
         if adapter is not None and not one_shot:  # a one-shot iterator's first batch would be lost to the check
             adapter.check_batch(next(iter(data)))
+        if adapter is not None and eval_data is not None:
+            try:
+                adapter.check_batch(next(iter(eval_data)))
+            except (KeyError, ValueError, TypeError) as error:
+                raise type(error)(f"eval_data: {error.args[0] if error.args else error}") from None
         # id(parameter) -> (parameter, lr, weight_decay) where a group overrides the optimizer's
         self.param_options = param_groups_.resolve(param_groups, sharding.root_module(model, pieces), optimizer)
 
@@ -151,6 +178,8 @@ class ModelTask:
         self.lr_schedule = lr_schedule
         self.warmup_steps = warmup_steps
         self.precision = precision
+        self.eval_data = eval_data
+        self.eval_every = eval_every
         self.name = name if name is not None else f"task{next(self._names)}"
 
     @property

@@ -117,6 +117,8 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
     try:
         slot.plan(runner, unit)
         runner.run_unit(unit, slot)
+        if runner.stopped is not None:  # a selection rule stopped it here, at a step boundary
+            slot.scheduler.fail(unit.task)
     except Exception as error:  # the task ends; the others go on
         runner.note_partial_step(error)
         with lock:

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/scheduler.h"
+#include "core/successive_halving.h"
 
 namespace py = pybind11;
 
@@ -18,7 +19,8 @@ void bind_scheduler(py::module_& m) {
   py::enum_<Phase>(m, "Phase")
       .value("forward", Phase::kForward)
       .value("forward_backward", Phase::kForwardBackward)
-      .value("backward", Phase::kBackward);
+      .value("backward", Phase::kBackward)
+      .value("evaluate", Phase::kEvaluate);
 
   py::class_<Unit>(m, "Unit")
       .def_readonly("task", &Unit::task)
@@ -31,21 +33,43 @@ void bind_scheduler(py::module_& m) {
                ", shard=" + std::to_string(u.shard) + ", phase=" + std::to_string(static_cast<int>(u.phase)) + ")";
       });
 
+  py::class_<core::RungDecision>(m, "RungDecision")
+      .def_readonly("keep", &core::RungDecision::keep)
+      .def_readonly("rung", &core::RungDecision::rung)
+      .def_readonly("rank", &core::RungDecision::rank)
+      .def_readonly("competitors", &core::RungDecision::competitors)
+      .def_readonly("kept", &core::RungDecision::kept);
+
+  py::class_<core::SuccessiveHalving>(m, "SuccessiveHalving")
+      .def(py::init<int64_t, int64_t>(), py::arg("min_steps"), py::arg("reduction_factor"))
+      .def("rungs", &core::SuccessiveHalving::rungs, py::arg("total_steps"))
+      .def("report", &core::SuccessiveHalving::report, py::arg("rung"), py::arg("metric"));
+
   m.def("parse_policy", [](const std::string& name) { return std::string(core::policy_name(core::parse_policy(name))); },
         "The canonical name of a scheduling policy; ValueError for an unknown one.");
 
   py::class_<Scheduler>(m, "Scheduler")
-      .def(py::init([](const std::vector<std::tuple<int, int64_t, std::optional<int>, std::vector<double>>>& tasks,
-                       int num_devices, const std::string& policy, uint64_t seed) {
+      .def(py::init([](const std::vector<py::tuple>& tasks, int num_devices, const std::string& policy, uint64_t seed) {
              std::vector<core::TaskSpec> specs;
-             for (const auto& [shards, micro_batches, device, costs] : tasks) {
-               specs.push_back({shards, micro_batches, device, costs});
+             for (const py::tuple& task : tasks) {
+               if (task.size() != 4 && task.size() != 6) {
+                 throw py::value_error("Scheduler: a task is (num_shards, micro_batches, device, shard_costs"
+                                       "[, eval_after, eval_batches]), got " + std::to_string(task.size()) + " items");
+               }
+               core::TaskSpec& spec = specs.emplace_back(core::TaskSpec{
+                   task[0].cast<int>(), task[1].cast<int64_t>(), task[2].cast<std::optional<int>>(),
+                   task[3].cast<std::vector<double>>()});
+               if (task.size() == 6) {
+                 spec.eval_after = task[4].cast<std::vector<int64_t>>();
+                 spec.eval_batches = task[5].cast<int64_t>();
+               }
              }
              return std::make_unique<Scheduler>(std::move(specs), num_devices, core::parse_policy(policy), seed);
            }),
            py::arg("tasks"), py::arg("num_devices"), py::arg("policy") = "lrtf", py::arg("seed") = 0,
-           "tasks: (num_shards, micro_batches, device or None, shard costs or []) per task; a shard's cost (its "
-           "parameter count, say) ranks a task before any of its units has been timed")
+           "tasks: (num_shards, micro_batches, device or None, shard costs or [][, eval_after, eval_batches]) per "
+           "task; a shard's cost (its parameter count, say) ranks a task before any of its units has been timed; "
+           "an evaluation pass of eval_batches batches follows each count of micro-batches in eval_after")
       .def("next", &Scheduler::next, py::call_guard<py::gil_scoped_release>())
       .def("next_for", &Scheduler::next_for, py::call_guard<py::gil_scoped_release>())
       .def("has_work", &Scheduler::has_work)

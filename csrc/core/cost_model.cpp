@@ -21,12 +21,15 @@ namespace {
 double phase_weight(Phase phase) { return CostModel::kPhaseWeight[static_cast<size_t>(phase)]; }
 
 Phase phase_at(int num_shards, int64_t position) {
+  if (position >= units_per_micro_batch(num_shards)) return Phase::kEvaluate;
   if (position < num_shards - 1) return Phase::kForward;
   if (position == num_shards - 1) return Phase::kForwardBackward;
   return Phase::kBackward;
 }
 
 int shard_at(int num_shards, int64_t position) {
+  const int64_t per = units_per_micro_batch(num_shards);
+  if (position >= per) return static_cast<int>(position - per);
   return static_cast<int>(position < num_shards ? position : 2 * int64_t{num_shards} - 2 - position);
 }
 
@@ -78,7 +81,8 @@ CostModel::CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds
     TaskState state;
     state.spec = spec;
     state.cost = std::move(costs[t]);
-    const auto per = static_cast<size_t>(units_per_micro_batch(spec.num_shards));
+    check_eval_passes(spec, "CostModel: task " + std::to_string(t) + ": ");
+    const auto per = static_cast<size_t>(units_per_micro_batch(spec.num_shards) + spec.num_shards);
     state.stats.resize(per);
     state.estimate.resize(per);
     state.suffix.resize(per);
@@ -99,7 +103,7 @@ void CostModel::check_key(int task, int shard, Phase phase) const {
   if (phase == Phase::kForwardBackward && shard != n - 1) {
     throw std::invalid_argument("CostModel: forward-backward only exists for the last shard");
   }
-  if (phase != Phase::kForwardBackward && shard == n - 1) {
+  if ((phase == Phase::kForward || phase == Phase::kBackward) && shard == n - 1) {
     throw std::invalid_argument("CostModel: the last shard only runs forward-backward");
   }
 }
@@ -139,8 +143,8 @@ const CostModel::TaskState& CostModel::refreshed(int task) const {
   // else this task's observed units converted through kPhaseWeight; else every task's observations, likewise.
   const int n = state.spec.num_shards;
   auto cost_at = [&](int64_t p) { return state.cost[static_cast<size_t>(shard_at(n, p))]; };
-  std::array<double, 3> phase_rate_sum{};
-  std::array<int64_t, 3> phase_count{};
+  std::array<double, kPhaseWeight.size()> phase_rate_sum{};
+  std::array<int64_t, kPhaseWeight.size()> phase_count{};
   double forward_rate_sum = 0.0;
   for (int64_t p = 0; p < static_cast<int64_t>(state.stats.size()); ++p) {
     const KeyStats& key = state.stats[static_cast<size_t>(p)];
@@ -155,7 +159,9 @@ const CostModel::TaskState& CostModel::refreshed(int task) const {
                                        : global_forward_seconds();
 
   double running = 0.0;
+  const int64_t per = units_per_micro_batch(n);
   for (int64_t p = static_cast<int64_t>(state.stats.size()) - 1; p >= 0; --p) {
+    if (p == per - 1) running = 0.0;  // a micro-batch's suffix ends with it, before the evaluation positions
     const KeyStats& key = state.stats[static_cast<size_t>(p)];
     const auto phase = static_cast<size_t>(phase_at(n, p));
     double value;
@@ -192,12 +198,33 @@ double CostModel::remaining_seconds(int task, int64_t next_index) const {
     throw std::invalid_argument("CostModel::remaining_seconds: task " + std::to_string(task) + " out of range");
   }
   const TaskState& state = refreshed(task);
-  const int64_t per = units_per_micro_batch(state.spec.num_shards);
+  const TaskSpec& spec = state.spec;
+  const int n = spec.num_shards;
+  const int64_t per = units_per_micro_batch(n);
   if (next_index < 0) next_index = 0;
-  if (next_index >= state.spec.micro_batches * per) return 0.0;
-  const int64_t micro_batch = next_index / per;
-  const int64_t whole_after = state.spec.micro_batches - micro_batch - 1;
-  return state.suffix[static_cast<size_t>(next_index % per)] + static_cast<double>(whole_after) * state.suffix[0];
+  if (next_index >= total_units(spec)) return 0.0;
+  const auto suffix = [&](int64_t position) { return state.suffix[static_cast<size_t>(position)]; };
+  const double per_eval_batch = suffix(per);  // E(0)..E(n-1)
+  const double per_eval_pass = static_cast<double>(spec.eval_batches) * per_eval_batch;
+
+  // Where next_index falls: inside evaluation pass `started - 1`, or among the training units.
+  const int64_t started = eval_passes_started(spec, next_index);
+  double eval = static_cast<double>(eval_passes(spec) - started) * per_eval_pass;
+  int64_t train_index;  // the first training unit not yet run, counted without the evaluation units
+  const int64_t offset = started > 0 ? next_index - eval_pass_start(spec, started - 1) : -1;
+  if (offset >= 0 && offset < units_per_eval_pass(spec)) {
+    const int64_t batches_after = spec.eval_batches - offset / n - 1;
+    eval += suffix(per + offset % n) + static_cast<double>(batches_after) * per_eval_batch;
+    train_index = spec.eval_after[static_cast<size_t>(started - 1)] * per;
+  } else {
+    train_index = next_index - started * units_per_eval_pass(spec);
+  }
+  double train = 0.0;
+  if (train_index < spec.micro_batches * per) {
+    const int64_t whole_after = spec.micro_batches - train_index / per - 1;
+    train = suffix(train_index % per) + static_cast<double>(whole_after) * suffix(0);
+  }
+  return train + eval;
 }
 
 }  // namespace hydra::core

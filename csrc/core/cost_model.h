@@ -20,18 +20,19 @@ class CostModel {
  public:
   // Cost of a phase in forward passes, used only for priors. Backward re-runs the shard's forward from
   // its checkpointed input (1) and then back-propagates (~2 forwards of FLOPs): 3. FB(n-1) is one forward
-  // and one backward with no recompute: also 3.
-  static constexpr std::array<double, 3> kPhaseWeight = {1.0, 3.0, 3.0};
+  // and one backward with no recompute: also 3. An evaluation unit is one forward without gradients: 1.
+  static constexpr std::array<double, 4> kPhaseWeight = {1.0, 3.0, 3.0, 1.0};
 
   // default_forward_seconds: the prior for a forward unit of average shard cost before anything at all has
   // been observed. Its scale is irrelevant to scheduling (every task shares it), only its use in
   // remaining_seconds. Shard costs are rescaled to mean 1 over the shards that have them; a task without
   // costs counts each of its shards as 1.
-  // Throws std::invalid_argument for shard_costs of the wrong length or not positive and finite.
+  // Throws std::invalid_argument for shard_costs of the wrong length or not positive and finite, and for
+  // evaluation passes check_eval_passes rejects.
   explicit CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds = 1.0);
 
-  // Throws std::invalid_argument for an unknown task/shard, FB on a shard other than the last, or a
-  // negative / non-finite duration.
+  // Throws std::invalid_argument for an unknown task/shard, FB on a shard other than the last, F or B on the
+  // last, or a negative / non-finite duration.
   void observe(int task, int shard, Phase phase, double seconds);
 
   double estimate(int task, int shard, Phase phase) const;
@@ -60,7 +61,9 @@ class CostModel {
     mutable bool dirty = true;
     mutable uint64_t global_version = 0;
     mutable std::vector<double> estimate;  // per position
-    mutable std::vector<double> suffix;    // suffix[p] = sum of estimate[p..end of micro-batch]
+    // suffix[p] = sum of estimate[p..end of its micro-batch] for a training position; for an evaluation
+    // position, of estimate[p..the evaluation batch's last shard].
+    mutable std::vector<double> suffix;
   };
 
   void check_key(int task, int shard, Phase phase) const;

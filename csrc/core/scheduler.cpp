@@ -23,6 +23,7 @@ std::vector<TaskSpec> validated(std::vector<TaskSpec> tasks, int num_devices) {
     if (spec.micro_batches < 0) {
       throw std::invalid_argument(which + "micro_batches must be >= 0, got " + std::to_string(spec.micro_batches));
     }
+    check_eval_passes(spec, which);
     if (spec.device && (*spec.device < 0 || *spec.device >= num_devices)) {
       throw std::invalid_argument(which + "device " + std::to_string(*spec.device) + " out of range [0, " +
                                   std::to_string(num_devices) + ")");
@@ -86,7 +87,7 @@ std::optional<Unit> Scheduler::take_locked(int device) {
   task.state = State::kRunning;
   task.running_device = device;
   task.last_device = device;
-  return unit_at(chosen, task.spec.num_shards, task.next_index);
+  return unit_at(chosen, task.spec, task.next_index);
 }
 
 std::optional<Unit> Scheduler::next(int device) {
@@ -165,7 +166,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     }
     const size_t chosen = policy_.choose(device, candidates);
     Planned& p = planned[chosen];
-    units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec.num_shards, p.index));
+    units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index));
     for (Planned& other : planned) other.ran_last_here = false;
     ++p.index;
     p.ready = ++sequence;

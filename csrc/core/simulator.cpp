@@ -98,7 +98,7 @@ SimulationResult simulate_model_parallel(const SimulationConfig& config) {
   for (int t = 0; t < static_cast<int>(config.tasks.size()); ++t) {
     const TaskSpec& spec = config.tasks[static_cast<size_t>(t)];
     for (int64_t i = 0; i < total_units(spec); ++i) {
-      const Unit unit = unit_at(t, spec.num_shards, i);
+      const Unit unit = unit_at(t, spec, i);
       const int device = static_cast<int>(int64_t{unit.shard} * config.num_devices / spec.num_shards);
       const double end = now + unit_compute(config.compute, unit);
       result.trace.push_back(TraceEntry{device, t, i, now, end});
@@ -128,7 +128,12 @@ double task_seconds(const std::vector<TaskSpec>& tasks, int task, const UnitSeco
   for (int64_t p = 0; p < units_per_micro_batch(spec.num_shards); ++p) {
     per_micro_batch += unit_compute(compute, unit_at(task, spec.num_shards, p));
   }
-  return per_micro_batch * static_cast<double>(spec.micro_batches);
+  double per_eval_batch = 0.0;
+  for (int shard = 0; shard < spec.num_shards; ++shard) {
+    per_eval_batch += unit_compute(compute, Unit{task, 0, shard, Phase::kEvaluate, 0});
+  }
+  return per_micro_batch * static_cast<double>(spec.micro_batches) +
+         per_eval_batch * static_cast<double>(spec.eval_batches * eval_passes(spec));
 }
 
 double lower_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute, int num_devices) {

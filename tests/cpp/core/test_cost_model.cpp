@@ -19,7 +19,7 @@ double brute_force_remaining(const CostModel& model, int task, int64_t next_inde
   const TaskSpec& s = model.spec(task);
   double sum = 0.0;
   for (int64_t i = next_index; i < total_units(s); ++i) {
-    const Unit unit = unit_at(task, s.num_shards, i);
+    const Unit unit = unit_at(task, s, i);
     sum += model.estimate(task, unit.shard, unit.phase);
   }
   return sum;
@@ -147,16 +147,24 @@ TEST(CostModel, ConvergesOnNoisyTimingsAndDoesNotDriftAcrossEpochs) {
   }
 }
 
+TaskSpec evaluated(int shards, int64_t micro_batches, std::vector<int64_t> after, int64_t batches) {
+  TaskSpec s = spec(shards, micro_batches);
+  s.eval_after = std::move(after);
+  s.eval_batches = batches;
+  return s;
+}
+
 TEST(CostModel, CachedRemainingTimeMatchesTheBruteForceSum) {
-  CostModel model({spec(5, 3), spec(1, 4)});
+  // With evaluation passes at the start, in the middle, back to back with the end, and none.
+  CostModel model({spec(5, 3), spec(1, 4), evaluated(3, 4, {0, 2, 4}, 2), evaluated(1, 3, {1, 3}, 3)});
   std::mt19937_64 rng(9);
   std::uniform_real_distribution<double> seconds(0.001, 0.1);
   for (int round = 0; round < 200; ++round) {
-    const int task = static_cast<int>(rng() % 2);
+    const int task = static_cast<int>(rng() % 4);
     const TaskSpec& s = model.spec(task);
-    const Unit unit = unit_at(task, s.num_shards, static_cast<int64_t>(rng() % total_units(s)));
+    const Unit unit = unit_at(task, s, static_cast<int64_t>(rng() % total_units(s)));
     model.observe(task, unit.shard, unit.phase, seconds(rng));
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < 4; ++t) {
       for (int64_t i = 0; i <= total_units(model.spec(t)); ++i) {
         ASSERT_NEAR(model.remaining_seconds(t, i), brute_force_remaining(model, t, i), 1e-9);
       }
@@ -170,9 +178,21 @@ TEST(CostModel, RejectsBadObservations) {
   EXPECT_THROW(model.observe(0, 3, Phase::kForward, 1.0), std::invalid_argument);
   EXPECT_THROW(model.observe(0, 1, Phase::kForwardBackward, 1.0), std::invalid_argument);
   EXPECT_THROW(model.observe(0, 2, Phase::kBackward, 1.0), std::invalid_argument);
+  EXPECT_THROW(model.observe(0, 3, Phase::kEvaluate, 1.0), std::invalid_argument);
   EXPECT_THROW(model.observe(0, 0, Phase::kForward, -1.0), std::invalid_argument);
   EXPECT_THROW(model.observe(0, 0, Phase::kForward, std::nan("")), std::invalid_argument);
   EXPECT_THROW(CostModel({spec(0, 1)}), std::invalid_argument);
+  EXPECT_THROW(CostModel({evaluated(2, 3, {1, 1}, 1)}), std::invalid_argument);  // not ascending
+  EXPECT_THROW(CostModel({evaluated(2, 3, {4}, 1)}), std::invalid_argument);     // past the last micro-batch
+  EXPECT_THROW(CostModel({evaluated(2, 3, {1}, 0)}), std::invalid_argument);     // a pass of no batches
+}
+
+TEST(CostModel, AnEvaluationUnitCostsAForwardUntilTimedAndEveryShardHasOne) {
+  CostModel model({evaluated(3, 2, {2}, 4)}, 0.5);
+  EXPECT_DOUBLE_EQ(model.estimate(0, 2, Phase::kEvaluate), 0.5);  // the last shard too
+  model.observe(0, 2, Phase::kEvaluate, 0.2);
+  EXPECT_DOUBLE_EQ(model.estimate(0, 2, Phase::kEvaluate), 0.2);
+  EXPECT_DOUBLE_EQ(model.estimate(0, 0, Phase::kEvaluate), 0.2);  // same phase of the task first
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <future>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "core/policy.h"
@@ -60,6 +61,35 @@ TEST(UnitAt, RejectsBadArguments) {
   EXPECT_THROW(unit_at(0, 2, -1), std::invalid_argument);
 }
 
+TEST(UnitAt, EvaluationPassesSitBetweenMicroBatches) {
+  TaskSpec s = spec(2, 3);
+  s.eval_after = {0, 2, 3};
+  s.eval_batches = 2;
+  // 3 micro-batches of F0 FB1 B0, passes of 2 batches of E0 E1 before the first, after the second and the third.
+  const std::vector<std::tuple<int, Phase, int64_t>> expected = {
+      {0, Phase::kEvaluate, 0}, {1, Phase::kEvaluate, 0}, {0, Phase::kEvaluate, 1}, {1, Phase::kEvaluate, 1},
+      {0, Phase::kForward, 0},  {1, Phase::kForwardBackward, 0}, {0, Phase::kBackward, 0},
+      {0, Phase::kForward, 1},  {1, Phase::kForwardBackward, 1}, {0, Phase::kBackward, 1},
+      {0, Phase::kEvaluate, 0}, {1, Phase::kEvaluate, 0}, {0, Phase::kEvaluate, 1}, {1, Phase::kEvaluate, 1},
+      {0, Phase::kForward, 2},  {1, Phase::kForwardBackward, 2}, {0, Phase::kBackward, 2},
+      {0, Phase::kEvaluate, 0}, {1, Phase::kEvaluate, 0}, {0, Phase::kEvaluate, 1}, {1, Phase::kEvaluate, 1}};
+  ASSERT_EQ(total_units(s), static_cast<int64_t>(expected.size()));
+  for (int64_t i = 0; i < total_units(s); ++i) {
+    const Unit unit = unit_at(7, s, i);
+    const auto& [shard, phase, micro_batch] = expected[static_cast<size_t>(i)];
+    EXPECT_EQ(unit, (Unit{7, i, shard, phase, micro_batch})) << "index " << i;
+  }
+  EXPECT_EQ(eval_passes_started(s, 0), 1);
+  EXPECT_EQ(eval_passes_started(s, 9), 1);
+  EXPECT_EQ(eval_passes_started(s, 10), 2);
+  EXPECT_EQ(eval_passes_started(s, 20), 3);
+}
+
+TEST(UnitAt, WithoutEvaluationTheSpecFormMatchesTheShardCountForm) {
+  const TaskSpec s = spec(4, 3);
+  for (int64_t i = 0; i < total_units(s); ++i) EXPECT_EQ(unit_at(1, s, i), unit_at(1, 4, i));
+}
+
 TEST(ParsePolicy, KnowsEveryNameAndListsThemOnError) {
   for (auto kind : {PolicyKind::kLrtf, PolicyKind::kFifo, PolicyKind::kRoundRobin, PolicyKind::kRandom}) {
     EXPECT_EQ(parse_policy(policy_name(kind)), kind);
@@ -91,6 +121,28 @@ TEST(SchedulerConstruction, RejectsBadInputWithClearMessages) {
   EXPECT_NE(message([] { Scheduler({spec(2, -1)}, 1, PolicyKind::kLrtf); }).find("micro_batches"), std::string::npos);
   EXPECT_NE(message([] { Scheduler({spec(2, 1, 2)}, 2, PolicyKind::kLrtf); }).find("device 2 out of range"),
             std::string::npos);
+  TaskSpec late = spec(2, 3);
+  late.eval_after = {4};
+  late.eval_batches = 1;
+  EXPECT_NE(message([&] { Scheduler({spec(2, 1), late}, 1, PolicyKind::kLrtf); }).find("task 1: eval_after"),
+            std::string::npos);
+}
+
+TEST(Scheduler, RunsEvaluationUnitsInTheirPlaceInTheChain) {
+  TaskSpec s = spec(3, 2);
+  s.eval_after = {1, 2};
+  s.eval_batches = 1;
+  Scheduler scheduler({s}, 1, PolicyKind::kLrtf);
+  int64_t evaluations = 0;
+  for (int64_t i = 0; i < total_units(s); ++i) {
+    const auto unit = scheduler.next(0);
+    ASSERT_TRUE(unit);
+    EXPECT_EQ(*unit, unit_at(0, s, i));
+    evaluations += unit->phase == Phase::kEvaluate;
+    scheduler.complete(0, *unit, 0.001);
+  }
+  EXPECT_EQ(evaluations, 6);
+  EXPECT_TRUE(scheduler.finished(0));
 }
 
 TEST(Scheduler, ATaskWithNoMicroBatchesIsFinishedFromTheStart) {
