@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from hydra_torch import _C, checkpoint, interrupts, memory, planner, sharding, task_rng, testing
+from hydra_torch import _C, checkpoint, interrupts, lifecycle, memory, planner, sharding, task_rng, testing
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
-from hydra_torch.results import Results, TaskResult
+from hydra_torch.results import Results
 from hydra_torch.runner import TaskRunner
-from hydra_torch.selection import SuccessiveHalving
+from hydra_torch.arrivals import Arrivals, Inbox, OpenRun
+from hydra_torch.selection import Selection
 from hydra_torch.task import ModelTask
 from hydra_torch.workers import DeviceSlot, device_worker
 
@@ -69,7 +70,7 @@ def _host_step_threads(host_threads) -> int:
 
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
           progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
-          checkpoint_every=None, selection=None) -> Results:
+          checkpoint_every=None, selection=None, arrivals=None) -> Results:
     """Trains every task concurrently and returns their results; the user's modules hold the trained weights.
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
@@ -91,6 +92,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         "10min". Only with checkpoint_dir.
     selection: a rule that stops the worse tasks early, such as ht.SuccessiveHalving(min_steps=20); the devices
         go to the others at once. A stopped task's result says when and why (`TaskResult.stopped`).
+    arrivals: a hydra_torch.arrivals.Arrivals through which more tasks join while the devices train (how
+        hydra_torch.optuna runs its trials); each task then leaves the run, its weights written back, as soon
+        as it ends. The call returns once the Arrivals is closed and every task is done.
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
@@ -113,9 +117,15 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
                 raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
                                  "each task needs a model of its own (copy.deepcopy it)")
     if selection is not None:
-        if not isinstance(selection, SuccessiveHalving):
+        if not isinstance(selection, Selection):
             raise TypeError(f"selection must be a hydra_torch.SuccessiveHalving(...), got {type(selection).__name__}")
         selection.check(tasks)
+    if arrivals is not None:
+        if not isinstance(arrivals, Arrivals):
+            raise TypeError(f"arrivals must be a hydra_torch.arrivals.Arrivals, got {type(arrivals).__name__}")
+        if checkpoint_dir is not None:
+            raise ValueError("checkpoint_dir cannot be combined with arrivals: a resumed run could not know which "
+                             "tasks had joined it")
     try:
         _C.parse_policy(schedule)
     except ValueError as error:
@@ -135,16 +145,17 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             planner.apply_plan(task, planner.plan(task, device=resolved[smallest], budget=budgets[smallest]))
     link = testing.link_bytes_per_second()
     engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(resolved, budgets)]
+    for engine in engines if arrivals is not None else ():
+        engine.expect_arrivals()
     task_rng.new_run()
     start_rng = task_rng.TaskRng.current(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
-    _place(runners, engines, budgets, pin)
+    lifecycle.place(runners, engines, budgets, pin)
     for runner, state in zip(runners, loaded):
         if state is not None:
             checkpoint.restore(state, runner)
     del loaded
-    if selection is not None:
-        selection.start(runners)
+    selection_run = selection.start(runners) if selection is not None else None
     checkpoints = checkpoint.Checkpointer(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
     for runner in runners if checkpoints is not None else ():
         checkpoints.started(runner)
@@ -156,6 +167,17 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
              for i, (d, e) in enumerate(zip(resolved, engines))]
 
     trace, lock = [], threading.Lock()
+    open_run = None
+    if arrivals is not None:
+        for slot in slots:
+            slot.inbox = Inbox()
+        open_run = OpenRun(slots=slots, scheduler=scheduler, runners=runners, devices=resolved, budgets=budgets,
+                           pin=pin, start_rng=start_rng, trace=trace, trace_lock=lock, start=time.perf_counter(),
+                           stop=stop, selection=selection_run, on_ended=arrivals.on_ended)
+        for slot in slots:
+            slot.open_run = open_run
+        scheduler.set_open(True)
+        arrivals.attach(open_run)
     threads_per_device = 1 if len(resolved) > 1 and resolved[0].type == "cpu" else None
     bars = Progress(runners, progress)
     # Device 0's worker is this thread: a fresh thread gets a fresh OpenMP pool, which on a busy CPU fights
@@ -163,7 +185,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     threads = [threading.Thread(target=device_worker, args=(slot, trace, lock, threads_per_device),
                                 name=f"hydra-{slot.device}", daemon=True) for slot in slots[1:]]
     threads_before = torch.get_num_threads()
-    start = time.perf_counter()
+    start = open_run.start if open_run is not None else time.perf_counter()
     interrupted = None
     try:
         with interrupts.stop_requests(stop):
@@ -181,6 +203,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             scheduler.cancel()
             for thread in threads:
                 thread.join()
+        if open_run is not None:
+            open_run.workers_gone()
         torch.set_num_threads(threads_before)
         wall = time.perf_counter() - start
         bars.close(runners)
@@ -204,47 +228,6 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     return results
 
 
-def _place(runners, engines, budgets, pin: bool):
-    """Registers every task's state with the engines. A task is made resident on the device with the most
-    room only if, after that, the device still holds the working set of any task that may spill there, so
-    an early resident task never leaves a later one without room; the others are spilled on every device."""
-    stores = []
-    for runner in runners:
-        task = runner.task
-        store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
-        if pin and not store.pinned:
-            warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
-                          "synchronous and slower", RuntimeWarning, stacklevel=3)
-        stores.append(store)
-        runner.store = store
-        for param, lr, weight_decay in runner.task.param_options.values():
-            store.set_param_options(param, lr, weight_decay)
-    resident_need = [_C.DeviceEngine.resident_need(s) for s in stores]
-    spilled_need = [_C.DeviceEngine.spilled_need(s) for s in stores]
-    free = list(budgets)
-    resident_at = [None] * len(runners)
-    for i in range(len(runners)):
-        may_spill = [spilled_need[j] for j in range(len(runners)) if j != i and (j > i or resident_at[j] is None)]
-        device = max(range(len(engines)), key=lambda d: free[d])
-        if resident_need[i] + max(may_spill, default=0) <= free[device]:
-            resident_at[i] = device
-            free[device] -= resident_need[i]
-    for runner, store, device in zip(runners, stores, resident_at):
-        try:
-            if device is not None:
-                model = engines[device].add_model(store)
-                runner.model_ids[device] = model
-                if engines[device].resident(model):
-                    runner.home = device if len(engines) > 1 else None
-                    runner.keep_graphs = True
-                    continue
-                raise RuntimeError("the device refused to keep it resident")  # the two checks disagree: a bug
-            for d, engine in enumerate(engines):
-                runner.model_ids[d] = engine.add_model(store, allow_resident=False)
-        except RuntimeError as error:
-            raise ValueError(f"task {runner.task.name!r}: {error}") from None
-
-
 def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
     """Each task's checkpoint in `checkpoint_dir` (None where it has none), checked against the task before
     anything is allocated."""
@@ -265,32 +248,10 @@ def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
 def _finish(runners, engines, trace, start, devices, wall, checkpoints=None) -> Results:
     results = []
     for runner in runners:
-        home = runner.home if runner.home is not None else next(iter(runner.model_ids))
-        try:
-            if runner.error is not None:
-                runner.discard_unfinished_step(engines)
-            for slot_index, model in runner.model_ids.items():
-                if slot_index != home:
-                    engines[slot_index].synchronize(model)
-        except Exception as error:  # a host job of the task failed after its last unit
-            runner.error = runner.error or error
-        if checkpoints is not None:  # finish rewrites the store a resident task's last checkpoint may be reading
-            checkpoints.wait(runner)
-        try:
-            engines[home].finish(runner.model_ids[home])  # writes the weights back even when it raises
-        except Exception as error:
-            runner.error = runner.error or error
-        runner.restore_buffers()
-        if checkpoints is not None and runner.error is None and runner.at_step_boundary():
-            checkpoints.submit(runner, final=True)
-        units = [e for e in trace if e.task == runner.index]
-        loads = [sum(col) for col in zip(*(engines[i].shard_loads(m) for i, m in runner.model_ids.items()))]
-        results.append(TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
-                                  (max(e.end for e in units) - start) if units else 0.0,
-                                  any(engines[i].resident(m) for i, m in runner.model_ids.items()), loads,
-                                  runner.error, busy_time=sum(e.end - e.start for e in units),
-                                  host_bytes=runner.store.host_bytes, cut_short=runner.cut_short,
-                                  eval_losses=list(runner.eval_losses), stopped=runner.stopped))
+        if runner.result is None:  # else it left the run when it ended (see arrivals)
+            lifecycle.bring_home(runner, engines, checkpoints)
+            runner.result = lifecycle.task_result(runner, engines, trace, start)
+        results.append(runner.result)
     if checkpoints is not None:
         checkpoints.close()
     names = [str(d) for d in devices]

@@ -1,6 +1,8 @@
 """Model selection with hydra-torch: several GPT-2 configurations trained at once, the best one named.
 
     python -m hydra_torch.demo                      # small defaults: a few minutes on 2 CPU cores
+    python -m hydra_torch.demo --halving 20         # stop the worse configurations early (successive halving)
+    python -m hydra_torch.demo --search 12          # an Optuna search over width and learning rate instead
     python -m hydra_torch.demo --width 1600 --layers 48 --heads 25 --seq 1024 --batch 8 \\
         --steps 200 --budget 16GiB --precision bf16   # GPT-2 XL-shaped models on a GPU
 
@@ -41,7 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--schedule", default="lrtf", choices=["lrtf", "fifo", "round_robin", "random"])
     p.add_argument("--pretrained", action="store_true", help="start from Hugging Face 'gpt2' weights (needs the hub)")
+    p.add_argument("--halving", type=int, metavar="MIN_STEPS",
+                   help="successive halving: stop the worse configurations at MIN_STEPS, 3x that, ... steps")
+    p.add_argument("--search", type=int, metavar="N",
+                   help="an Optuna search of N trials over --widths and a learning-rate range, 4 at a time, pruned by "
+                        "a median rule (needs optuna), instead of the --widths x --lrs grid")
     p.add_argument("--chart", default="hydra_schedule.png", help="where to save the schedule chart")
+    p.add_argument("--curves", default="hydra_curves.png", help="where to save the loss curves")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -76,14 +84,6 @@ def causal_lm_loss_named(model):
     return model
 
 
-@torch.no_grad()
-def validation_loss(model, batches):
-    model.eval()
-    losses = [model(**b).loss.item() for b in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 def prepare_data(args):
     """(training batches, validation batches, vocabulary size): text split 95/5, a tokenizer trained on the
     training part (or GPT-2's with --pretrained), and random windows of each."""
@@ -115,53 +115,99 @@ def main(argv=None):
     print("preparing text and tokenizer ...", flush=True)
     train_data, valid_data, vocab_size = prepare_data(args)
 
-    configs = [(w, lr) for w in widths for lr in args.lrs]
-    models, tasks = [], []
-    for i, (width, lr) in enumerate(configs):
-        model = make_model(width, args, vocab_size, seed=args.seed + i)
-        models.append(model)
-        tasks.append(ht.ModelTask(model, data=train_data, optimizer=ht.optim.AdamW(lr=lr), name=f"w{width}-lr{lr:g}",
-                                  precision=args.precision))
-    params = [sum(p.numel() for p in m.parameters()) for m in models]
-    # Default: room for the largest shard's weights and gradients plus one prefetch, well below any whole
-    # model, so every model spills and the engine streams shards.
-    largest_shard = max(sum(p.numel() * 4 for p in shard) for task in tasks for shard in task.shard_params)
-    budget = args.budget or 3 * largest_shard + 65536
+    eval_every = max(1, args.steps // 5)
+
+    def task_for(width, lr, seed, name):
+        model = make_model(width, args, vocab_size, seed=seed)
+        return ht.ModelTask(model, data=train_data, eval_data=valid_data, eval_every=eval_every,
+                            optimizer=ht.optim.AdamW(lr=lr), name=name, precision=args.precision)
+
     devices = args.devices.split(",") if args.devices else default_devices()
+    if args.search:
+        return search(args, task_for, devices)
+    configs = [(w, lr) for w in widths for lr in args.lrs]
+    tasks = [task_for(width, lr, args.seed + i, f"w{width}-lr{lr:g}") for i, (width, lr) in enumerate(configs)]
+    models = [task.model for task in tasks]
+    params = [sum(p.numel() for p in m.parameters()) for m in models]
+    budget = args.budget or default_budget(tasks)
     print(f"{len(tasks)} configurations, {min(params) / 1e6:.1f}-{max(params) / 1e6:.1f}M parameters, "
           f"{args.steps} steps of {args.batch}x{args.seq} tokens, devices {devices}, budget {budget} per device",
           flush=True)
-
+    selection = ht.SuccessiveHalving(args.halving, reduction_factor=3) if args.halving else None
     results = ht.train(tasks, devices=devices, memory_budget=budget, schedule=args.schedule,
-                       progress=not args.no_progress, seed=args.seed)
+                       progress=not args.no_progress, seed=args.seed, selection=selection)
 
     tokens = args.batch * args.seq
     # A configuration's tokens/s is its tokens over the time its own units ran: what it trained at while
     # it had a device. The configurations share the devices, so the aggregate is printed below, apart.
     print(f"\n{'config':<16} {'params':>8} {'train loss':>10} {'valid loss':>10} {'tokens/s':>9}")
-    for model, result, n in zip(models, results, params):
+    for result, n in zip(results, params):
         if result.error is not None:
             print(f"{result.name:<16} {n / 1e6:>7.2f}M  failed: {result.error}")
             continue
-        valid = validation_loss(model, valid_data)
-        result.valid_loss = valid
         speed = result.steps * tokens / result.busy_time if result.busy_time > 0 else float("nan")
-        print(f"{result.name:<16} {n / 1e6:>7.2f}M {result.final_loss:>10.4f} {valid:>10.4f} {speed:>9.0f}")
-    finished = [r for r in results if r.error is None]
-    if not finished:
+        stopped = f"  (stopped at step {result.steps})" if result.stopped else ""
+        print(f"{result.name:<16} {n / 1e6:>7.2f}M {result.final_loss:>10.4f} {result.final_eval_loss:>10.4f} "
+              f"{speed:>9.0f}{stopped}")
+    best = results.best
+    if best is None:
         print("every configuration failed")
         return 1
-    best = min(finished, key=lambda r: r.valid_loss)
-    total = sum(r.steps for r in finished) * tokens
-    print(f"\nbest configuration: {best.name} (validation loss {best.valid_loss:.4f}, "
-          f"perplexity {math.exp(best.valid_loss):.1f})")
+    total = sum(r.steps for r in results if r.error is None) * tokens
+    print(f"\nbest configuration: {best.name} (validation loss {best.final_eval_loss:.4f}, "
+          f"perplexity {math.exp(best.final_eval_loss):.1f})")
     utilisation = ", ".join(f"{d} {100 * u:.0f}%" for d, u in results.utilisation().items())
     print(f"all configurations: {total / results.wall_time:.0f} tokens/s over {results.wall_time:.1f} s; "
           f"devices busy: {utilisation}")
     if args.chart:
         results.plot_schedule(args.chart)
         print(f"schedule chart: {args.chart}")
+    if args.curves:
+        results.plot_curves(args.curves)
+        print(f"loss curves: {args.curves}")
     print(f"total time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def default_budget(tasks) -> int:
+    """Room for the largest shard's weights and gradients plus one prefetch, well below any whole model, so
+    every model spills and the engine streams shards."""
+    largest_shard = max(sum(p.numel() * 4 for p in shard) for task in tasks for shard in task.shard_params)
+    return 3 * largest_shard + 65536
+
+
+def search(args, task_for, devices) -> int:
+    """An Optuna study over width (one of --widths) and learning rate (1e-4 to 1e-2, log scale)."""
+    try:
+        import optuna
+    except ImportError:
+        raise SystemExit("--search needs Optuna: pip install optuna") from None
+    from hydra_torch.optuna import optimize
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=args.seed),
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1))
+    widths = [args.width] if args.width else args.widths
+    probe = [task_for(w, 1e-3, args.seed, f"probe{w}") for w in widths]
+    budget = args.budget or default_budget(probe)
+    del probe
+
+    def build_task(trial):
+        width = trial.suggest_categorical("width", widths)
+        lr = trial.suggest_float("lr", 1e-4, 1e-2, log=True)
+        return task_for(width, lr, args.seed + trial.number, f"trial{trial.number}-w{width}-lr{lr:.2g}")
+
+    print(f"Optuna search: {args.search} trials, 4 at a time, widths {widths}, devices {devices}", flush=True)
+    results = optimize(study, build_task, n_trials=args.search, concurrent=min(4, args.search), devices=devices,
+                       memory_budget=budget, schedule=args.schedule, seed=args.seed)
+    print(results.summary())
+    best = study.best_trial
+    print(f"\nbest trial: {best.number}, width {best.params['width']}, lr {best.params['lr']:.2g} "
+          f"(validation loss {best.value:.4f}); {sum(t.state.name == 'PRUNED' for t in study.trials)} of "
+          f"{len(study.trials)} trials pruned")
+    if args.curves:
+        results.plot_curves(args.curves)
+        print(f"loss curves: {args.curves}")
     return 0
 
 

@@ -165,6 +165,8 @@ class TaskRunner:
         self.compute_dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
         self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
         self.store = None                     # its _C.ShardStore, once placed
+        self.resident = False                 # its whole training state lives on one device
+        self.result = None                    # its TaskResult, once it has left the run
         self.home: int | None = None          # the slot holding its resident state, if any
         # Resident weights never move, so forward can keep each shard's autograd graph and backward need
         # not recompute it (as plain PyTorch). Spilled weights leave the device: graphs would point at

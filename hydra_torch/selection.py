@@ -13,7 +13,19 @@ from hydra_torch import _C
 METRICS = ("eval_loss", "train_loss")
 
 
-class SuccessiveHalving:
+class Selection:
+    """A rule that stops tasks early. start(runners) gives the run's own object, which is told of every step and
+    evaluation of every task (after_step, after_evaluation; it sets runner.stopped to stop one) and of every task
+    that joins the run (arrive)."""
+
+    def check(self, tasks):
+        """Raises before anything is allocated when the rule cannot judge these tasks."""
+
+    def start(self, runners):
+        raise NotImplementedError
+
+
+class SuccessiveHalving(Selection):
     """Asynchronous successive halving (ASHA): rungs at min_steps, min_steps * reduction_factor, ...; a task
     reaching a rung goes on only if its metric ranks among the best 1/reduction_factor of all the results at
     that rung so far (the first task there always goes on). No task waits for a slower one.
@@ -53,21 +65,29 @@ class _SelectionRun:
     """One run's rule: each task's rungs, and the decisions at them. Called from the device workers."""
 
     def __init__(self, rule: SuccessiveHalving, runners):
-        from hydra_torch.runner import step_sizes
-
         self.rule = rule
         self.native = _C.SuccessiveHalving(rule.min_steps, rule.reduction_factor)
-        self.rungs = {r.index: list(self.native.rungs(len(step_sizes(r.task)))) for r in runners}
+        self.rungs = {}
         for runner in runners:
-            runner.selection = self
-            if rule.metric == "eval_loss":
-                runner.eval_at = sorted({*runner.eval_at, *self.rungs[runner.index]})
+            self._join(runner)
             for rung, metric in runner.rung_reports:  # a resumed task's earlier results still compete
                 self.native.report(rung, metric)
         for runner in runners:  # a resumed task past a rung it was not judged at (an earlier run had no such rung)
             for rung, step in enumerate(self.rungs[runner.index]):
                 if step <= runner.steps and runner.stopped is None:
                     self._judge_at(runner, rung)
+
+    def _join(self, runner):
+        from hydra_torch.runner import step_sizes
+
+        self.rungs[runner.index] = list(self.native.rungs(len(step_sizes(runner.task))))
+        runner.selection = self
+        if self.rule.metric == "eval_loss":
+            runner.eval_at = sorted({*runner.eval_at, *self.rungs[runner.index]})
+
+    def arrive(self, runner):
+        self.rule.check([runner.task])
+        self._join(runner)
 
     def after_step(self, runner):
         if self.rule.metric == "train_loss" and runner.steps in self.rungs[runner.index]:

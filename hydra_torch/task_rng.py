@@ -42,6 +42,17 @@ def new_run():
     _CPU.reset()
 
 
+@contextmanager
+def exclusive():
+    """The CPU generator to the calling thread alone for the block, while workers train: for code outside any
+    task that draws from it, such as building a model that joins the run."""
+    with _CPU.lock:
+        try:
+            yield
+        finally:
+            _CPU.left = torch.get_rng_state()
+
+
 class TaskRng:
     """A task's generator states: `cpu`, and `cuda` once it has run on a GPU (None: the CUDA state at the
     start). `draws[key]` is whether the section `key` draws from the CPU generator, once known."""

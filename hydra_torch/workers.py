@@ -27,6 +27,8 @@ class DeviceSlot:
     runners: list = None      # TaskRunner per task id
     stop: object = None       # interrupts.StopRequest: once set, tasks end at their next step boundary
     checkpoints: object = None  # checkpoint.Checkpointer, when the run keeps checkpoints
+    inbox: object = None        # arrivals.Inbox: engine work for this thread, when tasks may join the run
+    open_run: object = None     # arrivals.OpenRun: told of every task that ends, when tasks may join the run
 
     def prefetch(self):
         """Brings in the next planned shard not on the device, possibly another task's."""
@@ -59,10 +61,15 @@ def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_p
 
 
 def _next_unit(slot: DeviceSlot):
-    if threading.current_thread() is not threading.main_thread():
+    if slot.inbox is None and threading.current_thread() is not threading.main_thread():
         return slot.scheduler.next(slot.index)
-    # The main thread waits in short slices: Python runs a Ctrl-C handler only between them.
+    # The main thread waits in short slices: Python runs a Ctrl-C handler only between them. When tasks may
+    # join, every worker does, to register newcomers with its engine and let ended tasks go.
     while True:
+        if slot.inbox is not None:
+            slot.inbox.drain()
+            if slot.stop is not None and slot.stop.is_set():
+                slot.scheduler.set_open(False)  # stopping: no more arrivals, the run ends with the tasks in it
         unit = slot.scheduler.next_for(slot.index, 0.05)
         if unit is not None or slot.scheduler.cancelled() or not slot.scheduler.has_work(slot.index):
             return unit
@@ -104,7 +111,13 @@ def _cut_short(slot: DeviceSlot, unit) -> bool:
     runner.cut_short = slot.stop.name
     slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
     slot.scheduler.complete(slot.index, unit, None)
+    _leave_if_ended(slot, unit, runner)
     return True
+
+
+def _leave_if_ended(slot: DeviceSlot, unit, runner):
+    if slot.open_run is not None and slot.scheduler.finished(unit.task):
+        slot.open_run.ended(runner)
 
 
 def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
@@ -157,5 +170,7 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
         end = time.perf_counter()
         slot.scheduler.complete(slot.index, unit, max(end - start, 1e-9))
         record(start, end)
+    if fatal is None:
+        _leave_if_ended(slot, unit, runner)
     if fatal is not None:
         raise fatal

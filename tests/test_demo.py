@@ -25,7 +25,7 @@ def test_demo_runs_and_names_the_best(tmp_path, capsys):
     try:
         code = demo.main(["--steps", "3", "--widths", "16", "64", "--lrs", "1e-3", "--layers", "2", "--heads", "2",
                           "--corpus-bytes", "200000", "--vocab", "300", "--seq", "16", "--batch", "2",
-                          "--no-progress", "--chart", str(chart)])
+                          "--no-progress", "--chart", str(chart), "--curves", str(tmp_path / "curves.png")])
     finally:
         hf_logging.remove_handler(transformers_log)
     out = capsys.readouterr().out
@@ -39,3 +39,26 @@ def test_demo_runs_and_names_the_best(tmp_path, capsys):
     assert set(rates) == {"w16-lr0.001", "w64-lr0.001"} and rates["w16-lr0.001"] != rates["w64-lr0.001"]
     assert re.search(r"all configurations: \d+ tokens/s", out)
     assert not [m for m in transformers_log.messages if "loss_type" in m], transformers_log.messages
+
+
+SMALL = ["--steps", "4", "--widths", "16", "32", "--lrs", "1e-3", "3e-3", "--layers", "1", "--heads", "2",
+         "--corpus-bytes", "200000", "--vocab", "300", "--seq", "16", "--batch", "2", "--no-progress"]
+
+
+def test_demo_with_successive_halving_stops_some_configurations(tmp_path, capsys):
+    code = demo.main(SMALL + ["--halving", "1", "--chart", "", "--curves", str(tmp_path / "curves.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and "best configuration: w" in out
+    assert "(stopped at step" in out
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_demo_search_runs_an_optuna_study(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("optuna", reason="--search needs the optional Optuna")
+    code = demo.main(SMALL + ["--search", "5", "--chart", "", "--curves", str(tmp_path / "curves.png")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"best trial: \d+, width (16|32), lr ", out), out
+    assert "trials pruned" in out

@@ -119,6 +119,8 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize", &DeviceEngine::synchronize, release_gil())
       .def("snapshot", &DeviceEngine::snapshot, release_gil())
       .def("finish", &DeviceEngine::finish, release_gil())
+      .def("release_model", &DeviceEngine::release_model, release_gil())
+      .def("expect_arrivals", &DeviceEngine::expect_arrivals)
       .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
       .def("free_bytes", &DeviceEngine::free_bytes)

@@ -11,6 +11,25 @@ namespace py = pybind11;
 
 namespace hydra {
 
+namespace {
+
+// (num_shards, micro_batches, device or None, shard costs[, eval_after, eval_batches])
+core::TaskSpec task_spec(const py::tuple& task) {
+  if (task.size() != 4 && task.size() != 6) {
+    throw py::value_error("Scheduler: a task is (num_shards, micro_batches, device, shard_costs"
+                          "[, eval_after, eval_batches]), got " + std::to_string(task.size()) + " items");
+  }
+  core::TaskSpec spec{task[0].cast<int>(), task[1].cast<int64_t>(), task[2].cast<std::optional<int>>(),
+                      task[3].cast<std::vector<double>>()};
+  if (task.size() == 6) {
+    spec.eval_after = task[4].cast<std::vector<int64_t>>();
+    spec.eval_batches = task[5].cast<int64_t>();
+  }
+  return spec;
+}
+
+}  // namespace
+
 void bind_scheduler(py::module_& m) {
   using core::Phase;
   using core::Scheduler;
@@ -51,19 +70,7 @@ void bind_scheduler(py::module_& m) {
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](const std::vector<py::tuple>& tasks, int num_devices, const std::string& policy, uint64_t seed) {
              std::vector<core::TaskSpec> specs;
-             for (const py::tuple& task : tasks) {
-               if (task.size() != 4 && task.size() != 6) {
-                 throw py::value_error("Scheduler: a task is (num_shards, micro_batches, device, shard_costs"
-                                       "[, eval_after, eval_batches]), got " + std::to_string(task.size()) + " items");
-               }
-               core::TaskSpec& spec = specs.emplace_back(core::TaskSpec{
-                   task[0].cast<int>(), task[1].cast<int64_t>(), task[2].cast<std::optional<int>>(),
-                   task[3].cast<std::vector<double>>()});
-               if (task.size() == 6) {
-                 spec.eval_after = task[4].cast<std::vector<int64_t>>();
-                 spec.eval_batches = task[5].cast<int64_t>();
-               }
-             }
+             for (const py::tuple& task : tasks) specs.push_back(task_spec(task));
              return std::make_unique<Scheduler>(std::move(specs), num_devices, core::parse_policy(policy), seed);
            }),
            py::arg("tasks"), py::arg("num_devices"), py::arg("policy") = "lrtf", py::arg("seed") = 0,
@@ -80,6 +87,9 @@ void bind_scheduler(py::module_& m) {
       .def("observe", &Scheduler::observe, py::arg("unit"), py::arg("seconds"))
       .def("fail", &Scheduler::fail)
       .def("cancel", &Scheduler::cancel)
+      .def("add_task", [](Scheduler& self, const py::tuple& task) { return self.add_task(task_spec(task)); },
+           py::arg("task"), "A task joining while the devices run (the constructor's tuple); returns its id")
+      .def("set_open", &Scheduler::set_open, py::arg("open"))
       .def("remaining_units", &Scheduler::remaining_units)
       .def("remaining_seconds", &Scheduler::remaining_seconds)
       .def("finished", &Scheduler::finished)

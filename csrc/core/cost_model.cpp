@@ -33,35 +33,31 @@ int shard_at(int num_shards, int64_t position) {
   return static_cast<int>(position < num_shards ? position : 2 * int64_t{num_shards} - 2 - position);
 }
 
-// Each task's shard costs, validated, with one scale for all tasks: mean 1 over every costed shard, and 1 for
-// the shards of tasks that give none.
-std::vector<std::vector<double>> normalised_costs(const std::vector<TaskSpec>& tasks) {
+void check_shard_costs(const TaskSpec& spec, size_t task) {
+  if (static_cast<int64_t>(spec.shard_costs.size()) != spec.num_shards) {
+    throw std::invalid_argument("CostModel: task " + std::to_string(task) + " has " +
+                                std::to_string(spec.shard_costs.size()) + " shard costs for " +
+                                std::to_string(spec.num_shards) + " shards");
+  }
+  for (double cost : spec.shard_costs) {
+    if (!(cost > 0.0) || !std::isfinite(cost)) {
+      throw std::invalid_argument("CostModel: task " + std::to_string(task) +
+                                  ": shard costs must be positive and finite, got " + std::to_string(cost));
+    }
+  }
+}
+
+// One scale for every task's shard costs: mean 1 over the costed shards of `tasks` (0 when none has costs).
+double cost_scale(const std::vector<TaskSpec>& tasks) {
   double sum = 0.0;
   int64_t count = 0;
-  for (size_t t = 0; t < tasks.size(); ++t) {
-    const TaskSpec& spec = tasks[t];
-    if (spec.shard_costs.empty()) continue;
-    if (static_cast<int64_t>(spec.shard_costs.size()) != spec.num_shards) {
-      throw std::invalid_argument("CostModel: task " + std::to_string(t) + " has " +
-                                  std::to_string(spec.shard_costs.size()) + " shard costs for " +
-                                  std::to_string(spec.num_shards) + " shards");
-    }
+  for (const TaskSpec& spec : tasks) {
     for (double cost : spec.shard_costs) {
-      if (!(cost > 0.0) || !std::isfinite(cost)) {
-        throw std::invalid_argument("CostModel: task " + std::to_string(t) +
-                                    ": shard costs must be positive and finite, got " + std::to_string(cost));
-      }
       sum += cost;
       ++count;
     }
   }
-  const double scale = count > 0 ? static_cast<double>(count) / sum : 1.0;
-  std::vector<std::vector<double>> out;
-  for (const TaskSpec& spec : tasks) {
-    std::vector<double>& costs = out.emplace_back(static_cast<size_t>(spec.num_shards), 1.0);
-    for (size_t s = 0; s < spec.shard_costs.size(); ++s) costs[s] = spec.shard_costs[s] * scale;
-  }
-  return out;
+  return count > 0 ? static_cast<double>(count) / sum : 0.0;
 }
 
 }  // namespace
@@ -71,23 +67,35 @@ CostModel::CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds
   if (!(default_forward_seconds > 0.0) || !std::isfinite(default_forward_seconds)) {
     throw std::invalid_argument("CostModel: default_forward_seconds must be positive and finite");
   }
-  for (const TaskSpec& spec : tasks) {
-    if (spec.num_shards < 1) throw std::invalid_argument("CostModel: num_shards must be >= 1");
-  }
-  std::vector<std::vector<double>> costs = normalised_costs(tasks);
+  for (size_t t = 0; t < tasks.size(); ++t) check_spec(tasks[t], t);
+  cost_scale_ = cost_scale(tasks);
   tasks_.reserve(tasks.size());
-  for (size_t t = 0; t < tasks.size(); ++t) {
-    const TaskSpec& spec = tasks[t];
-    TaskState state;
-    state.spec = spec;
-    state.cost = std::move(costs[t]);
-    check_eval_passes(spec, "CostModel: task " + std::to_string(t) + ": ");
-    const auto per = static_cast<size_t>(units_per_micro_batch(spec.num_shards) + spec.num_shards);
-    state.stats.resize(per);
-    state.estimate.resize(per);
-    state.suffix.resize(per);
-    tasks_.push_back(std::move(state));
-  }
+  for (const TaskSpec& spec : tasks) append(spec);
+}
+
+void CostModel::check_spec(const TaskSpec& spec, size_t task) {
+  if (spec.num_shards < 1) throw std::invalid_argument("CostModel: num_shards must be >= 1");
+  if (!spec.shard_costs.empty()) check_shard_costs(spec, task);
+  check_eval_passes(spec, "CostModel: task " + std::to_string(task) + ": ");
+}
+
+int CostModel::add_task(const TaskSpec& spec) {
+  check_spec(spec, tasks_.size());
+  if (cost_scale_ == 0.0) cost_scale_ = cost_scale({spec});  // the first costed task sets the scale
+  append(spec);
+  return num_tasks() - 1;
+}
+
+void CostModel::append(const TaskSpec& spec) {
+  TaskState state;
+  state.spec = spec;
+  state.cost.assign(static_cast<size_t>(spec.num_shards), 1.0);
+  for (size_t s = 0; s < spec.shard_costs.size(); ++s) state.cost[s] = spec.shard_costs[s] * cost_scale_;
+  const auto positions = static_cast<size_t>(units_per_micro_batch(spec.num_shards) + spec.num_shards);
+  state.stats.resize(positions);
+  state.estimate.resize(positions);
+  state.suffix.resize(positions);
+  tasks_.push_back(std::move(state));
 }
 
 void CostModel::check_key(int task, int shard, Phase phase) const {

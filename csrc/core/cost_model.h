@@ -31,6 +31,10 @@ class CostModel {
   // evaluation passes check_eval_passes rejects.
   explicit CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds = 1.0);
 
+  // A task arriving after the others (an id of num_tasks()); its shard costs take the scale set so far. Same
+  // checks as the constructor's. Returns its id.
+  int add_task(const TaskSpec& spec);
+
   // Throws std::invalid_argument for an unknown task/shard, FB on a shard other than the last, F or B on the
   // last, or a negative / non-finite duration.
   void observe(int task, int shard, Phase phase, double seconds);
@@ -66,12 +70,15 @@ class CostModel {
     mutable std::vector<double> suffix;
   };
 
+  static void check_spec(const TaskSpec& spec, size_t task);
+  void append(const TaskSpec& spec);
   void check_key(int task, int shard, Phase phase) const;
   const TaskState& refreshed(int task) const;
   double global_forward_seconds() const;
 
   std::vector<TaskState> tasks_;
   double default_forward_seconds_;
+  double cost_scale_ = 0.0;  // turns shard costs into mean-1 units; 0 until some task has given costs
   // Mean forward-equivalent seconds per unit of cost (seconds / kPhaseWeight / shard cost) of every
   // observation of every task: the prior of tasks that have observed nothing yet. Versioned so those
   // tasks' caches refresh when it moves.

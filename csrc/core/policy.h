@@ -48,6 +48,7 @@ class Policy {
   void commit(int device, int task);
 
   PolicyKind kind() const { return kind_; }
+  void add_task() { ++num_tasks_; }  // a task arrived: round_robin's cycle includes it
 
  private:
   size_t choose_lrtf(std::span<const Candidate> candidates) const;

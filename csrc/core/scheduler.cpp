@@ -9,26 +9,27 @@ namespace hydra::core {
 
 namespace {
 
+void check_spec(const TaskSpec& spec, size_t task, int num_devices) {
+  const std::string which = "Scheduler: task " + std::to_string(task) + ": ";
+  if (spec.num_shards < 1) {
+    throw std::invalid_argument(which + "num_shards must be >= 1, got " + std::to_string(spec.num_shards));
+  }
+  if (spec.micro_batches < 0) {
+    throw std::invalid_argument(which + "micro_batches must be >= 0, got " + std::to_string(spec.micro_batches));
+  }
+  check_eval_passes(spec, which);
+  if (spec.device && (*spec.device < 0 || *spec.device >= num_devices)) {
+    throw std::invalid_argument(which + "device " + std::to_string(*spec.device) + " out of range [0, " +
+                                std::to_string(num_devices) + ")");
+  }
+}
+
 std::vector<TaskSpec> validated(std::vector<TaskSpec> tasks, int num_devices) {
   if (num_devices < 1) {
     throw std::invalid_argument("Scheduler: num_devices must be >= 1, got " + std::to_string(num_devices));
   }
   if (tasks.empty()) throw std::invalid_argument("Scheduler: no tasks to schedule");
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    const TaskSpec& spec = tasks[i];
-    const std::string which = "Scheduler: task " + std::to_string(i) + ": ";
-    if (spec.num_shards < 1) {
-      throw std::invalid_argument(which + "num_shards must be >= 1, got " + std::to_string(spec.num_shards));
-    }
-    if (spec.micro_batches < 0) {
-      throw std::invalid_argument(which + "micro_batches must be >= 0, got " + std::to_string(spec.micro_batches));
-    }
-    check_eval_passes(spec, which);
-    if (spec.device && (*spec.device < 0 || *spec.device >= num_devices)) {
-      throw std::invalid_argument(which + "device " + std::to_string(*spec.device) + " out of range [0, " +
-                                  std::to_string(num_devices) + ")");
-    }
-  }
+  for (size_t i = 0; i < tasks.size(); ++i) check_spec(tasks[i], i, num_devices);
   return tasks;
 }
 
@@ -65,6 +66,7 @@ bool Scheduler::allowed(const TaskState& task, int device) const {
 }
 
 bool Scheduler::has_work_locked(int device) const {
+  if (open_) return true;
   for (const TaskState& task : tasks_) {
     if (task.state != State::kDone && !task.failed && allowed(task, device)) return true;
   }
@@ -212,6 +214,29 @@ void Scheduler::fail(int task) {
     if (state.state == State::kIdle) state.state = State::kDone;
   }
   // Workers whose only remaining task this was must wake to return nullopt.
+  ready_.notify_all();
+}
+
+int Scheduler::add_task(const TaskSpec& spec) {
+  int id;
+  {
+    std::lock_guard lock(mutex_);
+    check_spec(spec, tasks_.size(), num_devices_);
+    id = cost_model_.add_task(spec);
+    policy_.add_task();
+    tasks_.push_back(TaskState{spec, total_units(spec)});
+    if (tasks_.back().total_units == 0) tasks_.back().state = State::kDone;
+    tasks_.back().ready_sequence = ++event_sequence_;
+  }
+  ready_.notify_all();
+  return id;
+}
+
+void Scheduler::set_open(bool open) {
+  {
+    std::lock_guard lock(mutex_);
+    open_ = open;
+  }
   ready_.notify_all();
 }
 

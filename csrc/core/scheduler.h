@@ -5,6 +5,9 @@
 // task may move to another device (unless TaskSpec::device pins it), and a device may switch to another
 // task after every unit: that alternation is what keeps every device busy with >= G tasks.
 //
+// Tasks may arrive while it runs (add_task, with set_open(true) so that idle workers wait for them rather than
+// end), and fail() drops a task's remaining units at once.
+//
 // Thread-safe: one mutex guards everything and one condition variable wakes waiting workers. Decisions
 // are O(num_tasks) plus the cost model's O(num_shards) cache refresh of the task just completed.
 #pragma once
@@ -64,6 +67,13 @@ class Scheduler {
   // Drops the task's remaining units. A unit already running still completes normally.
   void fail(int task);
 
+  // A task arriving while the devices run: validated as the constructor's, given the next id (returned), and
+  // handed out from now on. Workers waiting in next() wake for it.
+  int add_task(const TaskSpec& spec);
+  // While open, more tasks may arrive: next() and has_work() wait for them instead of reporting the end once
+  // every task is done. Closing wakes the workers, which end when nothing is left. Constructed closed.
+  void set_open(bool open);
+
   // Every current and future next() returns nullopt promptly (Ctrl-C). complete() is still accepted.
   void cancel();
 
@@ -104,6 +114,7 @@ class Scheduler {
   CostModel cost_model_;  // before policy_: its initialiser validates the specs, so errors name the task
   Policy policy_;
   bool cancelled_ = false;
+  bool open_ = false;
   uint64_t event_sequence_ = 0;
   std::vector<Candidate> candidates_;  // reused by take_locked to avoid an allocation per decision
 

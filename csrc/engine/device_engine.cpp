@@ -70,14 +70,16 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
   const int64_t resident = resident_need(*store);
   const int64_t spilled = spilled_need(*store);
   const int64_t reserve = std::max(spilled_reserve_, spilled);
-  TORCH_CHECK(resident_committed_ + reserve <= pool_.budget(), "memory budget too small: the largest shard needs ",
-              spilled, " bytes on the device (its weights and gradients) but only ",
-              pool_.budget() - resident_committed_, " of the budget's ", pool_.budget(),
+  // Once training has started the arena is sized: a model arriving then is spilled, within the arena.
+  const bool arriving = pool_.started();
+  const int64_t room = arriving ? pool_.capacity() : pool_.budget();
+  TORCH_CHECK(resident_committed_ + reserve <= room, "memory budget too small: the largest shard needs ",
+              spilled, " bytes on the device (its weights and gradients) but only ", room - resident_committed_,
+              " of the ", arriving ? "device's arena's " : "budget's ", room,
               " bytes are left; raise memory_budget or cut the model into smaller shards");
-  TORCH_CHECK(!pool_.started(), "add_model: every model must be added before training starts");
   Model model;
   model.store = std::move(store);
-  model.resident = allow_resident && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
+  model.resident = !arriving && allow_resident && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
   model.shards.resize(model.store->num_shards());
   if (model.resident) {
     resident_committed_ += resident;
@@ -86,10 +88,12 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
     grad_headroom_ = std::max(grad_headroom_, min_spilled_bytes(*model.store) / 2 + 512);
   }
   models_.push_back(std::move(model));
+  if (arriving) return static_cast<int>(models_.size()) - 1;
   // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
   // cached plus one shard's gradients.
   int64_t demand = 0;
   for (const Model& m : models_) {
+    if (!m.store) continue;  // released
     if (m.resident) {
       demand += resident_need(*m.store);
       continue;
@@ -97,8 +101,14 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
     demand += spilled_need(*m.store);
     for (int s = 0; s < m.store->num_shards(); ++s) demand += m.store->device_numel(s) * m.store->element_bytes() + 512;
   }
-  pool_.set_demand(std::min(demand, pool_.budget()));
+  pool_.set_demand(arrivals_ ? pool_.budget() : std::min(demand, pool_.budget()));
   return static_cast<int>(models_.size()) - 1;
+}
+
+void DeviceEngine::expect_arrivals() {
+  TORCH_CHECK(!pool_.started(), "expect_arrivals: training has started");
+  arrivals_ = true;
+  pool_.set_demand(pool_.budget());
 }
 
 c10::Stream DeviceEngine::compute_stream() const {
@@ -258,9 +268,15 @@ void DeviceEngine::start() {
     if (models_[i].resident) upload_resident(i);
 }
 
+DeviceEngine::Model& DeviceEngine::live(int model) {
+  Model& m = models_.at(model);
+  TORCH_CHECK(m.store, "model ", model, " was released from this device");
+  return m;
+}
+
 void DeviceEngine::prefetch(int model, int shard) {
   start();
-  ShardState& state = models_.at(model).shards.at(shard);
+  ShardState& state = live(model).shards.at(shard);
   if (models_[model].resident || current(model, shard)) return;
   if (state.cached) {
     if (state.pins > 0) return;
@@ -290,7 +306,7 @@ void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
 }
 
 void DeviceEngine::acquire(int model, int shard, bool with_grads) {
-  Model& m = models_.at(model);
+  Model& m = live(model);
   ShardState& state = m.shards.at(shard);
   auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
   if (it != upcoming_.end()) upcoming_.erase(it);

@@ -69,9 +69,13 @@ class DeviceEngine {
 
   // Validates that the model can train within what the budget has left and decides resident (when allowed
   // and it fits) or spilled. Throws, changing nothing, when even its largest shard cannot fit. Returns the
-  // model's id on this device. A model that may run on several devices must be spilled on all of them.
+  // model's id on this device. A model that may run on several devices must be spilled on all of them. A
+  // model added after training started (a task arriving) is spilled, within the arena already sized.
   int add_model(std::shared_ptr<ShardStore> store, bool allow_resident = true);
   bool resident(int model) const { return models_.at(model).resident; }
+  // Models will arrive after training starts: the arena takes the whole budget when it is made, not just
+  // what the models added by then could use, so that they have room. Before training starts.
+  void expect_arrivals();
   // The smallest budget a spilled model needs: its largest shard's weights and gradients at once.
   static int64_t min_spilled_bytes(const ShardStore& store);
   static int64_t resident_bytes(const ShardStore& store);
@@ -113,6 +117,11 @@ class DeviceEngine {
   // even when a queued job failed, then rethrows that job's error.
   void finish(int model);
 
+  // After finish() (on the device that finished it) or synchronize(): frees everything the model holds on this
+  // device (cached shards, resident state, its share of the budget) and drops this engine's reference to its
+  // store. Its id stays taken; nothing may be asked of it afterwards. For a task that ended while others train.
+  void release_model(int model);
+
   EngineStats stats() const;
   int64_t host_to_device_bytes() const { return stats_.host_to_device_bytes; }
   // What the budget has left after the models added so far (their resident state or spilled working set).
@@ -145,6 +154,7 @@ class DeviceEngine {
     std::vector<Fence> jobs;  // queued copies and host jobs, so errors surface on synchronize
   };
   static int64_t key(int model, int shard) { return (static_cast<int64_t>(model) << 32) | shard; }
+  Model& live(int model);  // throws for a released model
   c10::Stream compute_stream() const;
   Fence compute_point() const;  // everything issued so far on the compute stream
   // How hard an allocation tries: a prefetch of the next planned visit only displaces shards needed later
@@ -187,6 +197,7 @@ class DeviceEngine {
   int64_t resident_committed_ = 0;  // the resident models' whole state
   int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
   int64_t grad_headroom_ = 0;       // the largest gradient region of a spilled model
+  bool arrivals_ = false;           // see expect_arrivals()
   EngineStats stats_;
   // Written by host-step threads, read by stats(): kept apart from stats_, which only the caller's thread touches.
   std::atomic<int64_t> host_steps_done_{0}, host_step_ns_{0};

@@ -110,7 +110,7 @@ void DeviceEngine::note_gradients(int model, int shard) {
 }
 
 void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale) {
-  Model& m = models_.at(model);
+  Model& m = live(model);
   ShardState& state = m.shards.at(shard);
   TORCH_CHECK(m.resident || state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   note_gradients(model, shard);
@@ -282,6 +282,7 @@ void DeviceEngine::snapshot(int model) {
 }
 
 void DeviceEngine::finish(int model) {
+  live(model);
   std::exception_ptr failure;
   try {
     synchronize(model);
@@ -291,6 +292,29 @@ void DeviceEngine::finish(int model) {
   copy_resident_home(model);
   models_.at(model).store->write_back();
   if (failure) std::rethrow_exception(failure);
+}
+
+void DeviceEngine::release_model(int model) {
+  Model& m = models_.at(model);
+  if (!m.store) return;
+  synchronize(model);
+  // Visits planned before the task ended must not bring its shards back in.
+  std::erase_if(upcoming_, [model](int64_t visit) { return (visit >> 32) == model; });
+  const Fence issued = compute_point();
+  for (ShardState& state : m.shards) {
+    TORCH_CHECK(state.pins == 0, "release_model: a shard of model ", model, " is still acquired");
+    if (state.cached) evict(state);
+    for (Region* region : {&state.home_weights, &state.home_grads, &state.home_master}) {
+      if (region->valid()) pool_.release(*region, issued);
+      *region = Region{};
+    }
+    for (Region& region : state.home_states) pool_.release(region, issued);
+    state.home_states.clear();
+    state.bound_grads.clear();
+  }
+  if (m.resident) resident_committed_ -= resident_need(*m.store);
+  m.resident = false;
+  m.store.reset();
 }
 
 EngineStats DeviceEngine::stats() const {

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <tuple>
 #include <vector>
+#include <mutex>
+#include <thread>
 
 #include "core/policy.h"
 #include "core/scheduler.h"
@@ -373,6 +375,93 @@ TEST(Scheduler, CancelReleasesEveryWaiterPromptly) {
   scheduler.complete(0, *running, 1.0);  // the running unit may still report
   EXPECT_FALSE(scheduler.next(0));
   EXPECT_FALSE(scheduler.peek(0));
+}
+
+}  // namespace
+
+namespace {
+
+TEST(SchedulerArrivals, AnOpenSchedulerWaitsForArrivingTasksAndEndsWhenClosed) {
+  Scheduler scheduler({spec(1, 1)}, 1, PolicyKind::kLrtf);
+  scheduler.set_open(true);
+  auto first = scheduler.next(0);
+  ASSERT_TRUE(first);
+  scheduler.complete(0, *first, 1e-3);
+  EXPECT_TRUE(scheduler.has_work(0));  // open: more may come
+  auto waiting = std::async(std::launch::async, [&] { return scheduler.next(0); });
+  EXPECT_EQ(waiting.wait_for(50ms), std::future_status::timeout);
+  EXPECT_EQ(scheduler.add_task(spec(2, 1)), 1);
+  ASSERT_EQ(waiting.wait_for(5000ms), std::future_status::ready);
+  EXPECT_EQ(waiting.get(), unit_at(1, 2, 0));
+  auto rest = std::async(std::launch::async, [&] {
+    std::vector<Unit> units;
+    while (auto unit = scheduler.next(0)) {
+      units.push_back(*unit);
+      scheduler.complete(0, *unit, 1e-3);
+    }
+    return units;
+  });
+  scheduler.complete(0, unit_at(1, 2, 0), 1e-3);
+  std::this_thread::sleep_for(20ms);
+  scheduler.set_open(false);
+  ASSERT_EQ(rest.wait_for(5000ms), std::future_status::ready);
+  EXPECT_EQ(rest.get(), (std::vector<Unit>{unit_at(1, 2, 1), unit_at(1, 2, 2)}));
+  EXPECT_TRUE(scheduler.finished(1));
+  EXPECT_FALSE(scheduler.has_work(0));
+}
+
+TEST(SchedulerArrivals, AnArrivingTaskIsValidatedAndJoinsThePolicy) {
+  Scheduler scheduler({spec(1, 2), spec(1, 2)}, 2, PolicyKind::kRoundRobin);
+  EXPECT_THROW(scheduler.add_task(spec(0, 1)), std::invalid_argument);
+  EXPECT_THROW(scheduler.add_task(spec(1, 1, 2)), std::invalid_argument);
+  TaskSpec bad_costs = spec(2, 1);
+  bad_costs.shard_costs = {1.0};
+  EXPECT_THROW(scheduler.add_task(bad_costs), std::invalid_argument);
+  EXPECT_EQ(scheduler.num_tasks(), 2);  // nothing was added by the refused ones
+  EXPECT_EQ(scheduler.add_task(spec(1, 2)), 2);
+  std::vector<int> order;
+  for (int i = 0; i < 6; ++i) {
+    auto unit = scheduler.next(0);
+    ASSERT_TRUE(unit);
+    order.push_back(unit->task);
+    scheduler.complete(0, *unit, 1e-3);
+  }
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 0, 1, 2}));  // round robin over the newcomer too
+  EXPECT_EQ(scheduler.add_task(spec(1, 0)), 3);             // an arrival with nothing to do is done at once
+  EXPECT_TRUE(scheduler.finished(3));
+}
+
+TEST(SchedulerArrivals, TasksArrivingWhileWorkersRunAreAllRunInOrder) {
+  constexpr int kDevices = 3, kArrivals = 12;
+  Scheduler scheduler({spec(2, 3)}, kDevices, PolicyKind::kLrtf);
+  scheduler.set_open(true);
+  std::mutex trace_mutex;
+  std::vector<std::vector<int64_t>> seen(1 + kArrivals);
+  std::vector<std::thread> workers;
+  for (int d = 0; d < kDevices; ++d) {
+    workers.emplace_back([&, d] {
+      while (auto unit = scheduler.next(d)) {
+        {
+          std::lock_guard lock(trace_mutex);
+          seen[static_cast<size_t>(unit->task)].push_back(unit->index);
+        }
+        scheduler.complete(d, *unit, 1e-4);
+      }
+    });
+  }
+  for (int i = 0; i < kArrivals; ++i) {
+    scheduler.add_task(spec(1 + i % 3, 2));
+    std::this_thread::sleep_for(1ms);
+  }
+  scheduler.set_open(false);
+  for (auto& worker : workers) worker.join();
+  for (int t = 0; t < 1 + kArrivals; ++t) {
+    const auto& indices = seen[static_cast<size_t>(t)];
+    const TaskSpec arrived = t == 0 ? spec(2, 3) : spec(1 + (t - 1) % 3, 2);
+    ASSERT_EQ(static_cast<int64_t>(indices.size()), total_units(arrived)) << "task " << t;
+    for (size_t i = 0; i < indices.size(); ++i) EXPECT_EQ(indices[i], static_cast<int64_t>(i)) << "task " << t;
+    EXPECT_TRUE(scheduler.finished(t));
+  }
 }
 
 }  // namespace

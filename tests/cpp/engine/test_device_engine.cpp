@@ -164,17 +164,62 @@ TEST(DeviceEngine, AddModelBelowMinimumThrowsAndLeavesTheEngineUsable) {
   EXPECT_LE(engine.stats().high_water_bytes, budget);
 }
 
-TEST(DeviceEngine, NoModelMayBeAddedOnceTrainingStarted) {
+TEST(DeviceEngine, AModelArrivingAfterTrainingStartedIsSpilledWithinTheArena) {
   DeviceEngine engine(kCpu, 1 << 22);
+  engine.expect_arrivals();
   auto first = equal_shards(2);
   const int m = engine.add_model(first);
-  EXPECT_EQ(engine.add_model(equal_shards(1, 4)), 1) << "before any upload, more models fit";
+  ASSERT_TRUE(engine.resident(m));
   engine.acquire(m, 0, false);
   engine.release(m, 0);
-  EXPECT_THROW(engine.add_model(equal_shards(1, 4)), c10::Error);
-  engine.acquire(m, 1, false);  // still usable
+  EXPECT_EQ(engine.stats().capacity_bytes, 1 << 22);  // the whole budget, with arrivals expected
+  auto arriving = equal_shards(2, 4);
+  const int late = engine.add_model(arriving);
+  EXPECT_EQ(late, 1);
+  EXPECT_FALSE(engine.resident(late));  // the arena is made: newcomers are spilled
+  run_step(engine, late, *arriving, 1);
+  engine.synchronize(late);
+  EXPECT_THROW(engine.add_model(equal_shards(1, 100000)), c10::Error);  // larger than what is left
+  engine.acquire(m, 1, false);  // the first is still usable
   expect_bound_to_master(*first, 1);
   engine.release(m, 1);
+}
+
+TEST(DeviceEngine, WithoutArrivalsExpectedTheArenaFitsTheModelsAddedAndTakesNoMore) {
+  DeviceEngine engine(kCpu, 1 << 22);
+  const int m = engine.add_model(equal_shards(2));
+  engine.acquire(m, 0, false);
+  engine.release(m, 0);
+  EXPECT_LT(engine.stats().capacity_bytes, 1 << 22);
+  EXPECT_THROW(engine.add_model(equal_shards(1, 4)), c10::Error);
+  EXPECT_THROW(engine.expect_arrivals(), c10::Error);
+}
+
+TEST(DeviceEngine, ReleasingAModelFreesItsMemoryAndBudgetForOthers) {
+  auto resident = equal_shards(2);
+  auto spilled = equal_shards(3);
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*resident) + DeviceEngine::spilled_need(*spilled));
+  const int r = engine.add_model(resident);
+  const int s = engine.add_model(spilled, /*allow_resident=*/false);
+  ASSERT_TRUE(engine.resident(r));
+  run_step(engine, r, *resident, 1, /*check_values=*/false, /*step=*/true);
+  run_step(engine, s, *spilled, 1);
+  const int64_t free_before = engine.free_bytes();
+  auto large = equal_shards(2, 200);  // its working set needs the arena's room for the resident model
+  EXPECT_THROW(engine.add_model(large), c10::Error);
+  engine.finish(r);
+  engine.release_model(r);
+  EXPECT_EQ(engine.free_bytes(), free_before + DeviceEngine::resident_need(*resident));
+  EXPECT_FALSE(engine.resident(r));
+  EXPECT_THROW(engine.acquire(r, 0, false), c10::Error);
+  EXPECT_THROW(engine.finish(r), c10::Error);
+  for (const ParamEntry& e : resident->layout(0)) EXPECT_TRUE(e.param.device().is_cpu());  // written back
+  engine.synchronize(s);
+  engine.release_model(s);
+  const int l = engine.add_model(large);  // now it fits, and trains
+  run_step(engine, l, *large, 2);
+  engine.synchronize(l);
+  EXPECT_LE(engine.stats().high_water_bytes, engine.stats().capacity_bytes);
 }
 
 TEST(DeviceEngine, BudgetJustBelowTheSpilledMinimumIsRejected) {

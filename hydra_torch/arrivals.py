@@ -1,0 +1,202 @@
+"""Tasks that join a run while the devices train, and tasks that leave it the moment they end.
+
+A driver (hydra_torch.optuna's, say) hands ht.train an `Arrivals` and adds tasks through it from a thread of
+its own. Each device's worker registers a newcomer with its engine between two of its units (engines belong
+to their worker's thread), then the scheduler hands out the newcomer's units. While arrivals are open the
+workers wait for work instead of ending; `close()` lets the run end once the tasks in it are done.
+
+A task that ends (finished, failed, stopped by a selection rule or cut short) leaves at once: each device's
+worker releases what its engine holds for it, the one holding its state writes the weights back into the
+model, and the driver's `on_ended(result)` hears of it, on that worker's thread. A task that arrives is spilled:
+the device arenas were sized when training started.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+
+class RunClosedError(RuntimeError):
+    """The run no longer takes tasks: it was closed, or stopped by Ctrl-C or SIGTERM."""
+
+
+class Arrivals:
+    def __init__(self, on_ended=None):
+        self.on_ended = on_ended  # on_ended(TaskResult), from a worker thread: keep it short
+        self._run = None
+        self._attached = threading.Event()
+
+    # -- the driver's side -------------------------------------------------------------------------------------
+    def add(self, task):
+        """Adds a ModelTask to the running call; returns once every device can run it. Raises ValueError or
+        TypeError for a task that cannot join (nothing changes then), RunClosedError once the run is closing."""
+        self._attached.wait()
+        if self._run is None:
+            raise RunClosedError("the run ended before it started training")
+        return self._run.add(task)
+
+    def close(self):
+        """No more tasks will come: the run ends when the tasks in it are done."""
+        self._attached.wait()
+        if self._run is not None:
+            self._run.close()
+
+    @property
+    def attached(self) -> bool:
+        return self._attached.is_set()
+
+    # -- the run's side ----------------------------------------------------------------------------------------
+    def attach(self, run):
+        """`run` None: the call ended without training (it raised first); the driver's calls return."""
+        self._run = run
+        self._attached.set()
+
+
+class Inbox:
+    """Work for one device's worker thread, done between its units: engine calls must come from that thread."""
+
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+
+    def post(self, job):
+        self._jobs.put(job)
+
+    def drain(self):
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            job()
+
+
+class OpenRun:
+    """The running call's side of Arrivals: admits tasks and lets ended ones leave (see the module's doc)."""
+
+    def __init__(self, *, slots, scheduler, runners, devices, budgets, pin, start_rng, trace, trace_lock, start,
+                 stop, selection=None, on_ended=None):
+        self.slots, self.scheduler, self.runners = slots, scheduler, runners
+        self.devices, self.budgets, self.pin, self.start_rng = devices, budgets, pin, start_rng
+        self.trace, self.trace_lock, self.start, self.stop = trace, trace_lock, start, stop
+        self.selection = selection          # the run's selection (its per-run object), told of each newcomer
+        self.on_ended = on_ended
+        self._lock = threading.Lock()       # one arrival at a time
+        self._closed = False
+        self._workers_gone = threading.Event()
+        self._leaving: set[int] = set()
+        self._leaving_lock = threading.Lock()  # not _lock: an arrival holds that while the workers register it
+
+    def add(self, task):
+        from hydra_torch import lifecycle, memory, planner, sharding
+        from hydra_torch.runner import TaskRunner
+        from hydra_torch.task import ModelTask
+
+        if not isinstance(task, ModelTask):
+            raise TypeError(f"a task joining the run must be a ModelTask, got {type(task).__name__}")
+        with self._lock:
+            self._check_open()
+            if any(r.task.name == task.name for r in self.runners):
+                raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
+            mine = {id(p) for shard in task.shard_params for p in shard}
+            for other in self.runners:
+                if other.result is None and mine & {id(p) for shard in other.task.shard_params for p in shard}:
+                    raise ValueError(f"tasks {other.task.name!r} and {task.name!r} share a parameter: each task "
+                                     "needs a model of its own (copy.deepcopy it)")
+            memory.check_host_memory([task])
+            if task.auto_shards:
+                smallest = min(range(len(self.devices)), key=lambda i: self.budgets[i])
+                planner.apply_plan(task, planner.plan(task, device=self.devices[smallest], budget=self.budgets[smallest]))
+            runner = TaskRunner(task, len(self.runners), self.start_rng)
+            store = lifecycle.make_store(runner, self.pin)
+            errors = self._on_every_device(lambda slot: runner.model_ids.__setitem__(
+                slot.index, slot.engine.add_model(store, allow_resident=False)))
+            if errors or self._workers_gone.is_set():
+                self._on_every_device(lambda slot: slot.index in runner.model_ids
+                                      and slot.engine.release_model(runner.model_ids[slot.index]))
+                if not errors:
+                    raise RunClosedError("the run ended while the task was joining it")
+                raise ValueError(f"task {task.name!r} cannot join the run: {errors[0]}")
+            if self.selection is not None:
+                self.selection.arrive(runner)
+            self.runners.append(runner)
+            self.scheduler.add_task(runner.scheduler_spec(sharding.shard_costs(task.modules)))
+            return runner
+
+    def close(self):
+        with self._lock:
+            self._closed = True
+        self.scheduler.set_open(False)
+
+    def _check_open(self):
+        if self._closed or self._workers_gone.is_set():
+            raise RunClosedError("the run takes no more tasks: it was closed")
+        if self.stop.is_set():
+            raise RunClosedError(f"the run takes no more tasks: it was stopped by {self.stop.name}")
+
+    def _on_every_device(self, job) -> list[Exception]:
+        """Runs job(slot) on every device's worker thread; waits for all. Returns the errors raised."""
+        errors, remaining, done = [], [len(self.slots)], threading.Event()
+        count = threading.Lock()
+
+        def run(slot):
+            try:
+                job(slot)
+            except RuntimeError as error:
+                errors.append(error)
+            finally:
+                with count:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+        for slot in self.slots:
+            slot.inbox.post(lambda slot=slot: run(slot))
+        while not done.wait(0.05):
+            if self._workers_gone.is_set():
+                for slot in self.slots:  # the workers have stopped: their engines are this thread's now
+                    slot.inbox.drain()
+        return errors
+
+    # -- called by the workers ---------------------------------------------------------------------------------
+    def ended(self, runner):
+        """The task will run no more: each device holding it lets it go between its own units."""
+        from hydra_torch import lifecycle
+
+        with self._leaving_lock:
+            if runner.index in self._leaving:
+                return
+            self._leaving.add(runner.index)
+        holding = [self.slots[d] for d in runner.model_ids]
+        remaining, count = [len(holding)], threading.Lock()
+        home = lifecycle.home_slot(runner)
+
+        def leave(slot):
+            model = runner.model_ids[slot.index]
+            try:
+                if runner.error is not None:
+                    slot.engine.discard_grads(model)
+                if slot.index == home:
+                    slot.engine.finish(model)  # writes the weights back into the task's model
+                slot.engine.release_model(model)
+            except Exception as error:
+                runner.error = runner.error or error
+            with count:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                runner.restore_buffers()
+                with self.trace_lock:
+                    trace = list(self.trace)
+                runner.result = lifecycle.task_result(runner, [s.engine for s in self.slots], trace, self.start)
+                runner.store = None  # its host state: freed now, not when the run ends
+                if self.on_ended is not None:
+                    self.on_ended(runner.result)
+        for slot in holding:
+            slot.inbox.post(lambda slot=slot: leave(slot))
+
+    def workers_gone(self):
+        """Called once every worker has stopped: what they left in their inboxes runs on this thread."""
+        self._workers_gone.set()
+        with self._lock:  # an arrival in progress finishes first (it runs the inboxes itself meanwhile)
+            self._closed = True
+            for slot in self.slots:
+                slot.inbox.drain()

@@ -1,0 +1,89 @@
+"""A task's life on the engines: its host state made and placed (resident on one device, or spilled on
+all), and, once it ends, its weights brought home and its result put together."""
+from __future__ import annotations
+
+import warnings
+
+from hydra_torch import _C
+from hydra_torch.results import TaskResult
+
+
+def make_store(runner, pin: bool):
+    """The task's host training state (fp32 master, optimizer state), with its parameter groups' options."""
+    task = runner.task
+    store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
+    if pin and not store.pinned:
+        warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
+                      "synchronous and slower", RuntimeWarning, stacklevel=4)
+    for param, lr, weight_decay in task.param_options.values():
+        store.set_param_options(param, lr, weight_decay)
+    runner.store = store
+    return store
+
+
+def place(runners, engines, budgets, pin: bool):
+    """Registers every task's state with the engines. A task is made resident on the device with the most
+    room only if, after that, the device still holds the working set of any task that may spill there, so
+    an early resident task never leaves a later one without room; the others are spilled on every device."""
+    stores = [make_store(runner, pin) for runner in runners]
+    resident_need = [_C.DeviceEngine.resident_need(s) for s in stores]
+    spilled_need = [_C.DeviceEngine.spilled_need(s) for s in stores]
+    free = list(budgets)
+    resident_at = [None] * len(runners)
+    for i in range(len(runners)):
+        may_spill = [spilled_need[j] for j in range(len(runners)) if j != i and (j > i or resident_at[j] is None)]
+        device = max(range(len(engines)), key=lambda d: free[d])
+        if resident_need[i] + max(may_spill, default=0) <= free[device]:
+            resident_at[i] = device
+            free[device] -= resident_need[i]
+    for runner, store, device in zip(runners, stores, resident_at):
+        try:
+            if device is not None:
+                model = engines[device].add_model(store)
+                runner.model_ids[device] = model
+                if engines[device].resident(model):
+                    runner.home = device if len(engines) > 1 else None
+                    runner.keep_graphs = runner.resident = True
+                    continue
+                raise RuntimeError("the device refused to keep it resident")  # the two checks disagree: a bug
+            for d, engine in enumerate(engines):
+                runner.model_ids[d] = engine.add_model(store, allow_resident=False)
+        except RuntimeError as error:
+            raise ValueError(f"task {runner.task.name!r}: {error}") from None
+
+
+def home_slot(runner) -> int:
+    """The device whose engine writes the task's weights back: where it is resident, else the first."""
+    return runner.home if runner.home is not None else next(iter(runner.model_ids))
+
+
+def bring_home(runner, engines, checkpoints=None):
+    """After the task's last unit, all devices idle: waits for its host jobs, writes the weights back into
+    its model (also when a job failed: the error goes into runner.error) and writes its final checkpoint."""
+    home = home_slot(runner)
+    try:
+        if runner.error is not None:
+            runner.discard_unfinished_step(engines)
+        for slot_index, model in runner.model_ids.items():
+            if slot_index != home:
+                engines[slot_index].synchronize(model)
+    except Exception as error:  # a host job of the task failed after its last unit
+        runner.error = runner.error or error
+    if checkpoints is not None:  # finish rewrites the store a resident task's last checkpoint may be reading
+        checkpoints.wait(runner)
+    try:
+        engines[home].finish(runner.model_ids[home])  # writes the weights back even when it raises
+    except Exception as error:
+        runner.error = runner.error or error
+    runner.restore_buffers()
+    if checkpoints is not None and runner.error is None and runner.at_step_boundary():
+        checkpoints.submit(runner, final=True)
+
+
+def task_result(runner, engines, trace, start: float) -> TaskResult:
+    units = [e for e in trace if e.task == runner.index]
+    loads = [sum(col) for col in zip(*(engines[i].shard_loads(m) for i, m in runner.model_ids.items()))]
+    return TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
+                      (max(e.end for e in units) - start) if units else 0.0, runner.resident, loads, runner.error,
+                      busy_time=sum(e.end - e.start for e in units), host_bytes=runner.store.host_bytes,
+                      cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped)
