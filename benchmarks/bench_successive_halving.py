@@ -11,7 +11,7 @@ demo's validation batches.
 Reports each run's wall time (the time until the best configuration is known), their ratio, both winners,
 and the halving winner's validation loss against the full run's best. Rounds alternate the two runs.
 
-    python benchmarks/bench_successive_halving.py [--steps 120 --min-steps 8 --reduction-factor 4 --rounds 1]
+    python benchmarks/bench_successive_halving.py [--steps 240 --min-steps 20 --reduction-factor 4 --rounds 1]
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def parse_args():
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 96, 128, 160])
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--min-steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--min-steps", type=int, default=20)
     parser.add_argument("--reduction-factor", type=int, default=4)
     parser.add_argument("--devices", default=None, help="comma-separated (default: the demo's)")
     parser.add_argument("--rounds", type=int, default=1)
