@@ -29,7 +29,9 @@ class Arrivals:
     # -- the driver's side -------------------------------------------------------------------------------------
     def add(self, task):
         """Adds a ModelTask to the running call; returns once every device can run it. Raises ValueError or
-        TypeError for a task that cannot join (nothing changes then), RunClosedError once the run is closing."""
+        TypeError for a task that cannot join (nothing changes then), RunClosedError once the run is closing.
+        Build the task's model inside `hydra_torch.task_rng.exclusive()`: model construction draws from the CPU
+        generator, which the workers share."""
         self._attached.wait()
         if self._run is None:
             raise RunClosedError("the run ended before it started training")
@@ -107,6 +109,8 @@ class OpenRun:
                 smallest = min(range(len(self.devices)), key=lambda i: self.budgets[i])
                 planner.apply_plan(task, planner.plan(task, device=self.devices[smallest], budget=self.budgets[smallest]))
             runner = TaskRunner(task, len(self.runners), self.start_rng)
+            if self.selection is not None:  # may refuse the task (no eval_data, say): before any engine holds it
+                self.selection.arrive(runner)
             store = lifecycle.make_store(runner, self.pin)
             errors = self._on_every_device(lambda slot: runner.model_ids.__setitem__(
                 slot.index, slot.engine.add_model(store, allow_resident=False)))
@@ -116,8 +120,6 @@ class OpenRun:
                 if not errors:
                     raise RunClosedError("the run ended while the task was joining it")
                 raise ValueError(f"task {task.name!r} cannot join the run: {errors[0]}")
-            if self.selection is not None:
-                self.selection.arrive(runner)
             self.runners.append(runner)
             self.scheduler.add_task(runner.scheduler_spec(sharding.shard_costs(task.modules)))
             return runner

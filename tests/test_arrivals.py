@@ -1,0 +1,62 @@
+"""Tasks joining a running ht.train call through Arrivals, and leaving it as soon as they end."""
+import queue
+import warnings
+import threading
+
+import pytest
+import torch
+
+import hydra_torch as ht
+from hydra_torch import task_rng
+from hydra_torch.arrivals import Arrivals, RunClosedError
+from models import lm_loss, tied_transformer, token_batches
+
+DATA, VALID = token_batches(4), token_batches(1, seed=7)
+
+
+def task(name, eval_data=VALID, seed=0):
+    with task_rng.exclusive():  # building a model draws from the CPU generator the workers share
+        return ht.ModelTask(tied_transformer(seed=seed, blocks=1), optimizer=ht.optim.AdamW(lr=1e-3), loss_fn=lm_loss,
+                            data=DATA, eval_data=eval_data, name=name)
+
+
+def test_a_task_joins_when_another_ends_and_a_refused_one_changes_nothing():
+    ended, outcomes = queue.SimpleQueue(), {}
+    arrivals = Arrivals(on_ended=ended.put)
+    late = task("late", seed=1)
+
+    def driver():
+        try:
+            first = ended.get(timeout=60)
+            outcomes["first ended"] = first.name
+            with pytest.raises(ValueError, match="no eval_data"):  # the run's selection cannot judge it
+                arrivals.add(task("no-eval", eval_data=None, seed=2))
+            with pytest.raises(ValueError, match="already in the run"):
+                arrivals.add(task("first"))
+            arrivals.add(late)
+            outcomes["late ended"] = ended.get(timeout=60).name
+        except BaseException as error:  # reported by the test below, not lost on this thread
+            outcomes["error"] = error
+        finally:
+            arrivals.close()
+    thread = threading.Thread(target=driver)
+    thread.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no race on the CPU generator either
+        results = ht.train([task("first")], devices=["cpu", "cpu"], progress=False, arrivals=arrivals,
+                           selection=ht.SuccessiveHalving(min_steps=2, reduction_factor=2))
+    thread.join()
+    assert "error" not in outcomes, outcomes.get("error")
+    assert outcomes == {"first ended": "first", "late ended": "late"}
+    assert [r.name for r in results] == ["first", "late"] and all(r.steps == 4 for r in results)
+    assert all(r.error is None for r in results) and len(results["late"].eval_losses) == 2  # rung 2 and the end
+    assert all(p.device.type == "cpu" and p.grad is None for p in late.model.parameters())  # weights are home
+    with pytest.raises(RunClosedError):
+        arrivals.add(task("after"))
+
+
+def test_arrivals_are_refused_with_checkpoints_or_of_the_wrong_type(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint_dir cannot be combined with arrivals"):
+        ht.train(task("t"), devices="cpu", arrivals=Arrivals(), checkpoint_dir=tmp_path, progress=False)
+    with pytest.raises(TypeError, match="arrivals must be"):
+        ht.train(task("t"), devices="cpu", arrivals=object(), progress=False)
