@@ -165,6 +165,7 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
             with lock:
                 runner.error = runner.error or error
             slot.scheduler.fail(unit.task)
+            _leave_if_ended(slot, unit, runner)  # a run open to arrivals would otherwise wait for it forever
         clock.stop(mark, measured, device_failed)
     else:
         end = time.perf_counter()
