@@ -18,7 +18,7 @@ from hydra_torch.results import Results
 from hydra_torch.runner import TaskRunner
 from hydra_torch.arrivals import Arrivals, Inbox, OpenRun
 from hydra_torch.selection import Selection
-from hydra_torch.task import ModelTask
+from hydra_torch.task import ModelTask, check_own_models
 from hydra_torch.workers import DeviceSlot, device_worker
 
 
@@ -109,13 +109,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         raise TypeError("train() takes a non-empty list of ModelTask")
     if len({t.name for t in tasks}) != len(tasks):
         raise ValueError("task names must be unique")
-    owners = {}
-    for task in tasks:
-        for p in (p for shard in task.shard_params for p in shard):
-            other = owners.setdefault(id(p), task.name)
-            if other != task.name:
-                raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
-                                 "each task needs a model of its own (copy.deepcopy it)")
+    check_own_models(tasks)
     if selection is not None:
         if not isinstance(selection, Selection):
             raise TypeError(f"selection must be a hydra_torch.SuccessiveHalving(...), got {type(selection).__name__}")

@@ -91,7 +91,7 @@ class OpenRun:
     def add(self, task):
         from hydra_torch import lifecycle, memory, planner, sharding
         from hydra_torch.runner import TaskRunner
-        from hydra_torch.task import ModelTask
+        from hydra_torch.task import ModelTask, check_own_models
 
         if not isinstance(task, ModelTask):
             raise TypeError(f"a task joining the run must be a ModelTask, got {type(task).__name__}")
@@ -99,11 +99,7 @@ class OpenRun:
             self._check_open()
             if any(r.task.name == task.name for r in self.runners):
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
-            mine = {id(p) for shard in task.shard_params for p in shard}
-            for other in self.runners:
-                if other.result is None and mine & {id(p) for shard in other.task.shard_params for p in shard}:
-                    raise ValueError(f"tasks {other.task.name!r} and {task.name!r} share a parameter: each task "
-                                     "needs a model of its own (copy.deepcopy it)")
+            check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             memory.check_host_memory([task])
             if task.auto_shards:
                 smallest = min(range(len(self.devices)), key=lambda i: self.budgets[i])

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydra_torch import _C, schedules
+from hydra_torch.steps import END, DataLengthError, count_micro_batches, eval_steps, step_groups, step_sizes
 from hydra_torch.task import ModelTask
 from hydra_torch.task_rng import TaskRng
 
@@ -57,10 +58,6 @@ class _MicroBatch:
     loss: float = 0.0
 
 
-class DataLengthError(ValueError):
-    pass
-
-
 @dataclass
 class _EvalPass:
     batches: object                  # iterator over the task's eval_data
@@ -68,80 +65,6 @@ class _EvalPass:
     batch: object = None             # the batch going through the shards
     x: object = None                 # the next shard's input
     loss_sum: float = 0.0
-
-
-def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch.Tensor | None = None):
-    """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each. Batches are read
-    as the steps need them (one step's worth is held at a time), and each epoch must yield exactly len(data)
-    batches: the scheduler planned the task from that length.
-
-    Called where the CPU generator holds the task's state. `on_epoch(state)` learns the generator's state as
-    each epoch begins (what a shuffled loader draws its order from). Resuming after `start` steps in the middle
-    of an epoch replays that epoch's beginning from `epoch_rng`, its state then, so the order is the same, and
-    skips the batches its steps took; the generator then goes on from where it was."""
-    expected = len(task.data)
-    per_epoch = _epoch_step_sizes(expected, task.accumulate)
-    steps = start
-    first_epoch, skip = divmod(start, len(per_epoch))
-    for epoch in range(first_epoch, task.epochs):
-        replay = epoch == first_epoch and skip > 0
-        if replay:
-            current = torch.get_rng_state()
-            torch.set_rng_state(epoch_rng)
-        if on_epoch is not None:
-            on_epoch(torch.get_rng_state())
-        batches = iter(task.data)
-        read = 0
-        for i, size in enumerate(per_epoch):
-            if task.max_steps is not None and steps >= task.max_steps:
-                return
-            group = []
-            for _ in range(size):
-                try:
-                    group.append(next(batches))
-                except StopIteration:
-                    raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data ended after {read} batches, "
-                                          f"but len(data) is {expected}") from None
-                read += 1
-            if replay and i < skip:  # taken by the steps before the checkpoint
-                if i == skip - 1:
-                    torch.set_rng_state(current)
-                continue
-            last = i == len(per_epoch) - 1
-            if last and next(batches, _END) is not _END:  # checked before the epoch's last step trains
-                raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
-                                      f"{expected} batches")
-            steps += 1
-            yield epoch, group, last
-
-
-_END = object()
-
-
-def _epoch_step_sizes(batches: int, accumulate: int) -> list[int]:
-    return [accumulate] * (batches // accumulate) + ([batches % accumulate] if batches % accumulate else [])
-
-
-def step_sizes(task: ModelTask) -> list[int]:
-    """Micro-batches in each optimizer step of the whole run, as step_groups will make them."""
-    groups = _epoch_step_sizes(len(task.data), task.accumulate) * task.epochs
-    return groups[:task.max_steps] if task.max_steps is not None else groups
-
-
-def count_micro_batches(task: ModelTask, after_steps: int = 0) -> int:
-    return sum(step_sizes(task)[after_steps:])
-
-
-def eval_steps(task: ModelTask, extra=()) -> list[int]:
-    """The steps after which the task is evaluated: every eval_every, the last, and `extra` (rungs of a
-    selection rule) within the run."""
-    if task.eval_data is None:
-        return []
-    total = len(step_sizes(task))
-    steps = {total, *(s for s in extra if 0 < s <= total)}
-    if task.eval_every is not None:
-        steps.update(range(task.eval_every, total + 1, task.eval_every))
-    return sorted(steps)
 
 
 @contextmanager
@@ -395,8 +318,8 @@ class TaskRunner:
         try:
             if s == 0:
                 with self._rng.cpu_section(None, save=False):
-                    ev.batch = next(ev.batches, _END)
-                if ev.batch is _END:
+                    ev.batch = next(ev.batches, END)
+                if ev.batch is END:
                     raise DataLengthError(f"task {self.task.name!r}: eval_data ended after {b} batches, but "
                                           f"len(eval_data) is {ev.count}")
                 ev.x = self.task.inputs(_to(ev.batch, device))
@@ -427,7 +350,7 @@ class TaskRunner:
         ev.loss_sum += self._loss_value(loss)
         if b < ev.count - 1:
             return
-        if next(ev.batches, _END) is not _END:
+        if next(ev.batches, END) is not END:
             raise DataLengthError(f"task {self.task.name!r}: eval_data has more than len(eval_data) = {ev.count} "
                                   "batches")
         self._eval = None

@@ -58,6 +58,17 @@ def _check_evaluation(eval_data, eval_every):
         raise ValueError(f"eval_every must be a positive int (steps) or None, got {eval_every!r}")
 
 
+def check_own_models(tasks):
+    """Raises ValueError when two tasks train a parameter in common: each needs a model of its own."""
+    owners = {}
+    for task in tasks:
+        for p in (p for shard in task.shard_params for p in shard):
+            other = owners.setdefault(id(p), task.name)
+            if other != task.name:
+                raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
+                                 "each task needs a model of its own (copy.deepcopy it)")
+
+
 class ModelTask:
     """A model, its optimizer, loss and data.
 
