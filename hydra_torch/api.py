@@ -16,7 +16,8 @@ from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results
 from hydra_torch.runner import TaskRunner
-from hydra_torch.arrivals import Arrivals, Inbox, OpenRun
+from hydra_torch.arrivals import Arrivals, OpenRun
+from hydra_torch.inbox import Inbox
 from hydra_torch.selection import Selection
 from hydra_torch.task import ModelTask, check_own_models
 from hydra_torch.workers import DeviceSlot, device_worker
@@ -97,7 +98,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         as it ends. The call returns once the Arrivals is closed and every task is done.
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
-    the others finish. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
+    the others finish. A task whose unit runs out of device memory is re-planned instead (spilled if it was
+    resident, else cut into shards half the size) and its step retried, while the others go on; it ends as it
+    would have without the failure, and `TaskResult.replans` says what happened. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
     and returns the results so far, the tasks it cut short marked (`TaskResult.cut_short`); SIGTERM is then
     passed on to the handler that was there before. A second Ctrl-C stops at once: the weights still come
     home, steps in progress are left half-applied, and KeyboardInterrupt propagates.
@@ -157,14 +160,14 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     stop = interrupts.StopRequest()
-    slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints)
+    slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints, Inbox())
              for i, (d, e) in enumerate(zip(resolved, engines))]
+    for slot in slots:
+        slot.peers = slots
 
     trace, lock = [], threading.Lock()
     open_run = None
     if arrivals is not None:
-        for slot in slots:
-            slot.inbox = Inbox()
         open_run = OpenRun(slots=slots, scheduler=scheduler, runners=runners, devices=resolved, budgets=budgets,
                            pin=pin, start_rng=start_rng, trace=trace, trace_lock=lock, start=time.perf_counter(),
                            stop=stop, selection=selection_run, on_ended=arrivals.on_ended)
@@ -217,6 +220,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
                                  "resumes it\n")
             interrupts.deliver(stop.signal)
     for result in results:
+        if result.replans:
+            warnings.warn(f"task {result.name!r} ran out of device memory and was re-planned "
+                          f"{len(result.replans)} time(s), last at {result.replans[-1]}; give it smaller shards or "
+                          "more memory to spare the retries", RuntimeWarning, stacklevel=2)
         if result.error is not None:
             warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=2)
     return results

@@ -12,8 +12,9 @@ the device arenas were sized when training started.
 """
 from __future__ import annotations
 
-import queue
 import threading
+
+from hydra_torch.inbox import on_devices
 
 
 class RunClosedError(RuntimeError):
@@ -52,24 +53,6 @@ class Arrivals:
         """`run` None: the call ended without training (it raised first); the driver's calls return."""
         self._run = run
         self._attached.set()
-
-
-class Inbox:
-    """Work for one device's worker thread, done between its units: engine calls must come from that thread."""
-
-    def __init__(self):
-        self._jobs = queue.SimpleQueue()
-
-    def post(self, job):
-        self._jobs.put(job)
-
-    def drain(self):
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            job()
 
 
 class OpenRun:
@@ -133,26 +116,7 @@ class OpenRun:
 
     def _on_every_device(self, job) -> list[Exception]:
         """Runs job(slot) on every device's worker thread; waits for all. Returns the errors raised."""
-        errors, remaining, done = [], [len(self.slots)], threading.Event()
-        count = threading.Lock()
-
-        def run(slot):
-            try:
-                job(slot)
-            except RuntimeError as error:
-                errors.append(error)
-            finally:
-                with count:
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        done.set()
-        for slot in self.slots:
-            slot.inbox.post(lambda slot=slot: run(slot))
-        while not done.wait(0.05):
-            if self._workers_gone.is_set():
-                for slot in self.slots:  # the workers have stopped: their engines are this thread's now
-                    slot.inbox.drain()
-        return errors
+        return on_devices(self.slots, job, gone=self._workers_gone)
 
     # -- called by the workers ---------------------------------------------------------------------------------
     def ended(self, runner):
@@ -165,7 +129,7 @@ class OpenRun:
             self._leaving.add(runner.index)
         holding = [self.slots[d] for d in runner.model_ids]
         remaining, count = [len(holding)], threading.Lock()
-        home = lifecycle.home_slot(runner)
+        home = lifecycle.home_slot(runner) if holding else None
 
         def leave(slot):
             model = runner.model_ids[slot.index]
@@ -181,15 +145,21 @@ class OpenRun:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                runner.restore_buffers()
-                with self.trace_lock:
-                    trace = list(self.trace)
-                runner.result = lifecycle.task_result(runner, [s.engine for s in self.slots], trace, self.start)
-                runner.store = None  # its host state: freed now, not when the run ends
-                if self.on_ended is not None:
-                    self.on_ended(runner.result)
+                gone()
+
+        def gone():
+            runner.restore_buffers()
+            with self.trace_lock:
+                trace = list(self.trace)
+            runner.result = lifecycle.task_result(runner, [s.engine for s in self.slots], trace, self.start)
+            runner.store = None  # its host state: freed now, not when the run ends
+            if self.on_ended is not None:
+                self.on_ended(runner.result)
+        if not holding:  # no engine holds it (a re-plan that failed): its weights are home already
+            gone()
         for slot in holding:
-            slot.inbox.post(lambda slot=slot: leave(slot))
+            if not slot.inbox.post(lambda slot=slot: leave(slot)):
+                leave(slot)  # that device's worker has ended: its engine is this thread's
 
     def workers_gone(self):
         """Called once every worker has stopped: what they left in their inboxes runs on this thread."""

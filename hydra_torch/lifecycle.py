@@ -60,6 +60,9 @@ def home_slot(runner) -> int:
 def bring_home(runner, engines, checkpoints=None):
     """After the task's last unit, all devices idle: waits for its host jobs, writes the weights back into
     its model (also when a job failed: the error goes into runner.error) and writes its final checkpoint."""
+    if not runner.model_ids:  # no engine holds it: a re-plan failed after its weights came home
+        runner.restore_buffers()
+        return
     home = home_slot(runner)
     try:
         if runner.error is not None:
@@ -86,4 +89,5 @@ def task_result(runner, engines, trace, start: float) -> TaskResult:
     return TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
                       (max(e.end for e in units) - start) if units else 0.0, runner.resident, loads, runner.error,
                       busy_time=sum(e.end - e.start for e in units), host_bytes=runner.store.host_bytes,
-                      cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped)
+                      cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped,
+                      replans=list(runner.replans))

@@ -20,6 +20,7 @@ class TaskResult:
     cut_short: str | None = None  # why it stopped at a step boundary before its last step (say "Ctrl-C")
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps taken, mean validation loss)
     stopped: str | None = None   # when and why a selection rule stopped it (say successive halving at a rung)
+    replans: list[str] = field(default_factory=list)  # each re-plan after running out of device memory
 
     @property
     def ok(self) -> bool:
@@ -102,6 +103,8 @@ class Results:
         for t in self.tasks:
             status = (f"failed: {t.error}" if not t.ok else f"cut short by {t.cut_short}" if t.cut_short
                       else f"stopped: {t.stopped}" if t.stopped else "ok")
+            if t.replans:
+                status += f" (re-planned {len(t.replans)}x after running out of memory)"
             lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
                          f"{t.wall_time:>8.1f}  {status}")
         for device, share in self.utilisation().items():

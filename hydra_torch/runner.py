@@ -7,8 +7,7 @@ same RNG state (so dropout draws the same mask) and back-propagating the gradien
 shard above. Units of one task run in order, one at a time, but may run on different devices: boundary
 tensors follow the task. Memory and copies are the device engine's: one native call per shard visit.
 
-An evaluation pass, between two steps, is E(0)..E(n-1) per validation batch: each shard's forward under
-no_grad with its modules in eval mode, the last one computing the loss. It draws from no training stream.
+An evaluation pass, between two steps, is E(0)..E(n-1) per validation batch (see hydra_torch.evaluation).
 """
 from __future__ import annotations
 
@@ -19,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hydra_torch import _C, schedules
-from hydra_torch.steps import END, DataLengthError, count_micro_batches, eval_steps, step_groups, step_sizes
+from hydra_torch import _C, schedules, sharding
+from hydra_torch.compute import floating, loss_value, run_shard, to_device
+from hydra_torch.evaluation import EvalPass
+from hydra_torch.steps import count_micro_batches, eval_steps, step_groups, step_sizes
 from hydra_torch.task import ModelTask
 from hydra_torch.task_rng import TaskRng
 
@@ -30,20 +31,6 @@ EVALUATE = _C.Phase.evaluate
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-def _run_shard(modules, x):
-    for module in modules:
-        x = module(x)
-    return x
-
-
-def _floating(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
-def _to(tree, device):
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
 @dataclass
@@ -58,28 +45,6 @@ class _MicroBatch:
     loss: float = 0.0
 
 
-@dataclass
-class _EvalPass:
-    batches: object                  # iterator over the task's eval_data
-    count: int                       # len(eval_data)
-    batch: object = None             # the batch going through the shards
-    x: object = None                 # the next shard's input
-    loss_sum: float = 0.0
-
-
-@contextmanager
-def _eval_mode(modules):
-    """The modules in eval mode (no dropout, running statistics) for the block, each as it was afterwards."""
-    modes = [(m, m.training) for module in modules for m in module.modules()]
-    for module in modules:
-        module.train(False)
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
 class TaskRunner:
     def __init__(self, task: ModelTask, index: int, start_rng: TaskRng):
         self.task = task
@@ -90,7 +55,8 @@ class TaskRunner:
         self.store = None                     # its _C.ShardStore, once placed
         self.resident = False                 # its whole training state lives on one device
         self.result = None                    # its TaskResult, once it has left the run
-        self.home: int | None = None          # the slot holding its resident state, if any
+        self.home: int | None = None          # the slot it is pinned to: its resident state's, or after a re-plan
+                                              # the only device with room for it; None: any device
         # Resident weights never move, so forward can keep each shard's autograd graph and backward need
         # not recompute it (as plain PyTorch). Spilled weights leave the device: graphs would point at
         # reused memory, so forward keeps only inputs and backward recomputes.
@@ -105,7 +71,7 @@ class TaskRunner:
         self.eval_losses: list[tuple[int, float]] = []  # (steps taken, mean validation loss)
         self.rung_reports: list[tuple[int, float]] = []  # (rung, metric) the selection rule judged it on
         self.eval_at = eval_steps(task)
-        self._eval: _EvalPass | None = None
+        self._eval: EvalPass | None = None
         self.micro_batches = count_micro_batches(task)
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
@@ -113,6 +79,8 @@ class TaskRunner:
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
         self._mb: _MicroBatch | None = None
         self._stepped: list[int] = []         # shards whose part of the current step has been applied
+        self._step_rng, self._step_buffers = None, []  # at the current step's start (see rewind_step)
+        self.replans: list[str] = []          # how it was re-cut after running out of device memory
         self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, len(step_sizes(task)))
         self._lr_scale = 1.0                  # the schedule's multiplier for the current step
         # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
@@ -194,18 +162,23 @@ class TaskRunner:
 
     # -- micro-batches and steps -------------------------------------------------------------------------------
     def _begin_micro_batch(self, device):
-        with self._random(None, device):  # a shuffled loader draws its order, a dataset may augment
-            if self._group is None or self._position == len(self._group):
+        if self._group is None or self._position == len(self._group):
+            with self._random(None, device):  # a shuffled loader draws its order
                 epoch, self._group, self._epoch_end = next(self._groups)
-                self._epoch = epoch
-                self._position, self._loss_sum = 0, 0.0
-                # Before any of the step's work: a schedule that fails stops the task with no step half-done.
-                self._lr_scale = schedules.multiplier_at(self._lr_at, self.steps, self.task.name)
-            batch = _to(self._group[self._position], device)
+            self._epoch = epoch
+            self._position, self._loss_sum = 0, 0.0
+            # Before any of the step's work: a schedule that fails stops the task with no step half-done.
+            self._lr_scale = schedules.multiplier_at(self._lr_at, self.steps, self.task.name)
+            # Where a retry of the step starts from (see rewind_step): its random streams and its buffers.
+            self._step_rng = self._rng.snapshot()
+            self._step_buffers = [(m, name, m._buffers[name], m._buffers[name]._version)
+                                  for shard in self._buffers for m, name in shard]
+        with self._random(None, device):  # a dataset may augment
+            batch = to_device(self._group[self._position], device)
             self._position += 1
             x = self.task.inputs(batch)
         if self.compute_dtype != torch.float32:
-            x = tree_map(lambda t: t.to(self.compute_dtype) if _floating(t) else t, x)
+            x = tree_map(lambda t: t.to(self.compute_dtype) if floating(t) else t, x)
         self._mb = _MicroBatch(batch, x, len(self._group), self._position == len(self._group))
 
     def _end_micro_batch(self, slot):
@@ -216,7 +189,9 @@ class TaskRunner:
             return
         self._stepped = []
         if self.task.clip_grad_norm is not None:
+            self._stepped = list(range(self.n))  # from here on the step may be applied in part
             slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm), self._lr_scale)
+            self._stepped = []
         self.steps += 1
         self.losses.append(self._loss_sum / mb.count)
         if self._epoch_end:
@@ -226,6 +201,40 @@ class TaskRunner:
         if self.selection is not None:
             self.selection.after_step(self)
 
+    def why_no_retry(self) -> str | None:
+        """Why the step in progress cannot be run again from its start (see rewind_step), or None."""
+        if self._stepped:
+            return f"step {self.steps + 1} had been applied to shards {sorted(self._stepped)} already"
+        in_step = self._mb is not None or (self._group is not None and self._position < len(self._group))
+        for module, name, tensor, version in self._step_buffers if in_step else ():
+            now = module._buffers[name]
+            if now is not tensor and not (now.shape == tensor.shape and torch.equal(now.cpu(), tensor.cpu())) \
+                    or now is tensor and now._version != version:
+                return f"step {self.steps + 1} had changed buffer {name!r} (running statistics, say) of {module}"
+        return None
+
+    def rewind_step(self):
+        """Back to the last step boundary, so that the step in progress (or the evaluation pass) runs again
+        from its start as it would have the first time: the same batches and random draws, no gradient kept."""
+        in_step = self._mb is not None or (self._group is not None and self._position < len(self._group))
+        self._mb, self._eval, self._stepped = None, None, []
+        if in_step:
+            self._position, self._loss_sum = 0, 0.0
+            self._rng.cpu, self._rng.cuda = self._step_rng
+
+    def recut(self, groups):
+        """Re-cuts the task into the shards `groups` (its state is in no engine now): the chain is planned again
+        from the last step boundary."""
+        task = self.task
+        task.modules = groups
+        task.shard_params = sharding.shard_parameters(groups)
+        self.n = task.num_shards
+        self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
+                          if b is not None] for group in groups]
+        self._rng.draws = {}  # keyed by shard: which sections draw from the CPU generator
+        self.model_ids, self.home, self.resident, self.keep_graphs = {}, None, False, False
+        self.micro_batches = count_micro_batches(task, self.steps)
+
     def discard_unfinished_step(self, engines):
         """After a failure: the gradients of a step that will never complete must not linger."""
         for slot_index, model_id in self.model_ids.items():
@@ -234,7 +243,7 @@ class TaskRunner:
     # -- units -------------------------------------------------------------------------------------------------
     def _forward(self, s, slot):
         engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
-        x = _to(mb.x, slot.device)
+        x = to_device(mb.x, slot.device)
         if self.keep_graphs and s > 0:
             x = self._requires_grad(x)
         engine.acquire(mid, s, with_grads=False)
@@ -242,7 +251,7 @@ class TaskRunner:
             slot.prefetch()
             mb.rng[s] = self._rng.snapshot()
             with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs):
-                y = _run_shard(self.task.modules[s], x)
+                y = run_shard(self.task.modules[s], x)
         finally:
             engine.release(mid, s)
         mb.saved[s] = (x, y) if self.keep_graphs else x
@@ -250,7 +259,7 @@ class TaskRunner:
 
     def _forward_backward(self, slot):
         engine, mid, mb, s = slot.engine, self.model_ids[slot.index], self._mb, self.n - 1
-        x_in = self._requires_grad(_to(mb.x, slot.device))
+        x_in = self._requires_grad(to_device(mb.x, slot.device))
         mb.x = None
         engine.acquire(mid, s, with_grads=True)
         try:
@@ -258,10 +267,10 @@ class TaskRunner:
             # The task's streams go on from where this forward and loss leave them: a backward's recompute
             # replays a forward's draws and must not advance them.
             with self._random(("forward_backward",), slot.device), torch.enable_grad():
-                out = _run_shard(self.task.modules[s], x_in)
+                out = run_shard(self.task.modules[s], x_in)
                 if self.compute_dtype != torch.float32:
-                    out = tree_map(lambda t: t.float() if _floating(t) else t, out)
-                loss = self.task.loss_fn(out, _to(mb.batch, slot.device))
+                    out = tree_map(lambda t: t.float() if floating(t) else t, out)
+                loss = self.task.loss_fn(out, to_device(mb.batch, slot.device))
                 mb.loss = self._check_loss(loss)
             (loss / mb.count).backward()
             mb.grad = self._input_grads(x_in)
@@ -272,7 +281,7 @@ class TaskRunner:
     def _backward(self, s, slot):
         engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
         saved = mb.saved.pop(s)
-        grad = _to(mb.grad, slot.device)
+        grad = to_device(mb.grad, slot.device)
         engine.acquire(mid, s, with_grads=True)
         try:
             slot.prefetch()
@@ -281,7 +290,7 @@ class TaskRunner:
                 if self.keep_graphs:
                     x_in, y = saved
                 else:
-                    x_in = self._requires_grad(_to(saved, slot.device))
+                    x_in = self._requires_grad(to_device(saved, slot.device))
                     # The forward already updated running statistics (BatchNorm); re-running it must not. The
                     # recompute gets throw-away copies (not restored in place: autograd saved what it used).
                     originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
@@ -289,7 +298,7 @@ class TaskRunner:
                         m._buffers[name] = buffer.clone()
                     try:
                         with self._random(("forward", s), slot.device, start=rng, save=False):
-                            y = _run_shard(self.task.modules[s], x_in)
+                            y = run_shard(self.task.modules[s], x_in)
                     finally:
                         for m, name, buffer in originals:
                             m._buffers[name] = buffer
@@ -309,52 +318,14 @@ class TaskRunner:
             self._stepped.append(s)
 
     def _evaluate(self, unit, slot):
-        """E(s) of validation batch unit.micro_batch: reads the batch at shard 0, adds its loss at the last."""
-        s, b, device = unit.shard, unit.micro_batch, slot.device
-        if s == 0 and b == 0:
-            with self._rng.cpu_section(None, save=False):  # a shuffled loader's order, off the training stream
-                self._eval = _EvalPass(iter(self.task.eval_data), len(self.task.eval_data))
-        ev = self._eval
-        try:
-            if s == 0:
-                with self._rng.cpu_section(None, save=False):
-                    ev.batch = next(ev.batches, END)
-                if ev.batch is END:
-                    raise DataLengthError(f"task {self.task.name!r}: eval_data ended after {b} batches, but "
-                                          f"len(eval_data) is {ev.count}")
-                ev.x = self.task.inputs(_to(ev.batch, device))
-                if self.compute_dtype != torch.float32:
-                    ev.x = tree_map(lambda t: t.to(self.compute_dtype) if _floating(t) else t, ev.x)
-            engine, mid = slot.engine, self.model_ids[slot.index]
-            x = _to(ev.x, device)
-            engine.acquire(mid, s, with_grads=False)
-            try:
-                slot.prefetch()
-                with _eval_mode(self.task.modules[s]), torch.no_grad(), \
-                        self._random(("evaluate", s), device, save=False):
-                    y = _run_shard(self.task.modules[s], x)
-                    if s == self.n - 1:
-                        if self.compute_dtype != torch.float32:
-                            y = tree_map(lambda t: t.float() if _floating(t) else t, y)
-                        loss = self.task.loss_fn(y, _to(ev.batch, device))
-            finally:
-                engine.release(mid, s)
-        except Exception as error:
-            if hasattr(error, "add_note"):
-                error.add_note(f"task {self.task.name!r}: in the evaluation after step {self.steps}, validation "
-                               f"batch {b}, shard {s}")
-            raise
-        if s < self.n - 1:
-            ev.x = y
+        """E(s) of validation batch unit.micro_batch (see hydra_torch.evaluation)."""
+        if unit.shard == 0 and unit.micro_batch == 0:
+            self._eval = EvalPass(self)
+        mean = self._eval.run(self, unit, slot)
+        if mean is None:
             return
-        ev.loss_sum += self._loss_value(loss)
-        if b < ev.count - 1:
-            return
-        if next(ev.batches, END) is not END:
-            raise DataLengthError(f"task {self.task.name!r}: eval_data has more than len(eval_data) = {ev.count} "
-                                  "batches")
         self._eval = None
-        self.eval_losses.append((self.steps, ev.loss_sum / ev.count))
+        self.eval_losses.append((self.steps, mean))
         if self.selection is not None:
             self.selection.after_evaluation(self)
 
@@ -371,21 +342,15 @@ class TaskRunner:
 
     @staticmethod
     def _requires_grad(x):
-        return tree_map(lambda t: t.detach().requires_grad_(True) if _floating(t) else t, x)
+        return tree_map(lambda t: t.detach().requires_grad_(True) if floating(t) else t, x)
 
     @staticmethod
     def _input_grads(x_in):
         leaves, _ = tree_flatten(x_in)
-        return [t.grad if _floating(t) else None for t in leaves]
-
-    def _loss_value(self, loss) -> float:
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"task {self.task.name!r}: loss_fn must return a scalar tensor, got {shape}")
-        return float(loss.detach())
+        return [t.grad if floating(t) else None for t in leaves]
 
     def _check_loss(self, loss) -> float:
-        value = self._loss_value(loss)
+        value = loss_value(loss, self.task.name)
         if not math.isfinite(value):
             raise NonFiniteLossError(f"task {self.task.name!r}: the loss is {value} at step {self.steps}; "
                                      "training stopped and the weights of the last completed step were kept")

@@ -54,6 +54,19 @@ def _balanced_cuts(sizes: Sequence[int], count: int) -> list[int]:
     return starts[::-1]
 
 
+def halved(groups: list[list[nn.Module]]) -> list[list[nn.Module]] | None:
+    """`groups` with every shard of two or more modules cut in two, balanced by parameter count; None when
+    every shard is a single module already."""
+    out = []
+    for group in groups:
+        if len(group) == 1:
+            out.append(list(group))
+            continue
+        _, cut = _balanced_cuts([sum(p.numel() for p in m.parameters()) for m in group], 2)
+        out += [list(group[:cut]), list(group[cut:])]
+    return out if len(out) > len(groups) else None
+
+
 def is_explicit(shards) -> bool:
     """Whether `shards` lists the modules of each shard (rather than a count or start indices)."""
     return isinstance(shards, (list, tuple)) and bool(shards) and all(isinstance(g, (list, tuple)) for g in shards)

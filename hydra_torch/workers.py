@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_torch import unit_clock
+from hydra_torch import replan, unit_clock
 from hydra_torch.results import TraceEntry
 
 # How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), and how
@@ -27,8 +27,9 @@ class DeviceSlot:
     runners: list = None      # TaskRunner per task id
     stop: object = None       # interrupts.StopRequest: once set, tasks end at their next step boundary
     checkpoints: object = None  # checkpoint.Checkpointer, when the run keeps checkpoints
-    inbox: object = None        # arrivals.Inbox: engine work for this thread, when tasks may join the run
+    inbox: object = None        # inbox.Inbox: engine work other threads ask of this one
     open_run: object = None     # arrivals.OpenRun: told of every task that ends, when tasks may join the run
+    peers: list = None          # every device's slot, this one included
 
     def prefetch(self):
         """Brings in the next planned shard not on the device, possibly another task's."""
@@ -61,15 +62,12 @@ def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_p
 
 
 def _next_unit(slot: DeviceSlot):
-    if slot.inbox is None and threading.current_thread() is not threading.main_thread():
-        return slot.scheduler.next(slot.index)
-    # The main thread waits in short slices: Python runs a Ctrl-C handler only between them. When tasks may
-    # join, every worker does, to register newcomers with its engine and let ended tasks go.
+    # Waits in short slices: Python runs a Ctrl-C handler on the main thread only between them, and between
+    # them a worker does what other threads ask of its engine (a task joining, leaving or re-planned).
     while True:
-        if slot.inbox is not None:
-            slot.inbox.drain()
-            if slot.stop is not None and slot.stop.is_set():
-                slot.scheduler.set_open(False)  # stopping: no more arrivals, the run ends with the tasks in it
+        slot.inbox.drain()
+        if slot.open_run is not None and slot.stop is not None and slot.stop.is_set():
+            slot.scheduler.set_open(False)  # stopping: no more arrivals, the run ends with the tasks in it
         unit = slot.scheduler.next_for(slot.index, 0.05)
         if unit is not None or slot.scheduler.cancelled() or not slot.scheduler.has_work(slot.index):
             return unit
@@ -87,8 +85,11 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
             _checkpoint_if_due(slot, slot.runners[unit.task])
             _run_unit(slot, unit, clock, trace, lock)
     finally:
-        if clock is not None:
-            clock.poll(wait=True)
+        try:
+            if clock is not None:
+                clock.poll(wait=True)
+        finally:
+            slot.inbox.close()
 
 
 def _checkpoint_if_due(slot: DeviceSlot, runner):
@@ -125,19 +126,22 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
     start = time.perf_counter()
     mark = clock.start() if clock is not None else None
     copied = slot.engine.host_to_device_bytes()
+    plan = len(runner.replans)
     fatal = None
-    failed = False
+    failed = retried = False
     try:
         slot.plan(runner, unit)
         runner.run_unit(unit, slot)
         if runner.stopped is not None:  # a selection rule stopped it here, at a step boundary
             slot.scheduler.fail(unit.task)
-    except Exception as error:  # the task ends; the others go on
-        runner.note_partial_step(error)
-        with lock:
-            runner.error = error
-        slot.scheduler.fail(unit.task)
-        failed = True
+    except Exception as error:  # the task ends, unless it ran out of memory and can be re-planned; the others go on
+        retried = replan.retry(slot, unit, runner, error)
+        if not retried:
+            runner.note_partial_step(error)
+            with lock:
+                runner.error = error
+            slot.scheduler.fail(unit.task)
+            failed = True
     except BaseException as error:  # Ctrl-C or an exit: the task ends, and so does this worker
         runner.note_partial_step(error)
         with lock:
@@ -152,13 +156,16 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
             trace.append(TraceEntry(slot.index, unit.task, runner.task.name, unit.index, unit.shard,
                                     str(unit.phase).rsplit(".", 1)[-1], begin, end, copied))
 
-    if clock is not None and not failed:
+    if retried:  # the scheduler has its step again, in the new plan
+        record(start, time.perf_counter())
+    elif clock is not None and not failed:
         # The task's next unit may start at once, on any device (streams order it after this one); the cost
         # model learns this unit's time once the device has run it.
         slot.scheduler.complete(slot.index, unit, None)
 
         def measured(begin, end):
-            slot.scheduler.observe(unit, max(end - begin, 1e-9))
+            if len(runner.replans) == plan:  # else the unit belongs to a plan the cost model has forgotten
+                slot.scheduler.observe(unit, max(end - begin, 1e-9))
             record(begin, end)
 
         def device_failed(error):  # the device reported an error of this unit after it was completed

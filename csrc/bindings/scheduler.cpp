@@ -86,6 +86,9 @@ void bind_scheduler(py::module_& m) {
       .def("complete", &Scheduler::complete, py::arg("device"), py::arg("unit"), py::arg("seconds"))
       .def("observe", &Scheduler::observe, py::arg("unit"), py::arg("seconds"))
       .def("fail", &Scheduler::fail)
+      .def("restart", [](Scheduler& self, int device, const Unit& unit, const py::tuple& task) {
+             self.restart(device, unit, task_spec(task));
+           }, py::arg("device"), py::arg("unit"), py::arg("spec"))
       .def("cancel", &Scheduler::cancel)
       .def("add_task", [](Scheduler& self, const py::tuple& task) { return self.add_task(task_spec(task)); },
            py::arg("task"), "A task joining while the devices run (the constructor's tuple); returns its id")

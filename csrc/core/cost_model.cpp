@@ -70,7 +70,7 @@ CostModel::CostModel(std::vector<TaskSpec> tasks, double default_forward_seconds
   for (size_t t = 0; t < tasks.size(); ++t) check_spec(tasks[t], t);
   cost_scale_ = cost_scale(tasks);
   tasks_.reserve(tasks.size());
-  for (const TaskSpec& spec : tasks) append(spec);
+  for (const TaskSpec& spec : tasks) tasks_.push_back(make_state(spec));
 }
 
 void CostModel::check_spec(const TaskSpec& spec, size_t task) {
@@ -82,11 +82,20 @@ void CostModel::check_spec(const TaskSpec& spec, size_t task) {
 int CostModel::add_task(const TaskSpec& spec) {
   check_spec(spec, tasks_.size());
   if (cost_scale_ == 0.0) cost_scale_ = cost_scale({spec});  // the first costed task sets the scale
-  append(spec);
+  tasks_.push_back(make_state(spec));
   return num_tasks() - 1;
 }
 
-void CostModel::append(const TaskSpec& spec) {
+void CostModel::replace_task(int task, const TaskSpec& spec) {
+  if (task < 0 || task >= num_tasks()) {
+    throw std::invalid_argument("CostModel::replace_task: task " + std::to_string(task) + " out of range");
+  }
+  check_spec(spec, static_cast<size_t>(task));
+  if (cost_scale_ == 0.0) cost_scale_ = cost_scale({spec});
+  tasks_[static_cast<size_t>(task)] = make_state(spec);
+}
+
+CostModel::TaskState CostModel::make_state(const TaskSpec& spec) const {
   TaskState state;
   state.spec = spec;
   state.cost.assign(static_cast<size_t>(spec.num_shards), 1.0);
@@ -95,7 +104,7 @@ void CostModel::append(const TaskSpec& spec) {
   state.stats.resize(positions);
   state.estimate.resize(positions);
   state.suffix.resize(positions);
-  tasks_.push_back(std::move(state));
+  return state;
 }
 
 void CostModel::check_key(int task, int shard, Phase phase) const {

@@ -34,6 +34,9 @@ class CostModel {
   // A task arriving after the others (an id of num_tasks()); its shard costs take the scale set so far. Same
   // checks as the constructor's. Returns its id.
   int add_task(const TaskSpec& spec);
+  // The task's chain is planned anew (other shards, the rest of its micro-batches): its estimates start over
+  // from the priors, which keep what its observations taught them. Same checks as add_task.
+  void replace_task(int task, const TaskSpec& spec);
 
   // Throws std::invalid_argument for an unknown task/shard, FB on a shard other than the last, F or B on the
   // last, or a negative / non-finite duration.
@@ -71,7 +74,7 @@ class CostModel {
   };
 
   static void check_spec(const TaskSpec& spec, size_t task);
-  void append(const TaskSpec& spec);
+  TaskState make_state(const TaskSpec& spec) const;
   void check_key(int task, int shard, Phase phase) const;
   const TaskState& refreshed(int task) const;
   double global_forward_seconds() const;

@@ -178,17 +178,22 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
   return units;
 }
 
+Scheduler::TaskState& Scheduler::running(int device, const Unit& unit, const char* caller) {
+  TaskState& task = tasks_[static_cast<size_t>(unit.task)];
+  if (task.state != State::kRunning || task.running_device != device || task.next_index != unit.index) {
+    throw std::invalid_argument(std::string("Scheduler::") + caller + ": unit " + std::to_string(unit.index) +
+                                " of task " + std::to_string(unit.task) + " is not running on device " +
+                                std::to_string(device));
+  }
+  return task;
+}
+
 void Scheduler::complete(int device, const Unit& unit, std::optional<double> seconds) {
   check_device(device);
   check_task(unit.task);
   {
     std::lock_guard lock(mutex_);
-    TaskState& task = tasks_[static_cast<size_t>(unit.task)];
-    if (task.state != State::kRunning || task.running_device != device || task.next_index != unit.index) {
-      throw std::invalid_argument("Scheduler::complete: unit " + std::to_string(unit.index) + " of task " +
-                                  std::to_string(unit.task) + " is not running on device " +
-                                  std::to_string(device));
-    }
+    TaskState& task = running(device, unit, "complete");
     // Validates the duration before any state changes, so a bad report leaves the task running.
     if (seconds) cost_model_.observe(unit.task, unit.shard, unit.phase, *seconds);
     ++task.next_index;
@@ -214,6 +219,24 @@ void Scheduler::fail(int task) {
     if (state.state == State::kIdle) state.state = State::kDone;
   }
   // Workers whose only remaining task this was must wake to return nullopt.
+  ready_.notify_all();
+}
+
+void Scheduler::restart(int device, const Unit& unit, const TaskSpec& spec) {
+  check_device(device);
+  check_task(unit.task);
+  {
+    std::lock_guard lock(mutex_);
+    TaskState& task = running(device, unit, "restart");
+    check_spec(spec, static_cast<size_t>(unit.task), num_devices_);
+    cost_model_.replace_task(unit.task, spec);
+    task.spec = spec;
+    task.total_units = total_units(spec);
+    task.next_index = 0;
+    task.running_device = -1;
+    task.ready_sequence = ++event_sequence_;
+    task.state = (task.failed || task.total_units == 0) ? State::kDone : State::kIdle;
+  }
   ready_.notify_all();
 }
 

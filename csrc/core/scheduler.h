@@ -67,6 +67,12 @@ class Scheduler {
   // Drops the task's remaining units. A unit already running still completes normally.
   void fail(int task);
 
+  // `unit` must be the one next() gave `device`, which failed: it ends without a duration, and the task's
+  // remaining chain becomes `spec`'s from its first unit (the same task re-cut into other shards, retried from
+  // its last step boundary). Its estimates start over. Throws std::invalid_argument, changing nothing, for a
+  // unit not running there or a spec the constructor would refuse. A task failed meanwhile ends instead.
+  void restart(int device, const Unit& unit, const TaskSpec& spec);
+
   // A task arriving while the devices run: validated as the constructor's, given the next id (returned), and
   // handed out from now on. Workers waiting in next() wake for it.
   int add_task(const TaskSpec& spec);
@@ -107,6 +113,8 @@ class Scheduler {
   void check_device(int device) const;
   bool allowed(const TaskState& task, int device) const;
   bool has_work_locked(int device) const;
+  // The task of `unit`, which must be running on `device` (else std::invalid_argument naming `caller`).
+  TaskState& running(int device, const Unit& unit, const char* caller);
   std::optional<Unit> take_locked(int device);
 
   std::vector<TaskState> tasks_;

@@ -208,7 +208,8 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need
       if (position(*victim) <= position(key(model, shard))) victim.reset();
     }
     if (!victim) {
-      TORCH_CHECK(need != Need::kMust, "memory budget exhausted on ", device_, ": shard ", shard, " of model ", model, " needs ",
+      // torch.OutOfMemoryError, as a device allocation that fails: the task is re-planned into smaller shards.
+      TORCH_CHECK_WITH(OutOfMemoryError, need != Need::kMust, "memory budget exhausted on ", device_, ": shard ", shard, " of model ", model, " needs ",
                   bytes, " bytes; ", pool_.in_use(), " of ", pool_.capacity(),
                   " are held by shards in use. Raise memory_budget or use smaller shards.");
       return Allocation{};

@@ -465,3 +465,57 @@ TEST(SchedulerArrivals, TasksArrivingWhileWorkersRunAreAllRunInOrder) {
 }
 
 }  // namespace
+
+namespace {
+
+// A task whose unit ran out of device memory is re-cut into more shards and retried from its step boundary.
+TEST(SchedulerRestart, AFailedUnitRestartsItsTaskOnANewChain) {
+  Scheduler scheduler({spec(2, 3, 0), spec(1, 2)}, 2, PolicyKind::kLrtf);
+  auto first = scheduler.next(0);
+  ASSERT_TRUE(first);
+  ASSERT_EQ(first->task, 0);  // the longer task goes first
+  scheduler.complete(0, *first, 1e-3);
+  auto failing = scheduler.next(0);
+  ASSERT_TRUE(failing);
+  ASSERT_EQ(failing->task, 0);
+  const TaskSpec finer = spec(4, 2);  // spilled now: any device
+  scheduler.restart(0, *failing, finer);
+  EXPECT_THROW(scheduler.complete(0, *failing, 1e-3), std::invalid_argument);  // it ended with the restart
+  EXPECT_EQ(scheduler.remaining_units(0), total_units(finer));
+  std::vector<Unit> seen;
+  for (int device : {1, 0}) {  // no longer pinned to device 0
+    while (auto unit = scheduler.try_next(device)) {
+      if (unit->task == 0) seen.push_back(*unit);
+      scheduler.complete(device, *unit, 1e-3);
+    }
+  }
+  ASSERT_EQ(static_cast<int64_t>(seen.size()), total_units(finer));
+  for (int64_t i = 0; i < total_units(finer); ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], unit_at(0, finer, i));
+  EXPECT_TRUE(scheduler.finished(0));
+  // Estimates follow the new chain's shards: shard 3 exists now.
+  EXPECT_GT(scheduler.estimate(unit_at(0, finer, 3)), 0.0);
+}
+
+TEST(SchedulerRestart, ARefusedRestartChangesNothing) {
+  Scheduler scheduler({spec(2, 2)}, 1, PolicyKind::kFifo);
+  auto unit = scheduler.next(0);
+  ASSERT_TRUE(unit);
+  EXPECT_THROW(scheduler.restart(0, unit_at(0, 2, 1), spec(2, 1)), std::invalid_argument);  // not the running unit
+  EXPECT_THROW(scheduler.restart(0, *unit, spec(0, 1)), std::invalid_argument);             // no shards
+  EXPECT_THROW(scheduler.restart(0, *unit, spec(2, 1, 3)), std::invalid_argument);          // no such device
+  scheduler.complete(0, *unit, 1e-3);  // still running, as before
+  EXPECT_EQ(scheduler.remaining_units(0), total_units(spec(2, 2)) - 1);
+}
+
+TEST(SchedulerRestart, ATaskFailedWhileItsUnitRanEndsInsteadOfRestarting) {
+  Scheduler scheduler({spec(2, 2)}, 1, PolicyKind::kLrtf);
+  auto unit = scheduler.next(0);
+  ASSERT_TRUE(unit);
+  scheduler.fail(0);
+  scheduler.restart(0, *unit, spec(3, 2));
+  EXPECT_TRUE(scheduler.finished(0));
+  EXPECT_FALSE(scheduler.has_work(0));
+  EXPECT_FALSE(scheduler.try_next(0));
+}
+
+}  // namespace

@@ -1,0 +1,26 @@
+"""What a unit computes with: its inputs moved to the device, a shard's modules run in order, the loss read."""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+def run_shard(modules, x):
+    for module in modules:
+        x = module(x)
+    return x
+
+
+def floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def to_device(tree, device):
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def loss_value(loss, task_name: str) -> float:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"task {task_name!r}: loss_fn must return a scalar tensor, got {shape}")
+    return float(loss.detach())

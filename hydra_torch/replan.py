@@ -1,0 +1,105 @@
+"""A task whose unit runs out of device memory is re-planned and retried from its last step boundary, while the
+other tasks train on.
+
+A resident task is spilled: its whole training state goes to the host and the device keeps only the shard in
+use. A spilled task is cut into shards half the size: a unit then holds fewer weights, gradients and
+activations. The task's state (fp32 master weights, optimizer moments and step counts) moves over unchanged,
+and the step that failed runs again from its first micro-batch with the same batches and random draws, so the
+task ends as it would have without the failure. Where the step had already been applied to some shards, or had
+changed a buffer (running statistics), or the task is one layer per shard already, it stops with the error, as
+any failing task does, its weights those of its last complete step.
+"""
+from __future__ import annotations
+
+import torch
+
+from hydra_torch import interrupts, lifecycle, sharding
+from hydra_torch.inbox import on_devices
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device allocation failed: CUDA's, or the engine's budget (both raise torch.OutOfMemoryError)."""
+    return isinstance(error, torch.OutOfMemoryError)
+
+
+def retry(slot, unit, runner, error: BaseException) -> bool:
+    """Called on `slot`'s worker when `unit` of the task raised `error`, before the scheduler hears of it. True:
+    the task was re-planned and the scheduler hands out its step again. False: it fails; where an out-of-memory
+    error could not be retried, a note on the error says why."""
+    if not is_out_of_memory(error):
+        return False
+    why_not = runner.why_no_retry()
+    groups = None
+    if why_not is None:
+        groups = runner.task.modules if runner.resident else sharding.halved(runner.task.modules)
+        if groups is None:
+            why_not = "every shard is a single layer already"
+    if why_not is None and slot.checkpoints is not None:
+        slot.checkpoints.wait(runner)  # the writer may be reading the state about to move
+    was = f"spilled in {runner.n} shards" if not runner.resident else "resident"
+    if why_not is None:
+        with interrupts.deferred():  # a second Ctrl-C must not leave the task between two plans
+            why_not = _move(slot, runner, groups)
+    if why_not is not None:
+        if hasattr(error, "add_note"):
+            error.add_note(f"task {runner.task.name!r}: not retried after running out of device memory: {why_not}")
+        return False
+    where = f" on device {runner.home} only" if runner.home is not None and len(slot.peers) > 1 else ""
+    runner.replans.append(f"step {runner.steps + 1}: out of device memory in {_unit_name(unit)} on device "
+                          f"{slot.index} ({slot.device}, {was}); retried spilled in {runner.n} shards{where}")
+    slot.scheduler.restart(slot.index, unit, runner.scheduler_spec(sharding.shard_costs(runner.task.modules)))
+    return True
+
+
+def _unit_name(unit) -> str:
+    return f"{str(unit.phase).rsplit('.', 1)[-1]} of shard {unit.shard}"
+
+
+def _move(slot, runner, groups) -> str | None:
+    """Takes the task out of every engine, re-cuts it into `groups` with its state carried over and adds it back,
+    spilled, to every device. Returns why that failed, or None."""
+    slots = slot.peers
+    old_ids, home = runner.model_ids, lifecycle.home_slot(runner)
+
+    def leave(s):
+        model = old_ids[s.index]
+        if s.index == home:
+            s.engine.finish(model)  # the weights back in the task's modules, resident state home
+        else:
+            s.engine.synchronize(model)
+        s.engine.release_model(model)
+    errors = on_devices([slots[d] for d in old_ids], leave, own=slot)
+    if errors:
+        runner.model_ids = {}  # released: nothing is left to bring home
+        return f"its state could not be taken off the devices: {errors[0]}"
+    old = runner.store
+    runner.rewind_step()
+    runner.recut(groups)
+    store = lifecycle.make_store(runner, old.pinned)
+    _carry_state(old, store)
+    ids = {}
+    errors = on_devices(slots, lambda s: ids.__setitem__(s.index, s.engine.add_model(store, allow_resident=False)),
+                        own=slot)
+    if not ids:
+        return f"no device can take it in {runner.n} shards: {errors[0]}"
+    if errors:
+        # Some devices' arenas are taken (by resident tasks, say): it trains on one device that has room, this
+        # one if it can, pinned there, as a task may run on any device only when every device holds it.
+        keep = slot.index if slot.index in ids else min(ids)
+        on_devices([slots[d] for d in ids if d != keep], lambda s: s.engine.release_model(ids[s.index]), own=slot)
+        ids = {keep: ids[keep]}
+        runner.home = keep
+    runner.model_ids = ids
+    return None
+
+
+def _carry_state(old, new):
+    """The optimizer's state, parameter by parameter: master weights, moments and step counts."""
+    before = {id(param): (master, states, steps) for param, master, states, steps in old.param_states()}
+    for param, master, states, _ in new.param_states():
+        old_master, old_states, steps = before[id(param)]
+        master.copy_(old_master)
+        for state, old_state in zip(states, old_states):
+            state.copy_(old_state)
+        new.set_param_steps(param, steps)
+    new.refresh_shadow()
