@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hydra_torch import interrupts, lifecycle, sharding
+from hydra_torch import interrupts, lifecycle, memory, sharding
 from hydra_torch.inbox import on_devices
 
 
@@ -34,6 +34,11 @@ def retry(slot, unit, runner, error: BaseException) -> bool:
         groups = runner.task.modules if runner.resident else sharding.halved(runner.task.modules)
         if groups is None:
             why_not = "every shard is a single layer already"
+    if why_not is None and groups is not runner.task.modules:
+        try:  # the new plan's state is made beside the old one's, which is freed once it has been copied
+            memory.check_host_memory([runner.task])
+        except MemoryError as error:
+            why_not = f"a copy of its state in smaller shards would not fit in host memory: {error}"
     if why_not is None and slot.checkpoints is not None:
         slot.checkpoints.wait(runner)  # the writer may be reading the state about to move
     was = f"spilled in {runner.n} shards" if not runner.resident else "resident"
@@ -64,6 +69,7 @@ def _move(slot, runner, groups) -> str | None:
     def leave(s):
         model = old_ids[s.index]
         if s.index == home:
+            s.engine.discard_grads(model)  # of the step that failed: it runs again
             s.engine.finish(model)  # the weights back in the task's modules, resident state home
         else:
             s.engine.synchronize(model)
@@ -73,10 +79,15 @@ def _move(slot, runner, groups) -> str | None:
         runner.model_ids = {}  # released: nothing is left to bring home
         return f"its state could not be taken off the devices: {errors[0]}"
     old = runner.store
+    same_shards = groups is runner.task.modules
     runner.rewind_step()
     runner.recut(groups)
-    store = lifecycle.make_store(runner, old.pinned)
-    _carry_state(old, store)
+    if same_shards:  # a resident task spilled: its store (masters, states, bf16 shadow) is up to date since finish
+        store = old
+    else:
+        store = lifecycle.make_store(runner, old.pinned)
+        _carry_state(old, store)
+        del old
     ids = {}
     errors = on_devices(slots, lambda s: ids.__setitem__(s.index, s.engine.add_model(store, allow_resident=False)),
                         own=slot)

@@ -234,3 +234,79 @@ def test_two_tasks_re_planned_at_once_on_two_devices_both_finish():
         assert result.ok, result.error
         assert len(result.replans) >= 2
         assert max_relative_error(model, ref) <= TOLERANCE
+
+
+def test_a_re_planned_task_checkpoints_and_resumes_where_it_was(tmp_path):
+    """Its checkpoints come from the new plan's state; a later call resumes them in the task's own plan."""
+    data = token_batches(8)
+    ref, ref_losses = reference(data, accumulate=2)
+    model, oom = model_with(lambda m: m.calls == 4)  # step 2's second micro-batch, resident
+    torch.manual_seed(SEED)
+    with pytest.warns(RuntimeWarning, match="re-planned"):
+        first = ht.train([task_for(model, oom, data, accumulate=2, max_steps=3, name="t")], devices="cpu",
+                         memory_budget=16 * model_bytes(model), progress=False, checkpoint_dir=tmp_path,
+                         checkpoint_every=1)[0]
+    assert first.ok and first.steps == 3 and len(first.replans) == 1
+    again, again_oom = model_with()  # a fresh model: everything comes from the checkpoint
+    torch.manual_seed(SEED)
+    second = ht.train([task_for(again, again_oom, data, accumulate=2, name="t")], devices="cpu",
+                      memory_budget=16 * model_bytes(again), progress=False, checkpoint_dir=tmp_path)[0]
+    assert second.ok and second.steps == 4 and second.resident
+    assert second.losses == pytest.approx(ref_losses, rel=TOLERANCE)
+    assert max_relative_error(again, ref) <= TOLERANCE
+
+
+def test_a_task_that_joined_the_run_is_re_planned_and_leaves_with_its_weights():
+    import queue
+    import threading
+
+    from hydra_torch.arrivals import Arrivals
+
+    data = token_batches(4)
+    ref, _ = reference(data)
+    ended, outcome = queue.SimpleQueue(), {}
+    arrivals = Arrivals(on_ended=ended.put)
+    first = ht.ModelTask(tied_transformer(seed=3, blocks=2), optimizer=ADAMW[0](), loss_fn=lm_loss,
+                         data=token_batches(6), name="first")
+
+    model, oom = model_with(lambda m: len(m.shard) > 2)
+
+    def driver():
+        try:
+            # Its random streams start where the run's did: the same as the reference's, seeded alike.
+            arrivals.add(task_for(model, oom, data, shards=2, name="joined"))
+            outcome["ended"] = sorted([ended.get(timeout=60).name, ended.get(timeout=60).name])
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            arrivals.close()
+    thread = threading.Thread(target=driver)
+    torch.manual_seed(SEED)
+    thread.start()
+    with pytest.warns(RuntimeWarning, match="re-planned"):
+        results = ht.train([first], devices=["cpu", "cpu"], memory_budget=int(1.5 * model_bytes(ref)),
+                           progress=False, arrivals=arrivals)
+    thread.join()
+    assert "error" not in outcome, outcome["error"]
+    assert outcome["ended"] == ["first", "joined"]
+    joined = results["joined"]
+    assert joined.ok and joined.steps == 4 and joined.replans
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+    assert max_relative_error(model, ref) <= TOLERANCE
+
+
+def test_a_resident_bf16_task_spilled_trains_on_from_its_current_weights():
+    data = token_batches(6)
+    plain_model, plain_oom = model_with(dropout=0.0)
+    torch.manual_seed(SEED)
+    plain = ht.train([task_for(plain_model, plain_oom, data, precision="bf16")], devices="cpu",
+                     memory_budget=16 * model_bytes(plain_model), progress=False)[0]
+    model, oom = model_with(lambda m: m.calls == 4, dropout=0.0)  # step 4's forward
+    torch.manual_seed(SEED)
+    with pytest.warns(RuntimeWarning, match="re-planned"):
+        result = ht.train([task_for(model, oom, data, precision="bf16")], devices="cpu",
+                          memory_budget=16 * model_bytes(model), progress=False)[0]
+    assert result.ok and plain.resident and not result.resident
+    assert result.losses[:3] == plain.losses[:3]
+    # Spilled, it computes from the bf16 copy of the same weights: resident and spilled bf16 round alike.
+    assert result.losses[3:] == pytest.approx(plain.losses[3:], rel=1e-2)
