@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -237,12 +236,7 @@ def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
             raise ValueError("checkpoint_every needs checkpoint_dir: where to keep the checkpoints")
         return [None] * len(tasks)
     checkpoint.parse_every(checkpoint_every)
-    try:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} cannot be created: {error}") from None
-    if not os.access(checkpoint_dir, os.W_OK):
-        raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} is not writable")
+    checkpoint.prepare_directory(checkpoint_dir)
     return [checkpoint.load(checkpoint_dir, task) for task in tasks]
 
 

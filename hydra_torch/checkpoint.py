@@ -51,6 +51,16 @@ def parse_every(every) -> tuple[int | None, float | None]:
                      f"'30s' or '1h', got {every!r}")
 
 
+def prepare_directory(root):
+    """Creates the checkpoint directory if needed; ValueError if it cannot be created or written."""
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"checkpoint_dir {str(root)!r} cannot be created: {error}") from None
+    if not os.access(root, os.W_OK):
+        raise ValueError(f"checkpoint_dir {str(root)!r} is not writable")
+
+
 def _task_dir(root: Path, name: str) -> Path:
     return root / urllib.parse.quote(name, safe="")
 

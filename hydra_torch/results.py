@@ -21,6 +21,8 @@ class TaskResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps taken, mean validation loss)
     stopped: str | None = None   # when and why a selection rule stopped it (say successive halving at a rung)
     replans: list[str] = field(default_factory=list)  # each re-plan after running out of device memory
+    restarts: list[str] = field(default_factory=list)  # on a cluster: each time its node died under it
+    node: str | None = None      # on a cluster: the node that trained it last
 
     @property
     def ok(self) -> bool:
@@ -60,6 +62,7 @@ class Results:
     trace: list[TraceEntry] = field(default_factory=list)
     wall_time: float = 0.0
     interrupted: str | None = None  # the signal that stopped every task at a step boundary ("Ctrl-C", "SIGTERM")
+    models: dict = field(default_factory=dict)  # on a cluster: name -> the driver's model, holding the trained weights
 
     def __iter__(self):
         return iter(self.tasks)
@@ -105,6 +108,8 @@ class Results:
                       else f"stopped: {t.stopped}" if t.stopped else "ok")
             if t.replans:
                 status += f" (re-planned {len(t.replans)}x after running out of memory)"
+            if t.restarts:
+                status += f" (moved {len(t.restarts)}x: its node died)"
             lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
                          f"{t.wall_time:>8.1f}  {status}")
         for device, share in self.utilisation().items():

@@ -1,0 +1,75 @@
+"""One node of a Ray cluster (see hydra_torch.cluster): builds its share of the tasks there, from their
+factories, and trains them with ht.train on the node's devices. What it sends back is small and plain: each
+task's result, its trained weights (a state dict on the CPU), and the run's trace, devices and statistics."""
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+
+import torch
+
+from hydra_torch.results import TaskResult
+
+
+class NodeTrainer:
+    """The body of one Ray actor per node; hydra_torch.cluster wraps it with ray.remote."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def where(self) -> str:
+        return socket.gethostname()
+
+    def run(self, jobs: list, options: dict) -> dict:
+        """Trains the tasks `jobs` [(index, factory)] in one ht.train call with `options` (its keyword
+        arguments, and "seed": the generator state every task's random streams start from)."""
+        import hydra_torch as ht
+        from hydra_torch.sharding import root_module
+
+        tasks, failed = [], {}
+        for index, factory in jobs:
+            try:
+                task = factory()
+                if not isinstance(task, ht.ModelTask):
+                    raise TypeError(f"a task factory must return a ModelTask, got {type(task).__name__}")
+                tasks.append((index, task))
+            except Exception as error:  # that task fails; the node's others train
+                failed[index] = _portable(error)
+        options = dict(options)
+        torch.manual_seed(options.pop("seed"))
+        out = {"results": {}, "weights": {}, "trace": [], "devices": [], "stats": [], "warnings": [],
+               "failed": failed}
+        if not tasks:
+            return out
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = ht.train([task for _, task in tasks], progress=False, **options)
+        # perf_counter is per process: the trace goes home in wall-clock seconds.
+        offset = time.time() - time.perf_counter()
+        indices = [index for index, _ in tasks]
+        for (index, task), result in zip(tasks, results):
+            if result.error is not None:
+                result.error = _portable(result.error)
+            out["results"][index] = result
+            out["weights"][index] = {k: v.detach().to("cpu", copy=True)
+                                     for k, v in root_module(task.model, task.pieces).state_dict().items()}
+        out["trace"] = [(e.device, indices[e.task], e.unit, e.shard, e.phase, e.start + offset, e.end + offset,
+                         e.bytes_copied) for e in results.trace]
+        out["devices"], out["stats"] = results.devices, results.stats
+        out["warnings"] = [str(w.message) for w in caught]
+        return out
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error as a RuntimeError (with its notes) when its own type might not unpickle on the driver."""
+    if type(error).__module__.split(".")[0] in ("builtins", "torch", "hydra_torch"):
+        return error
+    portable = RuntimeError(f"{type(error).__name__}: {error}")
+    for note in getattr(error, "__notes__", ()):
+        portable.add_note(note)
+    return portable
+
+
+def failed_result(name: str, error: BaseException) -> TaskResult:
+    return TaskResult(name, [], 0, 0, 0.0, False, [], error)

@@ -1,0 +1,32 @@
+"""Task factories for the cluster tests: importable by the nodes' worker processes (the tests put this
+directory on their PYTHONPATH), deterministic in their models, data and order."""
+from __future__ import annotations
+
+import time
+
+import hydra_torch as ht
+from models import lm_loss, tied_transformer, token_batches
+
+
+class SlowBatches:
+    """A list of batches read at a set pace: long enough runs for a node to die in the middle of one."""
+
+    def __init__(self, batches, seconds: float):
+        self.batches, self.seconds = batches, seconds
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(self.seconds)
+            yield batch
+
+
+def make_task(name: str, seed: int, steps: int = 8, blocks: int = 2, seconds_per_batch: float = 0.0):
+    model = tied_transformer(seed=seed, blocks=blocks)
+    data = token_batches(steps, seed=seed + 100)
+    if seconds_per_batch:
+        data = SlowBatches(data, seconds_per_batch)
+    return ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=3e-3, weight_decay=0.01), loss_fn=lm_loss, data=data,
+                        name=name)

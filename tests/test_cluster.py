@@ -1,0 +1,115 @@
+"""hydra_torch.cluster on a Ray cluster of 3 nodes on this machine (ray.cluster_utils.Cluster: each node has
+one logical CPU for Ray's accounting, and trains on 2 virtual CPU devices)."""
+import functools
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import hydra_torch as ht
+from cluster_tasks import make_task
+from hydra_torch import placement
+
+ray = pytest.importorskip("ray", reason="Ray is an optional dependency: pip install 'hydra-torch[ray]'")
+cluster_utils = pytest.importorskip("ray.cluster_utils", reason="this Ray has no ray.cluster_utils.Cluster")
+
+TESTS = os.path.dirname(__file__)
+DEVICES = ["cpu", "cpu"]
+BUDGET = "64MiB"  # every task resident on its node, as in the one-node run it is compared with
+
+
+@pytest.fixture
+def cluster():
+    from hydra_torch import cluster as hydra_cluster
+
+    nodes = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        nodes.add_node(num_cpus=1)
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address=nodes.address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
+    try:
+        yield nodes, hydra_cluster
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def one_machine(factories):
+    tasks = [factory() for factory in factories]
+    torch.manual_seed(0)
+    results = ht.train(tasks, devices=DEVICES, memory_budget=BUDGET, progress=False)
+    return results, {t.name: t.model for t in tasks}
+
+
+def same_weights(a, b):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def test_placement_puts_the_largest_work_first_on_the_least_loaded_node():
+    assert placement.assign([5, 1, 4, 3, 3], 2) == [0, 1, 1, 1, 0]
+    assert placement.assign([2, 2], 3, loads=[0, 1, 0]) == [0, 2]
+    with pytest.raises(ValueError, match="no node"):
+        placement.assign([1], 0)
+
+
+def test_a_cluster_run_equals_the_same_tasks_on_one_machine(cluster, tmp_path):
+    _, hydra_cluster = cluster
+    factories = [functools.partial(make_task, f"t{i}", seed=i, blocks=1 + i % 3) for i in range(5)]
+    results = hydra_cluster.train(factories, checkpoint_dir=tmp_path, devices=DEVICES, memory_budget=BUDGET)
+    reference, models = one_machine(factories)
+    assert {r.node for r in results} == {"node0", "node1", "node2"}  # every node trained some
+    assert len(results.devices) == 6 and all(d.startswith("node") for d in results.devices)
+    for result, expected in zip(results, reference):
+        assert result.ok and result.restarts == [] and result.losses == expected.losses
+        same_weights(results.models[result.name], models[result.name])
+    assert {e.task_name for e in results.trace} == {f"t{i}" for i in range(5)}
+    assert {results.devices[e.device].split("/")[0] for e in results.trace} == {"node0", "node1", "node2"}
+
+
+def test_when_a_node_dies_its_tasks_resume_elsewhere_and_end_as_undisturbed(cluster, tmp_path):
+    nodes, hydra_cluster = cluster
+    factories = [functools.partial(make_task, f"t{i}", seed=i, steps=30, seconds_per_batch=0.05) for i in range(3)]
+
+    def kill_a_node_once_all_have_checkpoints():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            steps = []
+            for i in range(3):
+                try:
+                    steps.append(json.loads((tmp_path / f"t{i}" / "manifest.json").read_text())["steps"])
+                except (OSError, ValueError, KeyError):
+                    steps.append(0)
+            if min(steps) >= 4:
+                nodes.remove_node(nodes.list_all_nodes()[-1])  # a worker node, with one task on it
+                return
+            time.sleep(0.05)
+    killer = threading.Thread(target=kill_a_node_once_all_have_checkpoints, daemon=True)
+    killer.start()
+    results = hydra_cluster.train(factories, checkpoint_dir=tmp_path, devices=DEVICES, memory_budget=BUDGET,
+                                  checkpoint_every=1)
+    killer.join()
+    reference, models = one_machine(factories)
+    restarted = [r for r in results if r.restarts]
+    assert len(restarted) == 1 and "died" in restarted[0].restarts[0]
+    for result, expected in zip(results, reference):
+        assert result.ok, result.error
+        assert result.steps == 30 and result.losses == expected.losses
+        same_weights(results.models[result.name], models[result.name])
+
+
+def test_bad_input_is_refused_before_the_cluster_is_touched(tmp_path):
+    from hydra_torch import cluster as hydra_cluster
+
+    with pytest.raises(ValueError, match="checkpoint_dir is required"):
+        hydra_cluster.train([functools.partial(make_task, "a", 0)], checkpoint_dir=None)
+    with pytest.raises(TypeError, match="factories"):
+        hydra_cluster.train([], checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="unique"):
+        hydra_cluster.train([functools.partial(make_task, "a", 0)] * 2, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="failed on the driver"):
+        hydra_cluster.train([functools.partial(make_task, "a", "not a seed")], checkpoint_dir=tmp_path)
+    assert not ray.is_initialized()
