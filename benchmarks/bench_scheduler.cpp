@@ -1,7 +1,7 @@
 // Scheduler and simulator benchmark. Prints markdown tables for benchmarks/RESULTS.md.
 //
 // Build and run (torch-free, from the repository root):
-//   mkdir -p build && g++ -std=c++20 -O2 -Icsrc benchmarks/bench_scheduler.cpp csrc/core/*.cpp -pthread -o build/bench_scheduler \
+//   mkdir -p build && g++ -std=c++20 -O2 -Icsrc benchmarks/bench_scheduler.cpp csrc/core/*.cpp -pthread -o build/bench_scheduler
 //     && build/bench_scheduler
 //
 // (a) Simulated makespan of the paper-shaped workload (12 models: four each of 24/36/48 shards, per-shard
@@ -9,10 +9,13 @@
 //     and LRTF's strong-scaling speedup over G=1. (b) Cost of one scheduling decision: next()+complete()
 //     single-threaded over 12 tasks. (c) Cold start: 12 models of 1x-4x sizes, nothing timed at the start;
 //     LRTF with shard costs (sizes, as parameter counts give them) and without, beside the other policies.
+// (d) At cluster scale: 1,000 models on 16 nodes of 8 GPUs, placed across nodes largest first, SHARP (LRTF)
+//     inside each node; without failures and with 1 and 4 node deaths; and the scheduling cost per unit.
 #include <chrono>
 #include <cstdio>
 #include <vector>
 
+#include "core/cluster_simulator.h"
 #include "core/scheduler.h"
 #include "core/simulator.h"
 #include "core/synthetic_workload.h"
@@ -112,11 +115,53 @@ void decision_cost() {
   }
 }
 
+void at_cluster_scale() {
+  constexpr int kModels = 1000, kNodes = 16, kGpus = 8;
+  std::vector<int> shards(kModels);
+  for (int t = 0; t < kModels; ++t) shards[static_cast<size_t>(t)] = 24 + 12 * (t % 3);  // 24, 36, 48
+  const SyntheticWorkload workload = synthetic_workload(shards, 8, 1e-3, 0.3, 7);
+  std::printf("\n### (d) 1,000 models (24/36/48 shards, 8 micro-batches, +-30%%) on %d nodes x %d GPUs: placement "
+              "across nodes, LRTF inside each\n\n", kNodes, kGpus);
+  std::printf("| node deaths | makespan / bound | tasks moved | compute lost (s) | units | simulated us per unit | "
+              "decision us per unit (one node's scheduler) |\n|---|---|---|---|---|---|---|\n");
+  ClusterConfig config{workload.tasks, workload.compute(), kNodes, kGpus, PolicyKind::kLrtf, {}, 1};
+  const double healthy = simulate_cluster(config).makespan;
+  const std::vector<std::vector<NodeFailure>> scenarios = {
+      {}, {{3, 0.5 * healthy}}, {{1, 0.2 * healthy}, {5, 0.4 * healthy}, {9, 0.6 * healthy}, {13, 0.8 * healthy}}};
+  for (const std::vector<NodeFailure>& failures : scenarios) {
+    config.failures = failures;
+    const auto start = std::chrono::steady_clock::now();
+    const ClusterResult result = simulate_cluster(config);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("| %zu | %.3f | %lld | %.2f | %lld | %.2f |", failures.size(), result.makespan / result.lower_bound,
+                static_cast<long long>(result.moved_tasks), result.lost_seconds,
+                static_cast<long long>(result.units), seconds * 1e6 / static_cast<double>(result.units));
+    // The decisions alone: one node's share (the first 63 tasks) through next()+complete() on its 8 devices.
+    const std::vector<TaskSpec> share(workload.tasks.begin(), workload.tasks.begin() + (kModels + kNodes - 1) / kNodes);
+    int64_t pairs = 0;
+    const auto begin = std::chrono::steady_clock::now();
+    Scheduler scheduler(share, kGpus, PolicyKind::kLrtf, 1);
+    for (bool any = true; any;) {
+      any = false;
+      for (int device = 0; device < kGpus; ++device) {
+        if (auto unit = scheduler.try_next(device)) {
+          scheduler.complete(device, *unit, 1e-3 * (1 + unit->shard % 3));
+          ++pairs;
+          any = true;
+        }
+      }
+    }
+    const double decisions = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    std::printf(" %.2f |\n", decisions * 1e6 / static_cast<double>(pairs));
+  }
+}
+
 }  // namespace
 
 int main() {
   simulated_makespans();
   cold_start();
   decision_cost();
+  at_cluster_scale();
   return 0;
 }

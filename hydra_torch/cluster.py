@@ -10,8 +10,9 @@ of its share again and trains those tasks there, so optimizer state and master w
 One Ray actor per node (a placement group, one bundle per node, strictly spread) owns the node's GPUs and runs
 SHARP over its tasks; tasks go to nodes by estimated work, the largest first, each to the least-loaded node.
 
-Every task keeps checkpoints in `checkpoint_dir`, a directory every node sees. When a node dies, its tasks
-start again from their last checkpoints on the nodes left, as each becomes free, and end as they would have
+Every task keeps checkpoints in `checkpoint_dir`, a directory every node sees. When a node dies, its tasks are
+queued on the nodes left, the largest first on the node with the least work, and each node runs its queue once
+its run ends (at once if idle): they resume from their last checkpoints and end as they would have
 (`TaskResult.restarts` says so); a task whose node died more than `max_retries` times stops with an error.
 What crosses the network: the factories (to the nodes), and each task's result and trained weights (back).
 """
@@ -132,38 +133,46 @@ class _ClusterRun:
             jobs = [(i, self.factories[i]) for i in indices]
             running[self.actors[node].run.remote(jobs, self.options)] = (node, indices)
 
-        for node, indices in _groups(placement.assign(work, len(self.actors))).items():
-            launch(node, indices)
-        orphans: list[int] = []
-        while running:
+        queued = {node: indices for node, indices in _groups(placement.assign(work, len(self.actors))).items()}
+        while True:
+            busy = {n for n, _ in running.values()}
+            for node in [n for n in queued if n not in busy and n not in self.dead]:
+                launch(node, queued.pop(node))
+            if not running:
+                break
             (done,), _ = ray.wait(list(running), num_returns=1)
             node, indices = running.pop(done)
             try:
                 payload = ray.get(done)
             except ray.exceptions.RayActorError as error:  # the node (or its actor process) died
                 self.dead.add(node)
-                for i in indices:
-                    self.restarts[i].append(f"node{node} died while it trained the task: {type(error).__name__}")
-                    if len(self.restarts[i]) > self.max_retries:
-                        error_ = RuntimeError(f"task {self.tasks[i].name!r}: its node died "
-                                              f"{len(self.restarts[i])} times; stopped after {self.max_retries} "
-                                              f"retries")
-                        self.outcomes[i] = (node, failed_result(self.tasks[i].name, error_), None)
-                    else:
-                        orphans.append(i)
+                orphans = [i for i in indices + queued.pop(node, []) if self._retry(i, node, error)]
+                alive = [n for n in range(len(self.actors)) if n not in self.dead]
+                if not alive:
+                    for i in orphans:
+                        error_ = RuntimeError(f"task {self.tasks[i].name!r}: every node that could train it died")
+                        self.outcomes[i] = (None, failed_result(self.tasks[i].name, error_), None)
+                    continue
+                # They resume from their checkpoints: largest first, each queued on the node with the least
+                # work (its run's and its queue's), which runs them once its run ends (at once if idle).
+                loads = [sum(work[i] for r in running.values() if r[0] == n for i in r[1]) +
+                         sum(work[i] for i in queued.get(n, [])) for n in alive]
+                where = placement.assign([work[i] for i in orphans], len(alive), loads=loads)
+                for i, k in zip(orphans, where):
+                    queued.setdefault(alive[k], []).append(i)
             else:
                 self._record(node, payload)
-            busy = {n for n, _ in running.values()}
-            idle = [n for n in range(len(self.actors)) if n not in self.dead and n not in busy]
-            if orphans and idle:  # they resume from their checkpoints, the largest first on the least loaded
-                where = placement.assign([work[i] for i in orphans], len(idle))
-                for k, indices in _groups(where).items():
-                    launch(idle[k], [orphans[j] for j in indices])
-                orphans = []
-        for i in orphans:  # no node was left to take them
-            error = RuntimeError(f"task {self.tasks[i].name!r}: every node that could train it died")
-            self.outcomes[i] = (None, failed_result(self.tasks[i].name, error), None)
         return self._assemble()
+
+    def _retry(self, i, node, error) -> bool:
+        """Notes that task i's node died under it; False (and a failed result) past max_retries."""
+        self.restarts[i].append(f"node{node} died while it trained the task: {type(error).__name__}")
+        if len(self.restarts[i]) <= self.max_retries:
+            return True
+        error_ = RuntimeError(f"task {self.tasks[i].name!r}: its node died {len(self.restarts[i])} times; stopped "
+                              f"after {self.max_retries} retries")
+        self.outcomes[i] = (node, failed_result(self.tasks[i].name, error_), None)
+        return False
 
     def _record(self, node, payload):
         for i, error in payload["failed"].items():

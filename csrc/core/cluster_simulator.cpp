@@ -1,0 +1,235 @@
+#include "core/cluster_simulator.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace hydra::core {
+
+namespace {
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
+// One node's SHARP run over some tasks, from `start`.
+struct NodeRun {
+  double start = 0.0;
+  std::vector<int> tasks;        // global ids, in the run's task order
+  std::vector<TaskSpec> specs;   // what the run simulated: the micro-batches each had left
+  SimulationResult result;
+  double end() const { return start + result.makespan; }
+};
+
+class ClusterSimulation {
+ public:
+  explicit ClusterSimulation(const ClusterConfig& config)
+      : config_(config),
+        remaining_(config.tasks.size()),
+        alive_(static_cast<size_t>(config.num_nodes), true),
+        running_(static_cast<size_t>(config.num_nodes)),
+        queued_(static_cast<size_t>(config.num_nodes)) {
+    for (size_t t = 0; t < config.tasks.size(); ++t) remaining_[t] = config.tasks[t].micro_batches;
+    out_.node_end.assign(static_cast<size_t>(config.num_nodes), 0.0);
+    out_.lower_bound = lower_bound(config.tasks, config.compute, config.num_nodes * config.devices_per_node);
+  }
+
+  ClusterResult run() {
+    std::vector<int> all(config_.tasks.size());
+    for (size_t t = 0; t < all.size(); ++t) all[t] = static_cast<int>(t);
+    queue(std::move(all), 0.0);
+    start_queued(0.0);
+    std::vector<int> orphans;
+    std::vector<NodeFailure> failures = config_.failures;
+    std::stable_sort(failures.begin(), failures.end(),
+                     [](const NodeFailure& a, const NodeFailure& b) { return a.seconds < b.seconds; });
+    size_t next_failure = 0;
+    while (true) {
+      int ending = -1;
+      double end = kNever;
+      for (int n = 0; n < config_.num_nodes; ++n) {
+        if (running_[static_cast<size_t>(n)] && running_[static_cast<size_t>(n)]->end() < end) {
+          end = running_[static_cast<size_t>(n)]->end();
+          ending = n;
+        }
+      }
+      const double failure = next_failure < failures.size() ? failures[next_failure].seconds : kNever;
+      if (ending < 0 && failure == kNever) break;
+      double now;
+      if (end <= failure) {
+        now = end;
+        finish(ending);
+      } else {
+        now = failure;
+        fail(failures[next_failure++], orphans);
+        queue(std::move(orphans), now);
+        orphans.clear();
+      }
+      start_queued(now);
+    }
+    bool unfinished = false;
+    for (int n = 0; n < config_.num_nodes; ++n) unfinished |= !queued_[static_cast<size_t>(n)].empty();
+    out_.makespan = unfinished ? kNever : *std::max_element(out_.node_end.begin(), out_.node_end.end());
+    return out_;
+  }
+
+ private:
+  // The task's spec with the micro-batches it has left; evaluation passes already behind it dropped.
+  TaskSpec left(int task) const {
+    TaskSpec spec = config_.tasks[static_cast<size_t>(task)];
+    const int64_t done = spec.micro_batches - remaining_[static_cast<size_t>(task)];
+    spec.micro_batches = remaining_[static_cast<size_t>(task)];
+    spec.device.reset();
+    std::vector<int64_t> after;
+    for (int64_t e : spec.eval_after) {
+      if (e > done) after.push_back(e - done);
+    }
+    spec.eval_after = std::move(after);
+    if (spec.eval_after.empty()) spec.eval_batches = 0;
+    return spec;
+  }
+
+  // Queues `tasks` on the nodes alive, largest first to the node whose work (the rest of its run and its queue)
+  // is least, and starts the runs of the nodes with nothing to do. Where no node is alive they stay queued on
+  // a dead one: the run never ends.
+  void queue(std::vector<int> tasks, double now) {
+    if (tasks.empty()) return;
+    std::vector<int> alive;
+    for (int n = 0; n < config_.num_nodes; ++n) {
+      if (alive_[static_cast<size_t>(n)]) alive.push_back(n);
+    }
+    if (alive.empty()) {
+      queued_[0].insert(queued_[0].end(), tasks.begin(), tasks.end());
+      return;
+    }
+    std::vector<TaskSpec> specs;
+    for (int t : tasks) specs.push_back(left(t));
+    const auto global = [&](int local, int shard, Phase phase) {
+      return config_.compute(tasks[static_cast<size_t>(local)], shard, phase);
+    };
+    // assign_longest_first's devices are the alive nodes; their loads enter as one pinned task each.
+    std::vector<TaskSpec> with_loads = specs;
+    std::vector<double> load(alive.size(), 0.0);
+    for (size_t k = 0; k < alive.size(); ++k) {
+      const auto n = static_cast<size_t>(alive[k]);
+      if (running_[n]) load[k] += running_[n]->end() - now;
+      for (int t : queued_[n]) load[k] += task_seconds({left(t)}, 0, [&](int, int shard, Phase phase) {
+        return config_.compute(t, shard, phase);
+      });
+    }
+    const std::vector<int> where = assign_with_loads(specs, global, load);
+    for (size_t i = 0; i < tasks.size(); ++i) queued_[static_cast<size_t>(alive[static_cast<size_t>(where[i])])].push_back(tasks[i]);
+  }
+
+  // Largest first, each to the node with the least load so far.
+  static std::vector<int> assign_with_loads(const std::vector<TaskSpec>& specs, const UnitSeconds& compute,
+                                            std::vector<double> load) {
+    std::vector<double> work(specs.size());
+    for (size_t t = 0; t < specs.size(); ++t) work[t] = task_seconds(specs, static_cast<int>(t), compute);
+    std::vector<size_t> order(specs.size());
+    for (size_t t = 0; t < order.size(); ++t) order[t] = t;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return work[a] > work[b]; });
+    std::vector<int> where(specs.size());
+    for (size_t t : order) {
+      const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+      where[t] = static_cast<int>(least);
+      load[static_cast<size_t>(least)] += work[t];
+    }
+    return where;
+  }
+
+  // Every node alive with nothing to do runs its queue, from `now`.
+  void start_queued(double now) {
+    for (int node = 0; node < config_.num_nodes; ++node) {
+      const auto n = static_cast<size_t>(node);
+      if (!alive_[n] || running_[n] || queued_[n].empty()) continue;
+      NodeRun run;
+      run.start = now;
+      run.tasks = std::move(queued_[n]);
+      queued_[n].clear();
+      for (int t : run.tasks) run.specs.push_back(left(t));
+      const std::vector<int> ids = run.tasks;
+      SimulationConfig sim{run.specs,
+                           [this, ids](int local, int shard, Phase phase) {
+                             return config_.compute(ids[static_cast<size_t>(local)], shard, phase);
+                           },
+                           {}, config_.devices_per_node, config_.policy, Mode::kSharp,
+                           config_.seed + static_cast<uint64_t>(node)};
+      run.result = simulate(sim);
+      running_[n] = std::move(run);
+    }
+  }
+
+  void finish(int node) {
+    NodeRun& run = *running_[static_cast<size_t>(node)];
+    out_.units += static_cast<int64_t>(run.result.trace.size());
+    for (int t : run.tasks) remaining_[static_cast<size_t>(t)] = 0;
+    out_.node_end[static_cast<size_t>(node)] = run.end();
+    running_[static_cast<size_t>(node)].reset();
+  }
+
+  // The node dies: each of its tasks keeps the micro-batches it completed (its checkpoints) and waits for a node.
+  void fail(const NodeFailure& failure, std::vector<int>& orphans) {
+    const auto n = static_cast<size_t>(failure.node);
+    if (!alive_[n]) return;
+    alive_[n] = false;
+    out_.node_end[n] = std::max(out_.node_end[n], std::min(failure.seconds, running_[n] ? running_[n]->end() : 0.0));
+    out_.moved_tasks += static_cast<int64_t>(queued_[n].size());  // waiting for this node: they go elsewhere
+    orphans.insert(orphans.end(), queued_[n].begin(), queued_[n].end());
+    queued_[n].clear();
+    if (!running_[n]) return;
+    NodeRun& run = *running_[n];
+    const double t = failure.seconds - run.start;
+    std::vector<int64_t> completed(run.tasks.size(), 0);
+    for (const TraceEntry& e : run.result.trace) {
+      if (e.end > t) continue;
+      const TaskSpec& spec = run.specs[static_cast<size_t>(e.task)];
+      const Unit unit = unit_at(e.task, spec, e.index);
+      if (unit.phase != Phase::kEvaluate && unit.shard == 0 && unit.phase != Phase::kForward) {
+        ++completed[static_cast<size_t>(e.task)];  // its last unit (B(0), or FB(0) for one shard)
+      }
+    }
+    for (const TraceEntry& e : run.result.trace) {
+      if (e.start >= t) continue;
+      ++out_.units;
+      const TaskSpec& spec = run.specs[static_cast<size_t>(e.task)];
+      const Unit unit = unit_at(e.task, spec, e.index);
+      if (unit.phase == Phase::kEvaluate || unit.micro_batch >= completed[static_cast<size_t>(e.task)]) {
+        out_.lost_seconds += std::min(e.end, t) - e.start;
+      }
+    }
+    for (size_t i = 0; i < run.tasks.size(); ++i) {
+      const auto task = static_cast<size_t>(run.tasks[i]);
+      remaining_[task] = run.specs[i].micro_batches - completed[i];
+      if (remaining_[task] > 0) {
+        orphans.push_back(run.tasks[i]);
+        ++out_.moved_tasks;
+      }
+    }
+    running_[n].reset();
+  }
+
+  const ClusterConfig& config_;
+  std::vector<int64_t> remaining_;
+  std::vector<bool> alive_;
+  std::vector<std::optional<NodeRun>> running_;
+  std::vector<std::vector<int>> queued_;  // per node: tasks it runs once its current run ends
+  ClusterResult out_;
+};
+
+}  // namespace
+
+ClusterResult simulate_cluster(const ClusterConfig& config) {
+  if (config.num_nodes < 1) throw std::invalid_argument("simulate_cluster: num_nodes must be >= 1");
+  if (config.devices_per_node < 1) throw std::invalid_argument("simulate_cluster: devices_per_node must be >= 1");
+  if (!config.compute) throw std::invalid_argument("simulate_cluster: no compute function");
+  for (const NodeFailure& failure : config.failures) {
+    if (failure.node < 0 || failure.node >= config.num_nodes || !(failure.seconds >= 0.0)) {
+      throw std::invalid_argument("simulate_cluster: a failure of node " + std::to_string(failure.node) + " at " +
+                                  std::to_string(failure.seconds) + " s: no such node, or a negative time");
+    }
+  }
+  return ClusterSimulation(config).run();
+}
+
+}  // namespace hydra::core

@@ -1,0 +1,89 @@
+// Cluster simulator: placement across nodes plus SHARP inside each; node failures that move tasks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "core/cluster_simulator.h"
+
+namespace {
+
+using namespace hydra::core;
+
+// Equal one-shard tasks of `micro_batches` units of one second each: a task's work is its micro-batch count.
+ClusterConfig unit_tasks(std::vector<int64_t> micro_batches, int nodes, int devices) {
+  ClusterConfig config;
+  for (int64_t m : micro_batches) config.tasks.push_back(TaskSpec{1, m, std::nullopt});
+  config.compute = [](int, int, Phase) { return 1.0; };
+  config.num_nodes = nodes;
+  config.devices_per_node = devices;
+  return config;
+}
+
+TEST(ClusterSimulator, WithoutFailuresEachNodeRunsItsShareAndTheBoundHolds) {
+  // Works 8, 6, 5, 4, 3 on 2 nodes of one device: LPT gives {8, 4} = 12 and {6, 5, 3} = 14.
+  const ClusterResult result = simulate_cluster(unit_tasks({8, 6, 5, 4, 3}, 2, 1));
+  EXPECT_DOUBLE_EQ(result.makespan, 14.0);
+  EXPECT_DOUBLE_EQ(result.lower_bound, 13.0);
+  EXPECT_EQ(result.units, 26);
+  EXPECT_EQ(result.moved_tasks, 0);
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.0);
+  EXPECT_EQ(result.node_end, (std::vector<double>{12.0, 14.0}));
+}
+
+TEST(ClusterSimulator, OneNodeIsTheSingleMachineSimulator) {
+  ClusterConfig config = unit_tasks({4, 4, 4}, 1, 2);
+  SimulationConfig single{config.tasks, config.compute, {}, 2, PolicyKind::kLrtf, Mode::kSharp, 0};
+  EXPECT_DOUBLE_EQ(simulate_cluster(config).makespan, simulate(single).makespan);
+}
+
+TEST(ClusterSimulator, ADeadNodesTasksKeepTheirCompletedMicroBatchesAndMoveToAFreeNode) {
+  // Node 1 runs the task of 6 and dies at 2.5 s: it keeps 2 micro-batches, loses half of the third, and waits
+  // for node 0 (done with its 8 at 8 s) to run its other 4.
+  ClusterConfig config = unit_tasks({8, 6}, 2, 1);
+  config.failures = {{1, 2.5}};
+  const ClusterResult result = simulate_cluster(config);
+  EXPECT_EQ(result.moved_tasks, 1);
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.5);
+  EXPECT_DOUBLE_EQ(result.makespan, 12.0);
+  EXPECT_EQ(result.units, 8 + 3 + 4);
+  EXPECT_DOUBLE_EQ(result.node_end[1], 2.5);
+}
+
+TEST(ClusterSimulator, AnIdleNodeTakesADeadNodesTasksAtOnce) {
+  ClusterConfig config = unit_tasks({2, 6}, 2, 1);
+  config.failures = {{1, 3.0}};  // node 0 has been idle since 2 s
+  const ClusterResult result = simulate_cluster(config);
+  EXPECT_DOUBLE_EQ(result.makespan, 6.0);
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.0);
+}
+
+TEST(ClusterSimulator, ADeadNodesTasksAreSpreadOverTheNodesLeftByTheirWork) {
+  // 9 -> node 0, 7 -> node 1, 3 and 3 -> node 2, which dies at once: one 3 is queued behind node 1's 7 (the
+  // least work), the other behind node 0's 9 (now the least), so both end by 12, not 7 + 6 = 13 on one node.
+  ClusterConfig config = unit_tasks({9, 7, 3, 3}, 3, 1);
+  config.failures = {{2, 0.0}};
+  const ClusterResult result = simulate_cluster(config);
+  EXPECT_DOUBLE_EQ(result.makespan, 12.0);
+  EXPECT_EQ(result.node_end, (std::vector<double>{12.0, 10.0, 0.0}));
+  EXPECT_EQ(result.moved_tasks, 2);
+}
+
+TEST(ClusterSimulator, WhenEveryNodeDiesTheRunNeverEnds) {
+  ClusterConfig config = unit_tasks({5, 5}, 2, 1);
+  config.failures = {{0, 1.0}, {1, 1.5}};
+  EXPECT_TRUE(std::isinf(simulate_cluster(config).makespan));
+}
+
+TEST(ClusterSimulator, BadConfigurationsAreRefused) {
+  EXPECT_THROW(simulate_cluster(unit_tasks({1}, 0, 1)), std::invalid_argument);
+  EXPECT_THROW(simulate_cluster(unit_tasks({1}, 1, 0)), std::invalid_argument);
+  ClusterConfig config = unit_tasks({1}, 2, 1);
+  config.failures = {{2, 1.0}};
+  EXPECT_THROW(simulate_cluster(config), std::invalid_argument);
+  config.failures = {{0, -1.0}};
+  EXPECT_THROW(simulate_cluster(config), std::invalid_argument);
+}
+
+}  // namespace
