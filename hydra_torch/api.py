@@ -144,6 +144,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     for engine in engines if arrivals is not None else ():
         engine.expect_arrivals()
     task_rng.new_run()
+    for task in tasks:
+        task.stopped_on_request = False
+        task.ended.clear()
     start_rng = task_rng.TaskRng.current(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
     lifecycle.place(runners, engines, budgets, pin)
@@ -206,6 +209,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         bars.close(runners)
         results = _finish(runners, engines, trace, start, resolved, wall, checkpoints)
         results.interrupted = stop.name
+        for runner in runners:
+            runner.task.stop_reason = None  # a request ends with the call
+            runner.task.ended.set()
     if interrupted is not None:
         raise interrupted
     if stop.is_set():

@@ -87,6 +87,8 @@ class OpenRun:
             if task.auto_shards:
                 smallest = min(range(len(self.devices)), key=lambda i: self.budgets[i])
                 planner.apply_plan(task, planner.plan(task, device=self.devices[smallest], budget=self.budgets[smallest]))
+            task.stopped_on_request = False
+            task.ended.clear()
             runner = TaskRunner(task, len(self.runners), self.start_rng)
             if self.selection is not None:  # may refuse the task (no eval_data, say): before any engine holds it
                 self.selection.arrive(runner)

@@ -61,6 +61,15 @@ def prepare_directory(root):
         raise ValueError(f"checkpoint_dir {str(root)!r} is not writable")
 
 
+def steps_taken(root, name: str) -> int:
+    """The steps of the task `name`'s last checkpoint under `root` (0 without one): its progress, as other
+    processes see it."""
+    try:
+        return int(json.loads((_task_dir(Path(root), name) / MANIFEST).read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def _task_dir(root: Path, name: str) -> Path:
     return root / urllib.parse.quote(name, safe="")
 

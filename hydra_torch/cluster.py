@@ -18,16 +18,17 @@ What crosses the network: the factories (to the nodes), and each task's result a
 """
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 
-from hydra_torch import checkpoint, placement
+from hydra_torch import checkpoint, cluster_results, placement
 from hydra_torch.node_trainer import NodeTrainer, failed_result
-from hydra_torch.results import Results, TraceEntry
-from hydra_torch.sharding import root_module
+from hydra_torch.results import Results
+from hydra_torch.steps import step_sizes
 from hydra_torch.task import ModelTask
 
-_KEPT_MAX = ("budget_bytes", "capacity_bytes", "high_water_bytes", "staging_bytes")  # summed otherwise
+BALANCE_SECONDS = 1.0  # how often the driver looks for a node with nothing to do, at most
 
 
 def _ray():
@@ -114,111 +115,157 @@ class _ClusterRun:
             ray.util.remove_placement_group(self.group)
             raise RuntimeError(f"Ray could not place one actor on each of {count} nodes with {bundle}: "
                                f"{type(error).__name__}: {error}") from None
+        # Calls at once: run() trains while progress() and release() ask about its tasks.
         actor = ray.remote(NodeTrainer)
-        self.actors = [actor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=
-                                     PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i))
-                       .remote(f"node{i}") for i in range(count)]
+        self.actors = [actor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=4,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                         self.group, placement_group_bundle_index=i)).remote(f"node{i}")
+                       for i in range(count)]
         self.start = time.time()
+        self.work = [placement.estimated_work(t) for t in tasks]
+        self.total_steps = [len(step_sizes(t)) for t in tasks]
         self.outcomes: dict[int, tuple] = {}   # task index -> (node, result, weights)
-        self.restarts = [[] for _ in tasks]
-        self.runs: list[tuple[int, dict]] = []   # (node, payload) of every node run that came back
+        self.moves = [[] for _ in tasks]       # why and where each task moved
+        self.deaths = [0] * len(tasks)         # how many of its nodes died under it
+        self.runs: list[tuple[int, dict]] = []  # (node, payload) of every node run that came back
         self.dead: set[int] = set()
+        self.running = {}    # future -> (node, run id, task indices): the node runs
+        self.releasing = {}  # future -> (from node, to node, task index): a task asked to move
+        self.queued: dict[int, list[int]] = {}  # node -> tasks it runs once it has nothing to do
+        self.owner: dict[int, int | None] = {}  # task index -> the run training it (None: between nodes)
+        self.run_ids = itertools.count()
 
     def results(self) -> Results:
-        ray = self.ray
-        work = [placement.estimated_work(t) for t in self.tasks]
-        running = {}
-
-        def launch(node, indices):
-            jobs = [(i, self.factories[i]) for i in indices]
-            running[self.actors[node].run.remote(jobs, self.options)] = (node, indices)
-
-        queued = {node: indices for node, indices in _groups(placement.assign(work, len(self.actors))).items()}
+        for node, indices in _groups(placement.assign(self.work, len(self.actors))).items():
+            self.queued[node] = indices
         while True:
-            busy = {n for n, _ in running.values()}
-            for node in [n for n in queued if n not in busy and n not in self.dead]:
-                launch(node, queued.pop(node))
-            if not running:
+            self._launch_queued()
+            self._balance()
+            futures = list(self.running) + list(self.releasing)
+            if not futures:
                 break
-            (done,), _ = ray.wait(list(running), num_returns=1)
-            node, indices = running.pop(done)
-            try:
-                payload = ray.get(done)
-            except ray.exceptions.RayActorError as error:  # the node (or its actor process) died
-                self.dead.add(node)
-                orphans = [i for i in indices + queued.pop(node, []) if self._retry(i, node, error)]
-                alive = [n for n in range(len(self.actors)) if n not in self.dead]
-                if not alive:
-                    for i in orphans:
-                        error_ = RuntimeError(f"task {self.tasks[i].name!r}: every node that could train it died")
-                        self.outcomes[i] = (None, failed_result(self.tasks[i].name, error_), None)
+            done, _ = self.ray.wait(futures, num_returns=1, timeout=BALANCE_SECONDS)
+            for future in done:
+                if future in self.releasing:
+                    self._released(future)
+                else:
+                    self._run_ended(future)
+        return cluster_results.assemble(self.tasks, self.outcomes, self.moves, self.runs, self.start)
+
+    def _busy(self) -> set[int]:
+        return {node for node, _, _ in self.running.values()} | {to for _, to, _ in self.releasing.values()}
+
+    def _launch_queued(self):
+        busy = self._busy()
+        for node in [n for n, q in self.queued.items() if q and n not in busy and n not in self.dead]:
+            indices = self.queued.pop(node)
+            run = next(self.run_ids)
+            for i in indices:
+                self.owner[i] = run
+            jobs = [(i, self.factories[i]) for i in indices]
+            self.running[self.actors[node].run.remote(jobs, self.options)] = (node, run, indices)
+
+    def _balance(self):
+        """A node with nothing to do takes a task from the node with the most work left, at its next step
+        boundary through its checkpoint, when that leaves both with less than the donor has now."""
+        busy, donors = self._busy(), {frm for frm, _, _ in self.releasing.values()}
+        idle = [n for n in range(len(self.actors)) if n not in busy and n not in self.dead and not self.queued.get(n)]
+        if not idle:
+            return
+        progress = self._progress()
+        for node in idle:
+            best = None
+            for donor, run, indices in self.running.values():
+                if donor in donors or donor not in progress:
                     continue
-                # They resume from their checkpoints: largest first, each queued on the node with the least
-                # work (its run's and its queue's), which runs them once its run ends (at once if idle).
-                loads = [sum(work[i] for r in running.values() if r[0] == n for i in r[1]) +
-                         sum(work[i] for i in queued.get(n, [])) for n in alive]
-                where = placement.assign([work[i] for i in orphans], len(alive), loads=loads)
-                for i, k in zip(orphans, where):
-                    queued.setdefault(alive[k], []).append(i)
-            else:
-                self._record(node, payload)
-        return self._assemble()
+                left = {}
+                for i in indices:
+                    if self.owner.get(i) == run and i in progress[donor]:
+                        done = progress[donor][i] / max(self.total_steps[i], 1)
+                        if done < 0.75:  # not worth a move near its end
+                            left[i] = self.work[i] * (1.0 - done)
+                total = sum(left.values())
+                movable = [i for i, w in left.items() if w <= total / 2]
+                if movable and (best is None or total > best[0]):
+                    best = (total, donor, max(movable, key=lambda i: left[i]))
+            if best is not None:
+                _, donor, i = best
+                self.releasing[self.actors[donor].release.remote([i])] = (donor, node, i)
+                donors.add(donor)
+
+    def _progress(self) -> dict:
+        """node -> {task index: steps taken} of the node runs in progress (those that answer in time)."""
+        asked = {node: self.actors[node].progress.remote() for node, _, _ in self.running.values()}
+        out = {}
+        for node, future in asked.items():
+            try:
+                out[node] = self.ray.get(future, timeout=10)
+            except (self.ray.exceptions.RayError, TimeoutError):
+                pass  # dying or busy: not a donor this time
+        return out
+
+    def _released(self, future):
+        donor, node, i = self.releasing.pop(future)
+        try:
+            released = self.ray.get(future)
+        except self.ray.exceptions.RayError:  # the donor died: its run's end says what becomes of the task
+            return
+        if released:
+            steps = checkpoint.steps_taken(self.options["checkpoint_dir"], self.tasks[i].name)  # written as it left
+            self.moves[i].append(f"moved from node{donor} to node{node} at step {steps}, to balance the work")
+            self.owner[i] = None  # its donor run's result for it is not the last word
+            self.queued.setdefault(node, []).append(i)
+
+    def _run_ended(self, future):
+        node, run, indices = self.running.pop(future)
+        try:
+            payload = self.ray.get(future)
+        except self.ray.exceptions.RayActorError as error:  # the node (or its actor process) died
+            self.dead.add(node)
+            orphans = [i for i in [*indices, *self.queued.pop(node, [])]
+                       if self.owner.get(i) in (run, None) and self._retry(i, node, error)]
+            alive = [n for n in range(len(self.actors)) if n not in self.dead]
+            if not alive:
+                for i in orphans:
+                    error_ = RuntimeError(f"task {self.tasks[i].name!r}: every node that could train it died")
+                    self.outcomes[i] = (None, failed_result(self.tasks[i].name, error_), None)
+                return
+            # They resume from their checkpoints: largest first, each queued on the node with the least work
+            # (its run's and its queue's), which runs them once its run ends (at once if idle).
+            loads = [sum(self.work[i] for n_, _, r in self.running.values() if n_ == n for i in r) +
+                     sum(self.work[i] for i in self.queued.get(n, [])) for n in alive]
+            for i, k in zip(orphans, placement.assign([self.work[i] for i in orphans], len(alive), loads=loads)):
+                self.owner[i] = None
+                self.queued.setdefault(alive[k], []).append(i)
+        else:
+            self._record(node, run, payload)
 
     def _retry(self, i, node, error) -> bool:
         """Notes that task i's node died under it; False (and a failed result) past max_retries."""
-        self.restarts[i].append(f"node{node} died while it trained the task: {type(error).__name__}")
-        if len(self.restarts[i]) <= self.max_retries:
+        self.deaths[i] += 1
+        self.moves[i].append(f"node{node} died while it trained the task: {type(error).__name__}")
+        if self.deaths[i] <= self.max_retries:
             return True
-        error_ = RuntimeError(f"task {self.tasks[i].name!r}: its node died {len(self.restarts[i])} times; stopped "
-                              f"after {self.max_retries} retries")
+        error_ = RuntimeError(f"task {self.tasks[i].name!r}: its node died {self.deaths[i]} times; stopped after "
+                              f"{self.max_retries} retries")
         self.outcomes[i] = (node, failed_result(self.tasks[i].name, error_), None)
         return False
 
-    def _record(self, node, payload):
+    def _record(self, node, run, payload):
         for i, error in payload["failed"].items():
-            self.outcomes[i] = (node, failed_result(self.tasks[i].name, error), None)
+            if self.owner.get(i) == run:
+                self.outcomes[i] = (node, failed_result(self.tasks[i].name, error), None)
         for i, result in payload["results"].items():
-            self.outcomes[i] = (node, result, payload["weights"][i])
+            if self.owner.get(i) == run:  # else it moved on: that run's result is the one that counts
+                self.outcomes[i] = (node, result, payload["weights"][i])
         self.runs.append((node, payload))
         for message in payload["warnings"]:
-            warnings.warn(f"node{node}: {message}", RuntimeWarning, stacklevel=4)
-
-    def _assemble(self) -> Results:
-        devices, stats, index = [], [], {}
-        for node, payload in self.runs:
-            for d, (name, stat) in enumerate(zip(payload["devices"], payload["stats"])):
-                key = (node, name)
-                if key not in index:
-                    index[key] = len(devices)
-                    devices.append(f"node{node}/{name}")
-                    stats.append(dict(stat))
-                else:
-                    merged = stats[index[key]]
-                    for k, v in stat.items():
-                        if isinstance(v, (int, float)):
-                            merged[k] = max(merged[k], v) if k in _KEPT_MAX else merged[k] + v
-        trace = []
-        for node, payload in self.runs:
-            for device, task, unit, shard, phase, start, end, copied in payload["trace"]:
-                trace.append(TraceEntry(index[(node, payload["devices"][device])], task, self.tasks[task].name, unit,
-                                        shard, phase, start - self.start, end - self.start, copied))
-        trace.sort(key=lambda e: e.start)
-        results, models = [], {}
-        for i, task in enumerate(self.tasks):
-            node, result, weights = self.outcomes[i]
-            if weights is not None:
-                root_module(task.model, task.pieces).load_state_dict(weights)
-            result.restarts = list(self.restarts[i])
-            result.node = f"node{node}" if node is not None else None
-            results.append(result)
-            models[task.name] = task.model
-        return Results(results, devices, stats, trace, time.time() - self.start, models=models)
+            warnings.warn(f"node{node}: {message}", RuntimeWarning, stacklevel=5)
 
     def close(self):
         for actor in self.actors:
             self.ray.kill(actor)
         self.ray.util.remove_placement_group(self.group)
-
 
 def _groups(where: list[int]) -> dict[int, list[int]]:
     groups: dict[int, list[int]] = {}

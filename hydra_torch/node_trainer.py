@@ -4,6 +4,7 @@ task's result, its trained weights (a state dict on the CPU), and the run's trac
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import warnings
 
@@ -17,6 +18,27 @@ class NodeTrainer:
 
     def __init__(self, name: str):
         self.name = name
+        self._lock = threading.Lock()
+        self._training: dict = {}  # task index -> ModelTask, while run() trains it
+
+    def progress(self) -> dict:
+        """Steps taken so far by each task run() trains."""
+        with self._lock:
+            return {i: task.steps_done for i, task in self._training.items()}
+
+    def release(self, indices: list, timeout: float = 600.0) -> list:
+        """Stops the tasks `indices` of the running run() at their next step boundary, their checkpoints
+        written, so that another node continues them; returns those stopped so (not those that ended first)."""
+        with self._lock:
+            tasks = [(i, self._training[i]) for i in indices if i in self._training]
+        for _, task in tasks:
+            task.request_stop("moved to another node")
+        released = []
+        for i, task in tasks:
+            task.ended.wait(timeout)
+            if task.stopped_on_request:
+                released.append(i)
+        return released
 
     def where(self) -> str:
         return socket.gethostname()
@@ -25,7 +47,6 @@ class NodeTrainer:
         """Trains the tasks `jobs` [(index, factory)] in one ht.train call with `options` (its keyword
         arguments, and "seed": the generator state every task's random streams start from)."""
         import hydra_torch as ht
-        from hydra_torch.sharding import root_module
 
         tasks, failed = [], {}
         for index, factory in jobs:
@@ -38,6 +59,18 @@ class NodeTrainer:
                 failed[index] = _portable(error)
         options = dict(options)
         torch.manual_seed(options.pop("seed"))
+        with self._lock:
+            self._training = dict(tasks)
+        try:
+            return self._train(tasks, failed, options)
+        finally:
+            with self._lock:
+                self._training = {}
+
+    def _train(self, tasks, failed, options) -> dict:
+        import hydra_torch as ht
+        from hydra_torch.sharding import root_module
+
         out = {"results": {}, "weights": {}, "trace": [], "devices": [], "stats": [], "warnings": [],
                "failed": failed}
         if not tasks:

@@ -21,7 +21,7 @@ class TaskResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps taken, mean validation loss)
     stopped: str | None = None   # when and why a selection rule stopped it (say successive halving at a rung)
     replans: list[str] = field(default_factory=list)  # each re-plan after running out of device memory
-    restarts: list[str] = field(default_factory=list)  # on a cluster: each time its node died under it
+    moves: list[str] = field(default_factory=list)  # on a cluster: each move to another node, and why
     node: str | None = None      # on a cluster: the node that trained it last
 
     @property
@@ -108,8 +108,8 @@ class Results:
                       else f"stopped: {t.stopped}" if t.stopped else "ok")
             if t.replans:
                 status += f" (re-planned {len(t.replans)}x after running out of memory)"
-            if t.restarts:
-                status += f" (moved {len(t.restarts)}x: its node died)"
+            if t.moves:
+                status += f" (moved {len(t.moves)}x between nodes)"
             lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
                          f"{t.wall_time:>8.1f}  {status}")
         for device, share in self.utilisation().items():

@@ -63,6 +63,7 @@ class TaskRunner:
         self.keep_graphs = False
         self.losses: list[float] = []
         self.steps = 0
+        task.steps_done = 0
         self.epochs_done = 0
         self.error: BaseException | None = None
         self.cut_short: str | None = None     # why it stopped at a step boundary before its last step
@@ -96,6 +97,7 @@ class TaskRunner:
         """Continues after `steps` steps taken by an earlier run, from its checkpoint; a task a selection
         rule had stopped stays stopped."""
         self.steps, self.losses, self.epochs_done = steps, list(losses), epochs_done
+        self.task.steps_done = steps
         self.eval_losses = [(int(step), float(loss)) for step, loss in eval_losses]
         self.stopped = stopped
         self.rung_reports = [(int(rung), float(metric)) for rung, metric in rung_reports]
@@ -193,6 +195,7 @@ class TaskRunner:
             slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm), self._lr_scale)
             self._stepped = []
         self.steps += 1
+        self.task.steps_done = self.steps
         self.losses.append(self._loss_sum / mb.count)
         if self._epoch_end:
             self.epochs_done = self._epoch + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections.abc
 
 import itertools
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -192,6 +193,18 @@ class ModelTask:
         self.eval_data = eval_data
         self.eval_every = eval_every
         self.name = name if name is not None else f"task{next(self._names)}"
+        # Set by request_stop; the ht.train call training the task reads them (see there).
+        self.stop_reason: str | None = None
+        self.stopped_on_request = False
+        self.ended = threading.Event()  # set once the task runs no more units in the current ht.train call
+        self.steps_done = 0  # optimizer steps taken, as the ht.train call training it goes (for other threads)
+
+    def request_stop(self, reason: str = "stopped on request"):
+        """Stops the task at its next step boundary in the ht.train call training it; callable from any thread.
+        It ends cut short with `reason` (`TaskResult.cut_short`), its weights those of that step. When the call
+        keeps checkpoints, the task's checkpoint of that step is on disk before it ends, so another call can
+        continue it. `ended` is set once the task runs no more units (stopped so, or ended otherwise)."""
+        self.stop_reason = reason
 
     @property
     def num_shards(self) -> int:

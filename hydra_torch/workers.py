@@ -80,7 +80,7 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
             unit = _next_unit(slot)
             if unit is None:
                 return
-            if slot.stop is not None and slot.stop.is_set() and _cut_short(slot, unit):
+            if _stop_asked(slot, slot.runners[unit.task]) and _cut_short(slot, unit):
                 continue
             _checkpoint_if_due(slot, slot.runners[unit.task])
             _run_unit(slot, unit, clock, trace, lock)
@@ -103,13 +103,26 @@ def _checkpoint_if_due(slot: DeviceSlot, runner):
     slot.checkpoints.submit(runner, resident=slot.engine.resident(model))
 
 
+def _stop_asked(slot: DeviceSlot, runner) -> bool:
+    return (slot.stop is not None and slot.stop.is_set()) or runner.task.stop_reason is not None
+
+
 def _cut_short(slot: DeviceSlot, unit) -> bool:
-    """After a stop request: ends the task here, without running `unit`, if it sits at a step boundary. A task
-    in the middle of a step runs on until the step is applied to every shard."""
+    """After a stop request (a signal, or the task's own request_stop): ends the task here, without running
+    `unit`, if it sits at a step boundary. A task in the middle of a step runs on until the step is applied to
+    every shard."""
     runner = slot.runners[unit.task]
     if not runner.at_step_boundary():
         return False
-    runner.cut_short = slot.stop.name
+    own = slot.stop is None or not slot.stop.is_set()
+    runner.cut_short = runner.task.stop_reason if own else slot.stop.name
+    if own:
+        runner.task.stopped_on_request = True
+        if slot.checkpoints is not None:  # it goes on elsewhere: its state is on disk before it ends here
+            model = runner.model_ids[slot.index]
+            slot.engine.snapshot(model)
+            slot.checkpoints.submit(runner, resident=slot.engine.resident(model))
+            slot.checkpoints.wait(runner)
     slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
     slot.scheduler.complete(slot.index, unit, None)
     _leave_if_ended(slot, unit, runner)
@@ -117,8 +130,10 @@ def _cut_short(slot: DeviceSlot, unit) -> bool:
 
 
 def _leave_if_ended(slot: DeviceSlot, unit, runner):
-    if slot.open_run is not None and slot.scheduler.finished(unit.task):
-        slot.open_run.ended(runner)
+    if slot.scheduler.finished(unit.task):
+        runner.task.ended.set()
+        if slot.open_run is not None:
+            slot.open_run.ended(runner)
 
 
 def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):

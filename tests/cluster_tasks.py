@@ -30,3 +30,21 @@ def make_task(name: str, seed: int, steps: int = 8, blocks: int = 2, seconds_per
         data = SlowBatches(data, seconds_per_batch)
     return ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=3e-3, weight_decay=0.01), loss_fn=lm_loss, data=data,
                         name=name)
+
+
+class NanAfter:
+    """The language-model loss, NaN from its `calls`-th call on: a task that fails by itself."""
+
+    def __init__(self, calls: int):
+        self.calls, self.seen = calls, 0
+
+    def __call__(self, output, batch):
+        self.seen += 1
+        loss = lm_loss(output, batch)
+        return loss * float("nan") if self.seen >= self.calls else loss
+
+
+def make_failing_task(name: str, seed: int):
+    task = make_task(name, seed)
+    task.loss_fn = NanAfter(3)
+    return task
