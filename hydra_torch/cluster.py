@@ -49,7 +49,7 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
     checkpoint_dir: a directory every node can read and write (a shared filesystem), required: it is how a
         task moves when its node dies.
     devices, memory_budget, schedule, seed, host_threads, checkpoint_every: as ht.train's, on every node
-        (devices="auto": the GPUs Ray gave the node's actor, else the CPU).
+        (devices="auto": every GPU Ray gave the node's actor, else the CPU).
     nodes: how many nodes to use (default: every node alive). gpus_per_node: GPUs each node's actor takes
         (default: the fewest any node has). cpus_per_node: CPUs it takes (for Ray's accounting).
     max_retries: how many times a task starts again elsewhere after its node died.
@@ -222,8 +222,9 @@ class _ClusterRun:
             payload = self.ray.get(future)
         except self.ray.exceptions.RayActorError as error:  # the node (or its actor process) died
             self.dead.add(node)
-            orphans = [i for i in [*indices, *self.queued.pop(node, [])]
-                       if self.owner.get(i) in (run, None) and self._retry(i, node, error)]
+            # Those it was training count the death; those queued for it (or moving to it) just go elsewhere.
+            orphans = [i for i in indices if self.owner.get(i) == run and self._retry(i, node, error)]
+            orphans += self.queued.pop(node, [])
             alive = [n for n in range(len(self.actors)) if n not in self.dead]
             if not alive:
                 for i in orphans:

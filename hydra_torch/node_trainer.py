@@ -58,6 +58,9 @@ class NodeTrainer:
             except Exception as error:  # that task fails; the node's others train
                 failed[index] = _portable(error)
         options = dict(options)
+        if options.get("devices") == "auto" and torch.cuda.is_available():
+            # Every GPU Ray gave this actor (CUDA_VISIBLE_DEVICES), not just the first as on one machine.
+            options["devices"] = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         torch.manual_seed(options.pop("seed"))
         with self._lock:
             self._training = dict(tasks)

@@ -68,6 +68,8 @@ def test_a_cluster_run_equals_the_same_tasks_on_one_machine(cluster, tmp_path):
         same_weights(results.models[result.name], models[result.name])
     assert {e.task_name for e in results.trace} == {f"t{i}" for i in range(5)}
     assert {results.devices[e.device].split("/")[0] for e in results.trace} == {"node0", "node1", "node2"}
+    results.plot_schedule(tmp_path / "schedule.png")  # a row per node and device
+    assert (tmp_path / "schedule.png").stat().st_size > 0
 
 
 def test_when_a_node_dies_its_tasks_resume_elsewhere_and_end_as_undisturbed(cluster, tmp_path):
