@@ -78,6 +78,9 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
     run = _ClusterRun(ray, factories, tasks, options, count, int(gpus), cpus_per_node, max_retries)
     try:
         return run.results()
+    except KeyboardInterrupt as interrupt:  # the nodes' actors stop with the driver; the checkpoints stay
+        interrupt.add_note(f"every task's last checkpoint is in {checkpoint_dir}: the same call continues them")
+        raise
     finally:
         run.close()
 
