@@ -115,17 +115,20 @@ void decision_cost() {
   }
 }
 
-void at_cluster_scale() {
-  constexpr int kModels = 1000, kNodes = 16, kGpus = 8;
+void at_cluster_scale(int kModels) {
+  constexpr int kNodes = 16, kGpus = 8;
   std::vector<int> shards(kModels);
   for (int t = 0; t < kModels; ++t) shards[static_cast<size_t>(t)] = 24 + 12 * (t % 3);  // 24, 36, 48
   const SyntheticWorkload workload = synthetic_workload(shards, 8, 1e-3, 0.3, 7);
-  std::printf("\n### (d) 1,000 models (24/36/48 shards, 8 micro-batches, +-30%%) on %d nodes x %d GPUs: placement "
-              "across nodes, LRTF inside each\n\n", kNodes, kGpus);
-  std::printf("| node deaths | makespan / bound | tasks moved | compute lost (s) | units | simulated us per unit | "
-              "decision us per unit (one node's scheduler) |\n|---|---|---|---|---|---|---|\n");
+  std::printf("\n### (d) %d models (24/36/48 shards, 8 micro-batches, +-30%%) on %d nodes x %d GPUs: placement "
+              "across nodes, LRTF inside each\n\n", kModels, kNodes, kGpus);
+  std::printf("| node deaths | balancing | makespan / bound | moved after deaths | balancing moves | compute lost (s) | "
+              "units | simulated us per unit | decision us per unit (one node's scheduler) |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   ClusterConfig config{workload.tasks, workload.compute(), kNodes, kGpus, PolicyKind::kLrtf, {}, 1};
   const double healthy = simulate_cluster(config).makespan;
+  for (bool balance : {true, false}) {
+  config.balance = balance;
   const std::vector<std::vector<NodeFailure>> scenarios = {
       {}, {{3, 0.5 * healthy}}, {{1, 0.2 * healthy}, {5, 0.4 * healthy}, {9, 0.6 * healthy}, {13, 0.8 * healthy}}};
   for (const std::vector<NodeFailure>& failures : scenarios) {
@@ -133,8 +136,9 @@ void at_cluster_scale() {
     const auto start = std::chrono::steady_clock::now();
     const ClusterResult result = simulate_cluster(config);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("| %zu | %.3f | %lld | %.2f | %lld | %.2f |", failures.size(), result.makespan / result.lower_bound,
-                static_cast<long long>(result.moved_tasks), result.lost_seconds,
+    std::printf("| %zu | %s | %.3f | %lld | %lld | %.2f | %lld | %.2f |", failures.size(), balance ? "on" : "off",
+                result.makespan / result.lower_bound, static_cast<long long>(result.moved_tasks),
+                static_cast<long long>(result.balancing_moves), result.lost_seconds,
                 static_cast<long long>(result.units), seconds * 1e6 / static_cast<double>(result.units));
     // The decisions alone: one node's share (the first 63 tasks) through next()+complete() on its 8 devices.
     const std::vector<TaskSpec> share(workload.tasks.begin(), workload.tasks.begin() + (kModels + kNodes - 1) / kNodes);
@@ -154,6 +158,7 @@ void at_cluster_scale() {
     const double decisions = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     std::printf(" %.2f |\n", decisions * 1e6 / static_cast<double>(pairs));
   }
+  }
 }
 
 }  // namespace
@@ -162,6 +167,7 @@ int main() {
   simulated_makespans();
   cold_start();
   decision_cost();
-  at_cluster_scale();
+  at_cluster_scale(1000);
+  at_cluster_scale(40);  // 2.5 models a node: where balancing between nodes matters
   return 0;
 }

@@ -173,6 +173,13 @@ class _ClusterRun:
         boundary through its checkpoint, when that leaves both with less than the donor has now."""
         busy, donors = self._busy(), {frm for frm, _, _ in self.releasing.values()}
         idle = [n for n in range(len(self.actors)) if n not in busy and n not in self.dead and not self.queued.get(n)]
+        for node in list(idle):  # first, tasks queued behind a busy node's run: they have not started there
+            waiting = [(self.work[i], n, i) for n, q in self.queued.items() if n in busy and n != node for i in q]
+            if waiting:
+                _, n, i = max(waiting)
+                self.queued[n].remove(i)
+                self.queued[node] = [i]
+                idle.remove(node)
         if not idle:
             return
         progress = self._progress()

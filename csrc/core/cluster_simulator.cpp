@@ -66,6 +66,7 @@ class ClusterSimulation {
         orphans.clear();
       }
       start_queued(now);
+      if (config_.balance) balance(now);
     }
     bool unfinished = false;
     for (int n = 0; n < config_.num_nodes; ++n) unfinished |= !queued_[static_cast<size_t>(n)].empty();
@@ -178,35 +179,115 @@ class ClusterSimulation {
     orphans.insert(orphans.end(), queued_[n].begin(), queued_[n].end());
     queued_[n].clear();
     if (!running_[n]) return;
-    NodeRun& run = *running_[n];
-    const double t = failure.seconds - run.start;
+    const std::vector<int> left = stop_run(failure.node, failure.seconds);
+    out_.moved_tasks += static_cast<int64_t>(left.size());
+    orphans.insert(orphans.end(), left.begin(), left.end());
+  }
+
+  // Micro-batches each task of the node's run has completed by `now`.
+  std::vector<int64_t> completed_by(const NodeRun& run, double now) const {
     std::vector<int64_t> completed(run.tasks.size(), 0);
     for (const TraceEntry& e : run.result.trace) {
-      if (e.end > t) continue;
-      const TaskSpec& spec = run.specs[static_cast<size_t>(e.task)];
-      const Unit unit = unit_at(e.task, spec, e.index);
+      if (e.end > now - run.start) continue;
+      const Unit unit = unit_at(e.task, run.specs[static_cast<size_t>(e.task)], e.index);
       if (unit.phase != Phase::kEvaluate && unit.shard == 0 && unit.phase != Phase::kForward) {
         ++completed[static_cast<size_t>(e.task)];  // its last unit (B(0), or FB(0) for one shard)
       }
     }
+    return completed;
+  }
+
+  // Ends the node's run at `now`: its tasks keep the micro-batches they completed, the rest of the work done
+  // since is lost. Returns the tasks with work left.
+  std::vector<int> stop_run(int node, double now) {
+    NodeRun& run = *running_[static_cast<size_t>(node)];
+    const double t = now - run.start;
+    const std::vector<int64_t> completed = completed_by(run, now);
     for (const TraceEntry& e : run.result.trace) {
       if (e.start >= t) continue;
       ++out_.units;
-      const TaskSpec& spec = run.specs[static_cast<size_t>(e.task)];
-      const Unit unit = unit_at(e.task, spec, e.index);
+      const Unit unit = unit_at(e.task, run.specs[static_cast<size_t>(e.task)], e.index);
       if (unit.phase == Phase::kEvaluate || unit.micro_batch >= completed[static_cast<size_t>(e.task)]) {
         out_.lost_seconds += std::min(e.end, t) - e.start;
       }
     }
+    std::vector<int> left;
     for (size_t i = 0; i < run.tasks.size(); ++i) {
       const auto task = static_cast<size_t>(run.tasks[i]);
       remaining_[task] = run.specs[i].micro_batches - completed[i];
-      if (remaining_[task] > 0) {
-        orphans.push_back(run.tasks[i]);
-        ++out_.moved_tasks;
+      if (remaining_[task] > 0) left.push_back(run.tasks[i]);
+    }
+    running_[static_cast<size_t>(node)].reset();
+    return left;
+  }
+
+  // A task queued behind another node's run (it has not started there) goes to idle `node` instead: the
+  // largest one. Returns whether there was one.
+  bool take_queued(int node, double now) {
+    int from = -1;
+    size_t index = 0;
+    double largest = -1.0;
+    for (int m = 0; m < config_.num_nodes; ++m) {
+      const std::vector<int>& queue = queued_[static_cast<size_t>(m)];
+      if (m == node || !running_[static_cast<size_t>(m)]) continue;
+      for (size_t k = 0; k < queue.size(); ++k) {
+        const int t = queue[k];
+        const double seconds = task_seconds({left(t)}, 0, [&](int, int shard, Phase phase) {
+          return config_.compute(t, shard, phase);
+        });
+        if (seconds > largest) largest = seconds, from = m, index = k;
       }
     }
-    running_[n].reset();
+    if (from < 0) return false;
+    std::vector<int>& queue = queued_[static_cast<size_t>(from)];
+    queued_[static_cast<size_t>(node)].push_back(queue[index]);
+    queue.erase(queue.begin() + static_cast<std::ptrdiff_t>(index));
+    start_queued(now);
+    return true;
+  }
+
+  // A node alive with nothing to do takes, at `now`, a task from the node run with the most work left: the
+  // largest that holds at most half of it and is at most 75 % done (as hydra_torch.cluster does; here the
+  // donor's run restarts from its tasks' micro-batch boundaries, losing the micro-batches in progress).
+  void balance(double now) {
+    for (int node = 0; node < config_.num_nodes; ++node) {
+      const auto n = static_cast<size_t>(node);
+      if (!alive_[n] || running_[n] || !queued_[n].empty()) continue;
+      if (take_queued(node, now)) continue;
+      int donor = -1, moving = -1;
+      double most = 0.0;
+      for (int m = 0; m < config_.num_nodes; ++m) {
+        if (!running_[static_cast<size_t>(m)]) continue;
+        const NodeRun& run = *running_[static_cast<size_t>(m)];
+        const std::vector<int64_t> completed = completed_by(run, now);
+        std::vector<double> rest(run.tasks.size());
+        double total = 0.0;
+        for (size_t i = 0; i < run.tasks.size(); ++i) {
+          TaskSpec spec = run.specs[i];
+          spec.micro_batches -= completed[i];
+          const int task = run.tasks[i];
+          rest[i] = task_seconds({spec}, 0, [&](int, int shard, Phase phase) { return config_.compute(task, shard, phase); });
+          total += rest[i];
+        }
+        if (total <= most) continue;
+        int pick = -1;
+        for (size_t i = 0; i < run.tasks.size(); ++i) {
+          const double whole = task_seconds(config_.tasks, run.tasks[i], config_.compute);
+          if (rest[i] > 0.0 && rest[i] <= total / 2 && rest[i] > 0.25 * whole && (pick < 0 || rest[i] > rest[static_cast<size_t>(pick)])) {
+            pick = static_cast<int>(i);
+          }
+        }
+        if (pick >= 0) {
+          most = total;
+          donor = m;
+          moving = run.tasks[static_cast<size_t>(pick)];
+        }
+      }
+      if (donor < 0) continue;
+      for (int t : stop_run(donor, now)) (t == moving ? queued_[n] : queued_[static_cast<size_t>(donor)]).push_back(t);
+      ++out_.balancing_moves;
+      start_queued(now);
+    }
   }
 
   const ClusterConfig& config_;

@@ -3,7 +3,8 @@
 // simulator.h over the node's devices). A node that dies loses the micro-batch each of its tasks was in (they
 // checkpoint at every step boundary); those tasks are queued on the nodes alive, largest first to the node
 // with the least work left (the rest of its run and its queue), and a node runs its queue once its run ends,
-// the tasks resuming with the micro-batches they had left.
+// the tasks resuming with the micro-batches they had left. With `balance`, a node left with nothing to do when
+// a run ends or a node dies takes a task from the node run with the most work left, as the driver does.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +27,7 @@ struct ClusterConfig {
   PolicyKind policy = PolicyKind::kLrtf;
   std::vector<NodeFailure> failures;
   uint64_t seed = 0;
+  bool balance = true;  // a node with nothing to do takes a task from the busiest (see simulate_cluster)
 };
 
 struct ClusterResult {
@@ -33,7 +35,8 @@ struct ClusterResult {
   double lower_bound = 0.0;      // max(total compute / all devices, longest task chain): failures ignored
   int64_t units = 0;             // units simulated, those a failure lost included
   double lost_seconds = 0.0;     // compute of the units a failure lost
-  int64_t moved_tasks = 0;       // task restarts on another node
+  int64_t moved_tasks = 0;       // task restarts on another node after a death
+  int64_t balancing_moves = 0;   // tasks a node with nothing to do took from a busy one
   std::vector<double> node_end;  // when each node finished its last run (or died)
 };
 

@@ -18,6 +18,7 @@ ClusterConfig unit_tasks(std::vector<int64_t> micro_batches, int nodes, int devi
   config.compute = [](int, int, Phase) { return 1.0; };
   config.num_nodes = nodes;
   config.devices_per_node = devices;
+  config.balance = false;  // the placement and queueing rules alone; balancing has tests of its own
   return config;
 }
 
@@ -68,6 +69,29 @@ TEST(ClusterSimulator, ADeadNodesTasksAreSpreadOverTheNodesLeftByTheirWork) {
   EXPECT_DOUBLE_EQ(result.makespan, 12.0);
   EXPECT_EQ(result.node_end, (std::vector<double>{12.0, 10.0, 0.0}));
   EXPECT_EQ(result.moved_tasks, 2);
+}
+
+TEST(ClusterSimulator, ANodeWithNothingLeftTakesATaskFromTheBusiestNode) {
+  // 6, 6, 6 on 2 one-device nodes: node 0 trains two side by side (12 s), node 1 one (6 s). At 6 s node 0's two
+  // have 3 s each left; node 1 takes one, and both nodes end at 9 s.
+  ClusterConfig config = unit_tasks({6, 6, 6}, 2, 1);
+  config.balance = true;
+  const ClusterResult result = simulate_cluster(config);
+  EXPECT_EQ(result.balancing_moves, 1);
+  EXPECT_DOUBLE_EQ(result.makespan, 9.0);
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.0);  // at 6 s both sit at a micro-batch boundary
+  config.balance = false;
+  EXPECT_DOUBLE_EQ(simulate_cluster(config).makespan, 12.0);
+}
+
+TEST(ClusterSimulator, ATaskNearItsEndOrHoldingMostOfTheWorkStays) {
+  // 9 on node 0, 3 and 3 on node 1 (one device each). Node 1 ends at 6 s; node 0's
+  // only task holds all its work: moving it would not help.
+  ClusterConfig config = unit_tasks({9, 3, 3}, 2, 1);
+  config.balance = true;
+  const ClusterResult result = simulate_cluster(config);
+  EXPECT_EQ(result.balancing_moves, 0);
+  EXPECT_DOUBLE_EQ(result.makespan, 9.0);
 }
 
 TEST(ClusterSimulator, WhenEveryNodeDiesTheRunNeverEnds) {
