@@ -48,3 +48,17 @@ def make_failing_task(name: str, seed: int):
     task = make_task(name, seed)
     task.loss_fn = NanAfter(3)
     return task
+
+
+class BuildsOnce:
+    """A factory that works where it is first called (the driver) and raises on any later call (a node): a
+    task that cannot be built where it would train."""
+
+    def __init__(self, name: str, seed: int):
+        self.name, self.seed, self.calls = name, seed, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls > 1:
+            raise OSError(f"{self.name}: its data is not on this node")
+        return make_task(self.name, self.seed)

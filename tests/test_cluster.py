@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from cluster_tasks import make_failing_task, make_task
+from cluster_tasks import BuildsOnce, make_failing_task, make_task
 from hydra_torch import placement
 
 ray = pytest.importorskip("ray", reason="Ray is an optional dependency: pip install 'hydra-torch[ray]'")
@@ -137,6 +137,11 @@ def test_a_task_failing_by_itself_is_not_retried_and_the_same_call_again_returns
     failed = first["nan"]
     assert isinstance(failed.error, ht.NonFiniteLossError) and failed.moves == [] and failed.steps == 2
     assert all(first[f"t{i}"].ok for i in range(3))
+    # A task that cannot be built on its node fails alone, with the node's error.
+    built = hydra_cluster.train([BuildsOnce("elsewhere", 3), factories[0]], checkpoint_dir=tmp_path / "other",
+                                devices=DEVICES, memory_budget=BUDGET)
+    assert isinstance(built["elsewhere"].error, OSError) and "not on this node" in str(built["elsewhere"].error)
+    assert built["t0"].ok and built["t0"].steps == 8
     # Again with the same checkpoints: every task is past its last step, so nothing trains and the weights
     # come from the checkpoints.
     second = hydra_cluster.train(factories[:3], checkpoint_dir=tmp_path, devices=DEVICES, memory_budget=BUDGET)
