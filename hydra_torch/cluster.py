@@ -22,7 +22,7 @@ import itertools
 import time
 import warnings
 
-from hydra_torch import checkpoint, cluster_results, placement
+from hydra_torch import _C, checkpoint, cluster_results, placement
 from hydra_torch.node_trainer import NodeTrainer, failed_result
 from hydra_torch.results import Results
 from hydra_torch.steps import step_sizes
@@ -60,6 +60,14 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
         raise TypeError("train() takes a non-empty list of task factories: callables that return a ModelTask")
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
         raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
+    for label, value in (("cpus_per_node", cpus_per_node), ("gpus_per_node", gpus_per_node)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{label} must be a non-negative number, got {value!r}")
+    try:  # what can be checked here is, before any node is asked
+        _C.parse_policy(schedule)
+    except ValueError as error:
+        raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
+    checkpoint.parse_every(checkpoint_every)
     tasks = [_build(factory, i) for i, factory in enumerate(factories)]
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):

@@ -159,6 +159,12 @@ def test_bad_input_is_refused_before_the_cluster_is_touched(tmp_path):
         hydra_cluster.train([], checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="unique"):
         hydra_cluster.train([functools.partial(make_task, "a", 0)] * 2, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        hydra_cluster.train([functools.partial(make_task, "a", 0)], checkpoint_dir=tmp_path, schedule="fastest")
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        hydra_cluster.train([functools.partial(make_task, "a", 0)], checkpoint_dir=tmp_path, checkpoint_every="soon")
+    with pytest.raises(ValueError, match="max_retries"):
+        hydra_cluster.train([functools.partial(make_task, "a", 0)], checkpoint_dir=tmp_path, max_retries=-1)
     with pytest.raises(ValueError, match="failed on the driver"):
         hydra_cluster.train([functools.partial(make_task, "a", "not a seed")], checkpoint_dir=tmp_path)
     assert not ray.is_initialized()
