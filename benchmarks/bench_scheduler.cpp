@@ -2,7 +2,7 @@
 //
 // Build and run (torch-free, from the repository root):
 //   mkdir -p build && g++ -std=c++20 -O2 -Icsrc benchmarks/bench_scheduler.cpp csrc/core/*.cpp -pthread -o build/bench_scheduler
-//     && build/bench_scheduler
+//   build/bench_scheduler
 //
 // (a) Simulated makespan of the paper-shaped workload (12 models: four each of 24/36/48 shards, per-shard
 //     times +-30%, 8 micro-batches) for every policy, against the lower bound max(work/G, longest chain),

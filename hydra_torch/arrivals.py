@@ -159,9 +159,8 @@ class OpenRun:
                 self.on_ended(runner.result)
         if not holding:  # no engine holds it (a re-plan that failed): its weights are home already
             gone()
-        for slot in holding:
-            if not slot.inbox.post(lambda slot=slot: leave(slot)):
-                leave(slot)  # that device's worker has ended: its engine is this thread's
+        for slot in holding:  # where that device's worker has ended, its engine is this thread's
+            slot.inbox.run_or_post(lambda slot=slot: leave(slot))
 
     def workers_gone(self):
         """Called once every worker has stopped: what they left in their inboxes runs on this thread."""

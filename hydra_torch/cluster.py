@@ -13,7 +13,7 @@ SHARP over its tasks; tasks go to nodes by estimated work, the largest first, ea
 Every task keeps checkpoints in `checkpoint_dir`, a directory every node sees. When a node dies, its tasks are
 queued on the nodes left, the largest first on the node with the least work, and each node runs its queue once
 its run ends (at once if idle): they resume from their last checkpoints and end as they would have
-(`TaskResult.restarts` says so); a task whose node died more than `max_retries` times stops with an error.
+(`TaskResult.moves` says so); a task whose node died more than `max_retries` times stops with an error.
 What crosses the network: the factories (to the nodes), and each task's result and trained weights (back).
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from hydra_torch.steps import step_sizes
 from hydra_torch.task import ModelTask
 
 BALANCE_SECONDS = 1.0  # how often the driver looks for a node with nothing to do, at most
+MOVE_BEFORE = 0.75     # a task further along than this share of its steps stays where it is
 
 
 def _ray():
@@ -156,7 +157,9 @@ class _ClusterRun:
             if not futures:
                 break
             done, _ = self.ray.wait(futures, num_returns=1, timeout=BALANCE_SECONDS)
-            for future in done:
+            # A release that came back is handled before its donor's end: a task it moved is no longer the
+            # donor's to lose.
+            for future in sorted(done, key=lambda f: f not in self.releasing):
                 if future in self.releasing:
                     self._released(future)
                 else:
@@ -200,7 +203,7 @@ class _ClusterRun:
                 for i in indices:
                     if self.owner.get(i) == run and i in progress[donor]:
                         done = progress[donor][i] / max(self.total_steps[i], 1)
-                        if done < 0.75:  # not worth a move near its end
+                        if done < MOVE_BEFORE:  # not worth a move near its end
                             left[i] = self.work[i] * (1.0 - done)
                 total = sum(left.values())
                 movable = [i for i, w in left.items() if w <= total / 2]
@@ -228,7 +231,7 @@ class _ClusterRun:
             released = self.ray.get(future)
         except self.ray.exceptions.RayError:  # the donor died: its run's end says what becomes of the task
             return
-        if released:
+        if released and donor not in self.dead and self.owner.get(i) is not None:  # else its death moved it
             steps = checkpoint.steps_taken(self.options["checkpoint_dir"], self.tasks[i].name)  # written as it left
             self.moves[i].append(f"moved from node{donor} to node{node} at step {steps}, to balance the work")
             self.owner[i] = None  # its donor run's result for it is not the last word

@@ -17,6 +17,11 @@ class Inbox:
         self._jobs = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._ownerless = threading.Lock()  # once closed: one posting thread at a time drives the engine
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def post(self, job) -> bool:
         """Queues job() for the worker; False (nothing queued) once the worker has ended."""
@@ -25,6 +30,12 @@ class Inbox:
                 return False
             self._jobs.put(job)
             return True
+
+    def run_or_post(self, job):
+        """Queues job() for the worker, or, once it has ended, runs it here, one such caller at a time."""
+        if not self.post(job):
+            with self._ownerless:
+                job()
 
     def drain(self):
         while True:
@@ -61,8 +72,10 @@ def on_devices(slots, job, own=None, gone=None) -> list[Exception]:
                 if remaining[0] == 0:
                     done.set()
     for slot in slots:
-        if slot is own or not slot.inbox.post(lambda slot=slot: run(slot)):
+        if slot is own:
             run(slot)
+        else:
+            slot.inbox.run_or_post(lambda slot=slot: run(slot))
     while not done.wait(0.01 if own is not None else 0.05):
         if own is not None:
             own.inbox.drain()

@@ -26,16 +26,17 @@ class NodeTrainer:
         with self._lock:
             return {i: task.steps_done for i, task in self._training.items()}
 
-    def release(self, indices: list, timeout: float = 600.0) -> list:
+    def release(self, indices: list) -> list:
         """Stops the tasks `indices` of the running run() at their next step boundary, their checkpoints
-        written, so that another node continues them; returns those stopped so (not those that ended first)."""
+        written, so that another node continues them; returns those stopped so (not those that ended first).
+        It waits as long as that takes: a request left pending would cut the task later, unseen."""
         with self._lock:
             tasks = [(i, self._training[i]) for i in indices if i in self._training]
         for _, task in tasks:
             task.request_stop("moved to another node")
         released = []
         for i, task in tasks:
-            task.ended.wait(timeout)
+            task.ended.wait()
             if task.stopped_on_request:
                 released.append(i)
         return released
@@ -61,7 +62,7 @@ class NodeTrainer:
         if options.get("devices") == "auto" and torch.cuda.is_available():
             # Every GPU Ray gave this actor (CUDA_VISIBLE_DEVICES), not just the first as on one machine.
             options["devices"] = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        torch.manual_seed(options.pop("seed"))
+        torch.manual_seed(options["seed"])  # and ht.train's own seed (the random policy) is the same
         with self._lock:
             self._training = dict(tasks)
         try:

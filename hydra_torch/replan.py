@@ -5,7 +5,8 @@ A resident task is spilled: its whole training state goes to the host and the de
 use. A spilled task is cut into shards half the size: a unit then holds fewer weights, gradients and
 activations. The task's state (fp32 master weights, optimizer moments and step counts) moves over unchanged,
 and the step that failed runs again from its first micro-batch with the same batches and random draws, so the
-task ends as it would have without the failure. Where the step had already been applied to some shards, or had
+task ends as an uninterrupted run in its final plan would (bit for bit; within float rounding of the resident
+run it started as). Where the step had already been applied to some shards, or had
 changed a buffer (running statistics), or the task is one layer per shard already, it stops with the error, as
 any failing task does, its weights those of its last complete step.
 """
@@ -28,32 +29,42 @@ def retry(slot, unit, runner, error: BaseException) -> bool:
     error could not be retried, a note on the error says why."""
     if not is_out_of_memory(error):
         return False
-    why_not = runner.why_no_retry()
-    groups = None
-    if why_not is None:
-        groups = runner.task.modules if runner.resident else sharding.halved(runner.task.modules)
-        if groups is None:
-            why_not = "every shard is a single layer already"
-    if why_not is None and groups is not runner.task.modules:
-        try:  # the new plan's state is made beside the old one's, which is freed once it has been copied
-            memory.check_host_memory([runner.task])
-        except MemoryError as error:
-            why_not = f"a copy of its state in smaller shards would not fit in host memory: {error}"
-    if why_not is None and slot.checkpoints is not None:
-        slot.checkpoints.wait(runner)  # the writer may be reading the state about to move
-    was = f"spilled in {runner.n} shards" if not runner.resident else "resident"
-    if why_not is None:
-        with interrupts.deferred():  # a second Ctrl-C must not leave the task between two plans
-            why_not = _move(slot, runner, groups)
+    try:
+        why_not = _replan(slot, unit, runner)
+    except Exception as failure:  # the re-plan itself failed: the task fails with its out-of-memory error
+        why_not = f"the re-plan failed: {type(failure).__name__}: {failure}"
     if why_not is not None:
         if hasattr(error, "add_note"):
             error.add_note(f"task {runner.task.name!r}: not retried after running out of device memory: {why_not}")
         return False
+    return True
+
+
+def _replan(slot, unit, runner) -> str | None:
+    """Re-plans the task and hands its step to the scheduler again; returns why it could not, or None."""
+    why_not = runner.why_no_retry()
+    if why_not is not None:
+        return why_not
+    groups = runner.task.modules if runner.resident else sharding.halved(runner.task.modules)
+    if groups is None:
+        return "every shard is a single layer already"
+    if groups is not runner.task.modules:
+        try:  # the new plan's state is made beside the old one's, which is freed once it has been copied
+            memory.check_host_memory([runner.task])
+        except MemoryError as refused:
+            return f"a copy of its state in smaller shards would not fit in host memory: {refused}"
+    if slot.checkpoints is not None:
+        slot.checkpoints.wait(runner)  # the writer may be reading the state about to move
+    was = f"spilled in {runner.n} shards" if not runner.resident else "resident"
+    with interrupts.deferred():  # a second Ctrl-C must not leave the task between two plans
+        why_not = _move(slot, runner, groups)
+    if why_not is not None:
+        return why_not
     where = f" on device {runner.home} only" if runner.home is not None and len(slot.peers) > 1 else ""
     runner.replans.append(f"step {runner.steps + 1}: out of device memory in {_unit_name(unit)} on device "
                           f"{slot.index} ({slot.device}, {was}); retried spilled in {runner.n} shards{where}")
     slot.scheduler.restart(slot.index, unit, runner.scheduler_spec(sharding.shard_costs(runner.task.modules)))
-    return True
+    return None
 
 
 def _unit_name(unit) -> str:
@@ -75,8 +86,8 @@ def _move(slot, runner, groups) -> str | None:
             s.engine.synchronize(model)
         s.engine.release_model(model)
     errors = on_devices([slots[d] for d in old_ids], leave, own=slot)
+    runner.model_ids = {}  # released, the weights home: until it is added again, nothing is left to bring home
     if errors:
-        runner.model_ids = {}  # released: nothing is left to bring home
         return f"its state could not be taken off the devices: {errors[0]}"
     old = runner.store
     same_shards = groups is runner.task.modules
@@ -93,10 +104,15 @@ def _move(slot, runner, groups) -> str | None:
                         own=slot)
     if not ids:
         return f"no device can take it in {runner.n} shards: {errors[0]}"
-    if errors:
-        # Some devices' arenas are taken (by resident tasks, say): it trains on one device that has room, this
-        # one if it can, pinned there, as a task may run on any device only when every device holds it.
-        keep = slot.index if slot.index in ids else min(ids)
+    # Some devices' arenas are taken (by resident tasks, say), or their workers have ended: it trains on one
+    # device that has room, this one if it can, pinned there, as a task may run on any device only when every
+    # device holds it and a worker serves it.
+    serving = [d for d in ids if d == slot.index or not slots[d].inbox.closed]
+    if not serving:
+        on_devices([slots[d] for d in ids], lambda s: s.engine.release_model(ids[s.index]), own=slot)
+        return f"no device still training can take it in {runner.n} shards"
+    if errors or len(serving) < len(slots):
+        keep = slot.index if slot.index in serving else min(serving)
         on_devices([slots[d] for d in ids if d != keep], lambda s: s.engine.release_model(ids[s.index]), own=slot)
         ids = {keep: ids[keep]}
         runner.home = keep

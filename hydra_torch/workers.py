@@ -120,6 +120,7 @@ def _cut_short(slot: DeviceSlot, unit) -> bool:
         runner.task.stopped_on_request = True
         if slot.checkpoints is not None:  # it goes on elsewhere: its state is on disk before it ends here
             model = runner.model_ids[slot.index]
+            slot.checkpoints.wait(runner)  # an earlier write may still read the store the snapshot rewrites
             slot.engine.snapshot(model)
             slot.checkpoints.submit(runner, resident=slot.engine.resident(model))
             slot.checkpoints.wait(runner)

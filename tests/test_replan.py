@@ -218,8 +218,18 @@ def test_two_tasks_re_planned_at_once_on_two_devices_both_finish():
     import threading
 
     data = token_batches(4)
-    pairs = [model_with(lambda m: len(m.shard) > 1) for _ in range(2)]
-    refs = [reference(data)[0] for _ in range(2)]
+    together = threading.Barrier(2)
+
+    def fail_together(m):  # both tasks' first failures meet here, so that their re-plans overlap
+        if m.calls < 2 or len(m.shard) <= 1:  # a shard's first forward holds the CPU generator (task_rng)
+            return False
+        if m.raised == 0:
+            together.wait(timeout=30)
+        return True
+    pairs = [model_with(fail_together, dropout=0.0) for _ in range(2)]
+    refs = [model_with(dropout=0.0)[0] for _ in range(2)]
+    for ref in refs:
+        train_plain(ref, data, ADAMW[1], seed=SEED)
     torch.manual_seed(SEED)
     tasks = [task_for(model, oom, data, shards=2, name=f"t{i}") for i, (model, oom) in enumerate(pairs)]
     outcome = {}
@@ -310,3 +320,42 @@ def test_a_resident_bf16_task_spilled_trains_on_from_its_current_weights():
     assert result.losses[:3] == plain.losses[:3]
     # Spilled, it computes from the bf16 copy of the same weights: resident and spilled bf16 round alike.
     assert result.losses[3:] == pytest.approx(plain.losses[3:], rel=1e-2)
+
+
+@pytest.mark.parametrize("where", ["host memory", "store"])
+def test_a_re_plan_that_cannot_be_made_fails_only_its_task(monkeypatch, where):
+    """A re-cut refused for host memory, or a re-plan that raises half-way (its state already off the
+    devices): the task stops with its out-of-memory error and a note, its weights home; the other finishes."""
+    from hydra_torch import lifecycle, memory
+
+    if where == "host memory":
+        checks = []
+
+        def refuse(tasks):  # ht.train's own check passes; the re-plan's is refused
+            checks.append(tasks)
+            if len(checks) > 1:
+                raise MemoryError("the host has 1 byte available")
+        monkeypatch.setattr(memory, "check_host_memory", refuse)
+    else:
+        real = lifecycle.make_store
+
+        def broken(runner, pin):  # placement makes the store; the re-plan's new one fails
+            if runner.task.name == "failing" and runner.store is not None:
+                raise RuntimeError("no store today")
+            return real(runner, pin)
+        monkeypatch.setattr(lifecycle, "make_store", broken)
+    data = token_batches(4)
+    model, oom = model_with(lambda m: m.calls == 3)
+    other = tied_transformer(seed=3, blocks=2)
+    torch.manual_seed(SEED)
+    tasks = [task_for(model, oom, data, shards=2, name="failing"),
+             ht.ModelTask(other, optimizer=ADAMW[0](), loss_fn=lm_loss, data=data, name="other")]
+    with pytest.warns(RuntimeWarning, match="failing"):
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(1.5 * model_bytes(model)),
+                           progress=False)
+    failing = results["failing"]
+    assert isinstance(failing.error, torch.OutOfMemoryError) and failing.replans == []
+    expected = "would not fit in host memory" if where == "host memory" else "the re-plan failed"
+    assert any(expected in note for note in failing.error.__notes__), failing.error.__notes__
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert results["other"].ok and results["other"].steps == 4

@@ -26,6 +26,7 @@ class ClusterSimulation {
   explicit ClusterSimulation(const ClusterConfig& config)
       : config_(config),
         remaining_(config.tasks.size()),
+        evaluated_at_(config.tasks.size(), -1),
         alive_(static_cast<size_t>(config.num_nodes), true),
         running_(static_cast<size_t>(config.num_nodes)),
         queued_(static_cast<size_t>(config.num_nodes)) {
@@ -82,8 +83,8 @@ class ClusterSimulation {
     spec.micro_batches = remaining_[static_cast<size_t>(task)];
     spec.device.reset();
     std::vector<int64_t> after;
-    for (int64_t e : spec.eval_after) {
-      if (e > done) after.push_back(e - done);
+    for (int64_t e : spec.eval_after) {  // the passes not run yet (one at `done` may have run before a stop)
+      if (e > done || (e == done && evaluated_at_[static_cast<size_t>(task)] != done)) after.push_back(e - done);
     }
     spec.eval_after = std::move(after);
     if (spec.eval_after.empty()) spec.eval_batches = 0;
@@ -179,7 +180,7 @@ class ClusterSimulation {
     orphans.insert(orphans.end(), queued_[n].begin(), queued_[n].end());
     queued_[n].clear();
     if (!running_[n]) return;
-    const std::vector<int> left = stop_run(failure.node, failure.seconds);
+    const std::vector<int> left = stop_run(failure.node, failure.seconds, true);
     out_.moved_tasks += static_cast<int64_t>(left.size());
     orphans.insert(orphans.end(), left.begin(), left.end());
   }
@@ -197,24 +198,41 @@ class ClusterSimulation {
     return completed;
   }
 
-  // Ends the node's run at `now`: its tasks keep the micro-batches they completed, the rest of the work done
-  // since is lost. Returns the tasks with work left.
-  std::vector<int> stop_run(int node, double now) {
+  // Ends the node's run at `now`: its tasks keep the micro-batches and evaluation passes they completed; the
+  // rest of the work done since is lost (to the failure, or to balancing). Returns the tasks with work left.
+  std::vector<int> stop_run(int node, double now, bool failure) {
     NodeRun& run = *running_[static_cast<size_t>(node)];
     const double t = now - run.start;
     const std::vector<int64_t> completed = completed_by(run, now);
+    std::vector<int64_t> passes(run.tasks.size(), 0);  // evaluation passes each completed
+    for (const TraceEntry& e : run.result.trace) {
+      const TaskSpec& spec = run.specs[static_cast<size_t>(e.task)];
+      const Unit unit = unit_at(e.task, spec, e.index);
+      if (e.end <= t && unit.phase == Phase::kEvaluate && unit.shard == spec.num_shards - 1 &&
+          unit.micro_batch == spec.eval_batches - 1) {
+        ++passes[static_cast<size_t>(e.task)];
+      }
+    }
+    double& lost = failure ? out_.lost_seconds : out_.rebalance_lost_seconds;
     for (const TraceEntry& e : run.result.trace) {
       if (e.start >= t) continue;
       ++out_.units;
-      const Unit unit = unit_at(e.task, run.specs[static_cast<size_t>(e.task)], e.index);
-      if (unit.phase == Phase::kEvaluate || unit.micro_batch >= completed[static_cast<size_t>(e.task)]) {
-        out_.lost_seconds += std::min(e.end, t) - e.start;
-      }
+      const TaskSpec& spec = run.specs[static_cast<size_t>(e.task)];
+      const Unit unit = unit_at(e.task, spec, e.index);
+      const bool kept = unit.phase == Phase::kEvaluate
+                            ? eval_passes_started(spec, e.index) <= passes[static_cast<size_t>(e.task)]
+                            : unit.micro_batch < completed[static_cast<size_t>(e.task)];
+      if (!kept) lost += std::min(e.end, t) - e.start;
     }
     std::vector<int> left;
     for (size_t i = 0; i < run.tasks.size(); ++i) {
       const auto task = static_cast<size_t>(run.tasks[i]);
+      const int64_t before = config_.tasks[task].micro_batches - run.specs[i].micro_batches;  // done at its start
       remaining_[task] = run.specs[i].micro_batches - completed[i];
+      const int64_t last_pass = passes[i] - 1;
+      if (last_pass >= 0 && run.specs[i].eval_after[static_cast<size_t>(last_pass)] == completed[i]) {
+        evaluated_at_[task] = before + completed[i];  // the pass at the boundary it stopped at is done
+      }
       if (remaining_[task] > 0) left.push_back(run.tasks[i]);
     }
     running_[static_cast<size_t>(node)].reset();
@@ -284,7 +302,7 @@ class ClusterSimulation {
         }
       }
       if (donor < 0) continue;
-      for (int t : stop_run(donor, now)) (t == moving ? queued_[n] : queued_[static_cast<size_t>(donor)]).push_back(t);
+      for (int t : stop_run(donor, now, false)) (t == moving ? queued_[n] : queued_[static_cast<size_t>(donor)]).push_back(t);
       ++out_.balancing_moves;
       start_queued(now);
     }
@@ -292,6 +310,7 @@ class ClusterSimulation {
 
   const ClusterConfig& config_;
   std::vector<int64_t> remaining_;
+  std::vector<int64_t> evaluated_at_;  // per task: the micro-batch count of the last evaluation pass it completed
   std::vector<bool> alive_;
   std::vector<std::optional<NodeRun>> running_;
   std::vector<std::vector<int>> queued_;  // per node: tasks it runs once its current run ends

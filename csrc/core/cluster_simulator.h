@@ -35,6 +35,7 @@ struct ClusterResult {
   double lower_bound = 0.0;      // max(total compute / all devices, longest task chain): failures ignored
   int64_t units = 0;             // units simulated, those a failure lost included
   double lost_seconds = 0.0;     // compute of the units a failure lost
+  double rebalance_lost_seconds = 0.0;  // of the units balancing lost (a donor's micro-batches in progress)
   int64_t moved_tasks = 0;       // task restarts on another node after a death
   int64_t balancing_moves = 0;   // tasks a node with nothing to do took from a busy one
   std::vector<double> node_end;  // when each node finished its last run (or died)

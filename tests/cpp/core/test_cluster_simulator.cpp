@@ -79,7 +79,8 @@ TEST(ClusterSimulator, ANodeWithNothingLeftTakesATaskFromTheBusiestNode) {
   const ClusterResult result = simulate_cluster(config);
   EXPECT_EQ(result.balancing_moves, 1);
   EXPECT_DOUBLE_EQ(result.makespan, 9.0);
-  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.0);  // at 6 s both sit at a micro-batch boundary
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.0);            // no failure
+  EXPECT_DOUBLE_EQ(result.rebalance_lost_seconds, 0.0);  // at 6 s both sit at a micro-batch boundary
   config.balance = false;
   EXPECT_DOUBLE_EQ(simulate_cluster(config).makespan, 12.0);
 }
@@ -92,6 +93,23 @@ TEST(ClusterSimulator, ATaskNearItsEndOrHoldingMostOfTheWorkStays) {
   const ClusterResult result = simulate_cluster(config);
   EXPECT_EQ(result.balancing_moves, 0);
   EXPECT_DOUBLE_EQ(result.makespan, 9.0);
+}
+
+// Node 0 trains a task of 8, node 1 one of 4 micro-batches evaluated after the 2nd and the 4th (one-shard
+// units of 1 s: FB FB E FB FB E). Node 1 dies; the task resumes behind node 0's run, at 8 s.
+TEST(ClusterSimulator, AnEvaluationInProgressIsRunAgainAndACompletedOneIsNot) {
+  ClusterConfig config = unit_tasks({8, 4}, 2, 1);
+  config.tasks[1].eval_after = {2, 4};
+  config.tasks[1].eval_batches = 1;
+  config.failures = {{1, 2.5}};  // in the first evaluation: it runs again, E FB FB E, ending at 12
+  ClusterResult result = simulate_cluster(config);
+  EXPECT_DOUBLE_EQ(result.makespan, 12.0);
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.5);
+  config.failures = {{1, 3.5}};  // after it: FB FB E, ending at 11
+  result = simulate_cluster(config);
+  EXPECT_DOUBLE_EQ(result.makespan, 11.0);
+  EXPECT_DOUBLE_EQ(result.lost_seconds, 0.5);
+  EXPECT_EQ(result.units, 4 + 8 + 3);
 }
 
 TEST(ClusterSimulator, WhenEveryNodeDiesTheRunNeverEnds) {
