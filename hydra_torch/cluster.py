@@ -289,6 +289,7 @@ class _ClusterRun:
             self.ray.kill(actor)
         self.ray.util.remove_placement_group(self.group)
 
+
 def _groups(where: list[int]) -> dict[int, list[int]]:
     groups: dict[int, list[int]] = {}
     for i, node in enumerate(where):

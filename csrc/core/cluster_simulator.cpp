@@ -76,6 +76,11 @@ class ClusterSimulation {
   }
 
  private:
+  // Compute seconds of `spec`'s chain, a spec of task `task` (its whole run, or what is left of it).
+  double seconds(int task, const TaskSpec& spec) const {
+    return task_seconds({spec}, 0, [&](int, int shard, Phase phase) { return config_.compute(task, shard, phase); });
+  }
+
   // The task's spec with the micro-batches it has left; evaluation passes already behind it dropped.
   TaskSpec left(int task) const {
     TaskSpec spec = config_.tasks[static_cast<size_t>(task)];
@@ -109,35 +114,14 @@ class ClusterSimulation {
     const auto global = [&](int local, int shard, Phase phase) {
       return config_.compute(tasks[static_cast<size_t>(local)], shard, phase);
     };
-    // assign_longest_first's devices are the alive nodes; their loads enter as one pinned task each.
-    std::vector<TaskSpec> with_loads = specs;
-    std::vector<double> load(alive.size(), 0.0);
+    std::vector<double> load(alive.size(), 0.0);  // assign_longest_first's devices are the alive nodes
     for (size_t k = 0; k < alive.size(); ++k) {
       const auto n = static_cast<size_t>(alive[k]);
       if (running_[n]) load[k] += running_[n]->end() - now;
-      for (int t : queued_[n]) load[k] += task_seconds({left(t)}, 0, [&](int, int shard, Phase phase) {
-        return config_.compute(t, shard, phase);
-      });
+      for (int t : queued_[n]) load[k] += seconds(t, left(t));
     }
-    const std::vector<int> where = assign_with_loads(specs, global, load);
+    const std::vector<int> where = assign_longest_first(specs, global, load);
     for (size_t i = 0; i < tasks.size(); ++i) queued_[static_cast<size_t>(alive[static_cast<size_t>(where[i])])].push_back(tasks[i]);
-  }
-
-  // Largest first, each to the node with the least load so far.
-  static std::vector<int> assign_with_loads(const std::vector<TaskSpec>& specs, const UnitSeconds& compute,
-                                            std::vector<double> load) {
-    std::vector<double> work(specs.size());
-    for (size_t t = 0; t < specs.size(); ++t) work[t] = task_seconds(specs, static_cast<int>(t), compute);
-    std::vector<size_t> order(specs.size());
-    for (size_t t = 0; t < order.size(); ++t) order[t] = t;
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return work[a] > work[b]; });
-    std::vector<int> where(specs.size());
-    for (size_t t : order) {
-      const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-      where[t] = static_cast<int>(least);
-      load[static_cast<size_t>(least)] += work[t];
-    }
-    return where;
   }
 
   // Every node alive with nothing to do runs its queue, from `now`.
@@ -250,10 +234,8 @@ class ClusterSimulation {
       if (m == node || !running_[static_cast<size_t>(m)]) continue;
       for (size_t k = 0; k < queue.size(); ++k) {
         const int t = queue[k];
-        const double seconds = task_seconds({left(t)}, 0, [&](int, int shard, Phase phase) {
-          return config_.compute(t, shard, phase);
-        });
-        if (seconds > largest) largest = seconds, from = m, index = k;
+        const double work = seconds(t, left(t));
+        if (work > largest) largest = work, from = m, index = k;
       }
     }
     if (from < 0) return false;
@@ -283,8 +265,7 @@ class ClusterSimulation {
         for (size_t i = 0; i < run.tasks.size(); ++i) {
           TaskSpec spec = run.specs[i];
           spec.micro_batches -= completed[i];
-          const int task = run.tasks[i];
-          rest[i] = task_seconds({spec}, 0, [&](int, int shard, Phase phase) { return config_.compute(task, shard, phase); });
+          rest[i] = seconds(run.tasks[i], spec);
           total += rest[i];
         }
         if (total <= most) continue;

@@ -151,11 +151,17 @@ double lower_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& comput
 std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,
                                       int num_devices) {
   if (num_devices < 1) throw std::invalid_argument("assign_longest_first: num_devices must be >= 1");
+  return assign_longest_first(tasks, compute, std::vector<double>(static_cast<size_t>(num_devices), 0.0));
+}
+
+std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,
+                                      std::vector<double> load) {
+  if (load.empty()) throw std::invalid_argument("assign_longest_first: no device to assign to");
+  const int num_devices = static_cast<int>(load.size());
   const int n = static_cast<int>(tasks.size());
   std::vector<double> work(static_cast<size_t>(n));
   for (int t = 0; t < n; ++t) work[static_cast<size_t>(t)] = task_seconds(tasks, t, compute);
   std::vector<int> assignment(static_cast<size_t>(n), -1);
-  std::vector<double> load(static_cast<size_t>(num_devices), 0.0);
   // Pinned tasks load their device first, so the greedy pass sees the real loads.
   for (int t = 0; t < n; ++t) {
     if (const auto& device = tasks[static_cast<size_t>(t)].device) {

@@ -69,5 +69,8 @@ double lower_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& comput
 // kTaskParallel's binding: device per task.
 std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,
                                       int num_devices);
+// The same, onto devices that already carry `load` seconds of work each (one device per entry).
+std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,
+                                      std::vector<double> load);
 
 }  // namespace hydra::core
