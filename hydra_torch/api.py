@@ -99,10 +99,11 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. A task whose unit runs out of device memory is re-planned instead (spilled if it was
     resident, else cut into shards half the size) and its step retried with the same batches and random draws,
-    while the others go on; `TaskResult.replans` says what happened. Ctrl-C (or SIGTERM) stops every task at its next step boundary, writes the weights back
-    and returns the results so far, the tasks it cut short marked (`TaskResult.cut_short`); SIGTERM is then
-    passed on to the handler that was there before. A second Ctrl-C stops at once: the weights still come
-    home, steps in progress are left half-applied, and KeyboardInterrupt propagates.
+    while the others go on; `TaskResult.replans` says what happened. Ctrl-C (or SIGTERM) stops every task at
+    its next step boundary, writes the weights back and returns the results so far, the tasks it cut short
+    marked (`TaskResult.cut_short`); SIGTERM is then passed on to the handler that was there before. A second
+    Ctrl-C stops at once: the weights still come home, steps in progress are left half-applied, and
+    KeyboardInterrupt propagates.
     """
     if isinstance(tasks, ModelTask):
         tasks = [tasks]

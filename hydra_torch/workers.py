@@ -98,6 +98,10 @@ def _checkpoint_if_due(slot: DeviceSlot, runner):
     meanwhile."""
     if slot.checkpoints is None or not runner.at_step_boundary() or not slot.checkpoints.due(runner):
         return
+    _checkpoint(slot, runner)
+
+
+def _checkpoint(slot: DeviceSlot, runner):
     model = runner.model_ids[slot.index]
     slot.engine.snapshot(model)
     slot.checkpoints.submit(runner, resident=slot.engine.resident(model))
@@ -119,10 +123,8 @@ def _cut_short(slot: DeviceSlot, unit) -> bool:
     if own:
         runner.task.stopped_on_request = True
         if slot.checkpoints is not None:  # it goes on elsewhere: its state is on disk before it ends here
-            model = runner.model_ids[slot.index]
             slot.checkpoints.wait(runner)  # an earlier write may still read the store the snapshot rewrites
-            slot.engine.snapshot(model)
-            slot.checkpoints.submit(runner, resident=slot.engine.resident(model))
+            _checkpoint(slot, runner)
             slot.checkpoints.wait(runner)
     slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
     slot.scheduler.complete(slot.index, unit, None)
