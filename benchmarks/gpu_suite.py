@@ -5,31 +5,39 @@ each measure and the targets.
     python benchmarks/gpu_suite.py --out OUT [--p3] [--budget-s 420] [--cap-gib 16]   # on the GPU box
     python benchmarks/gpu_suite.py --smoke --out OUT    # every code path with tiny models on the CPU, < 60 s
 
+Stream stress first: three small spilled GPT-2 models, fp32 and bf16, eviction on every visit, against the same
+    run on the CPU (benchmarks/gpu_suite_stress.py).
 P1: one GPT-2-XL-shaped model: hydra spilled under the cap, hydra resident and plain PyTorch without it, at a
     batch well below and one at the T >= F/B break-even (HYDRA.md section 3: ~16k tokens on H200 + PCIe Gen5);
     then a profile of one spilled step at the smaller batch (benchmarks/gpu_suite_profile.py).
 P2: K GPT-2-large-shaped models with different learning rates, K from host RAM: hydra in one ht.train call
     against DeepSpeed ZeRO-3 offload and FSDP2 CPU offload training them one after another.
 P3: (--p3) the largest GPT-shaped model hydra trains for 3 steps under the cap, AdamW then SGD.
-Writes OUT/gpu_suite.json and OUT/gpu_suite.md. Exit status 0 only if nothing that ran failed.
+Every run is a process of its own (benchmarks/gpu_suite_child.py) with its own timeout, on a clean device; the
+phases' template models are built once and saved for their runs to map. OUT/gpu_suite.json and OUT/gpu_suite.md
+are rewritten, and OUT/runs.jsonl appended, after every run. Exit status 0 only if nothing that ran failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from gpu_suite_env import (GiB, Workload, build_model, hydra_headroom_bytes, hydra_host_bytes_per_param,  # noqa: E402
-                           machine, make_batches, meminfo, models_that_fit, pcie_bandwidth)
-from gpu_suite_profile import profile_hydra  # noqa: E402
+from gpu_suite_env import (GiB, Workload, hydra_headroom_bytes, hydra_host_bytes_per_param, meminfo,  # noqa: E402
+                           models_that_fit)
 from gpu_suite_report import markdown  # noqa: E402
-from gpu_suite_systems import run_deepspeed, run_fsdp2, run_hydra, run_plain  # noqa: E402
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_suite_child.py")
 
 GPU = {"p1": dict(n_embd=1600, n_layer=48, n_head=25), "p1_batches": (4, 16),       # GPT-2 XL, 1.56B
        "p2": dict(n_embd=1280, n_layer=36, n_head=20, batch=8), "p2_max_models": 4,  # GPT-2 large, 0.77B
@@ -71,9 +79,12 @@ class Suite:
     def __init__(self, args):
         self.args = args
         self.cfg = SMOKE if args.smoke else GPU
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
+        # No CUDA call here beyond the count: the parent leaves the device to its children, each on a clean one.
+        self.device = "cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu"
         self.clock = Clock(args.budget_s or (50.0 if args.smoke else 420.0))
-        self.failures, self.record = [], {"mode": "smoke" if args.smoke else "gpu", "device": str(self.device),
+        self.grace = 60.0 if args.smoke else 120.0   # a child's start (imports, templates) and teardown
+        self.scratch = tempfile.mkdtemp(prefix="hydra-gpu-suite-")
+        self.failures, self.record = [], {"mode": "smoke" if args.smoke else "gpu", "device": self.device,
                                           "cap_gib": args.cap_gib, "phases": {}}
 
     def workload(self, shape: dict, steps, batch=None, seed=0) -> Workload:
@@ -82,20 +93,11 @@ class Suite:
         return Workload(**shape, vocab=self.cfg["vocab"], seq=self.cfg["seq"], batch=b, warmup=steps[0],
                         timed=steps[1], seed=seed)
 
-    def cap(self, gib: float | None):
-        """Caps the caching allocator (every system allocates through it, hydra's arena too); None lifts it."""
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            fraction = 1.0 if gib is None else min(1.0, gib * GiB / total)
-            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
-            torch.cuda.empty_cache()
-
-    def capped_budget(self, w: Workload, templates) -> tuple[int, float, str]:
+    def capped_budget(self, w: Workload) -> tuple[int, float, str]:
         """hydra's memory_budget under the cap: the cap less the activation headroom. On the CPU the smoke test
-        uses three times the largest shard instead, so the models spill there too."""
-        if self.device.type != "cuda":
-            shard = max(p.numel() * 4 for p in templates[0].transformer.h[0].parameters())
-            shard = max(shard, templates[0].transformer.wte.weight.numel() * 4)
+        uses three times the largest shard (a block, or the tied embedding) instead, so the models spill there."""
+        if self.device == "cpu":
+            shard = 4 * max(12 * w.n_embd**2 + 13 * w.n_embd, w.vocab * w.n_embd)
             return 3 * shard + 65536, self.args.cap_gib, "CPU: 3 x largest shard (spilled)"
         headroom = hydra_headroom_bytes(w)
         cap = self.args.cap_gib * GiB
@@ -106,38 +108,73 @@ class Suite:
                     f"{headroom / GiB:.1f} GiB beside a {MIN_BUDGET / GiB:.0f} GiB budget")
         return int(cap - headroom), cap / GiB, note
 
-    def run(self, phase: dict, name: str, deadline: float, fn, *args, **kwargs) -> dict:
+    def child(self, system: str, deadline: float, **spec) -> dict:
+        """Runs one system in its own process (benchmarks/gpu_suite_child.py) with its own timeout: the phase's
+        deadline plus the grace for starting and stopping, never past the suite's end plus that grace."""
+        spec.update(system=system, device=spec.get("device", self.device),
+                    deadline=time.time() + (deadline - time.perf_counter()))
+        name = f"{system}-{len(os.listdir(self.scratch))}"
+        spec_path, result_path = (os.path.join(self.scratch, f"{name}.{kind}.json") for kind in ("spec", "result"))
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        timeout = max(1.0, min(deadline - time.perf_counter(), self.clock.left()) + self.grace)
+        start = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, CHILD, spec_path, result_path], capture_output=True, text=True,
+                                  timeout=timeout)
+            tail = (done.stdout + done.stderr)[-2000:]
+            if os.path.exists(result_path):
+                with open(result_path) as f:
+                    return json.load(f)
+            return {"error": f"the run's process ended with status {done.returncode} and no result", "output": tail}
+        except subprocess.TimeoutExpired as expired:
+            tail = ((expired.stdout or b"") + (expired.stderr or b""))[-2000:]
+            return {"error": f"timeout: killed after {time.perf_counter() - start:.0f} s (its limit, {timeout:.0f} s)",
+                    "output": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+
+    def run(self, phase: dict, name: str, deadline: float, system: str, **spec) -> dict:
         if time.perf_counter() > deadline:
             result = {"skipped": f"time box: phase over its share of --budget-s ({self.clock.left():.0f} s left)"}
         else:
             start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            result["seconds"] = time.perf_counter() - start
+            result = self.child(system, deadline, **spec)
+            result.setdefault("seconds", time.perf_counter() - start)
         phase[name] = result
         if "error" in result:
             self.failures.append(f"{name}: {result['error']}")
-        status = result.get("skipped") or result.get("error") or f"{result.get('tokens_per_s', 0):.0f} tokens/s"
+        status = result.get("skipped") or result.get("error") or (
+            f"{result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else "ok")
         print(f"  {name}: {'skipped: ' if 'skipped' in result else ''}{status}", flush=True)
+        self.save(run={"name": name, "system": system, "result": result})
         return result
+
+    def templates(self, phase: dict, w: Workload, seeds, deadline: float) -> str:
+        """Saves the phase's template models once (a child of its own); its runs map them. A failure here
+        costs time only: each run then builds its own from the same seeds."""
+        folder = tempfile.mkdtemp(dir=self.scratch, prefix="templates-")
+        self.run(phase, "templates", deadline, "templates", workload=w.__dict__, seeds=list(seeds),
+                 template_dir=folder)
+        return folder
 
     # ---- phases ---------------------------------------------------------------------------------------
 
     def p1(self, deadline: float):
         shape, phase = self.cfg["p1"], {}
+        self.record["phases"]["P1"] = phase
         base = self.workload(shape, self.cfg["p1_steps"], batch=self.cfg["p1_batches"][0])
         print(f"P1: one model of {base.params() / 1e9:.2f}B params", flush=True)
-        template = [build_model(base, seed=0)]
+        folder = self.templates(phase, base, [0], deadline)
         for batch in self.cfg["p1_batches"]:
             w = self.workload(shape, self.cfg["p1_steps"], batch=batch)
-            data, entry = make_batches(w), {"workload": w.as_dict()}
-            budget, cap, note = self.capped_budget(w, template)
+            entry = {"workload": w.as_dict()}
+            phase[f"batch_{batch}"] = entry
+            budget, cap, note = self.capped_budget(w)
             entry.update({"hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
-            self.cap(cap)
-            self.run(entry, "hydra_spilled_capped", deadline, run_hydra, template, [1e-4], w, data, self.device, budget)
-            self.cap(None)
-            self.run(entry, "hydra_resident_uncapped", deadline, run_hydra, template, [1e-4], w, data, self.device,
-                     "90%" if self.device.type == "cuda" else "4GiB")
-            self.run(entry, "plain_uncapped", deadline, run_plain, template, [1e-4], w, data, self.device, deadline)
+            same = dict(workload=asdict(w), seeds=[0], template_dir=folder, lrs=[1e-4])
+            self.run(entry, "hydra_spilled_capped", deadline, "hydra", budget=budget, cap_gib=cap, **same)
+            self.run(entry, "hydra_resident_uncapped", deadline, "hydra",
+                     budget="90%" if self.device != "cpu" else "4GiB", **same)
+            self.run(entry, "plain_uncapped", deadline, "plain", **same)
             speed = {k: v.get("tokens_per_s") for k, v in entry.items() if isinstance(v, dict)}
             if speed.get("plain_uncapped"):
                 entry["ratio_spilled_vs_plain"] = (speed.get("hydra_spilled_capped") or 0) / speed["plain_uncapped"]
@@ -147,16 +184,13 @@ class Suite:
                                                       / speed["hydra_resident_uncapped"])
             if entry["hydra_spilled_capped"].get("resident") == [True]:
                 entry["warning"] = "the capped hydra run stayed resident: it did not measure spilling"
-            phase[f"batch_{batch}"] = entry
             if batch == self.cfg["p1_batches"][0]:
-                self.cap(cap)
-                self.run(phase, "profile_spilled_step", deadline, profile_hydra, template[0], w, data, self.device, budget)
-                self.cap(None)
-        self.record["phases"]["P1"] = phase
+                self.run(phase, "profile_spilled_step", deadline, "profile", budget=budget, cap_gib=cap, **same)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def p2(self, deadline: float):
         w = self.workload(self.cfg["p2"], self.cfg["p2_steps"])
-        # Host bytes per model: hydra's training state with an fp32 module (~19 B/param with AdamW) plus the
+        # Host bytes per model: hydra's training state with an fp32 module (~18.4 B/param with AdamW) plus the
         # template copy kept so every system starts from the same weights (4 B/param).
         per_param = hydra_host_bytes_per_param(w, 2) + 4
         k_ram, why = models_that_fit(w.params(), per_param)
@@ -171,20 +205,17 @@ class Suite:
             print(f"  skipped: {phase['skipped']}")
             return
         lrs = [1e-4 * 2**i for i in range(k)]
-        templates = [build_model(w, seed=i) for i in range(k)]
-        data = make_batches(w)
-        budget, cap, note = self.capped_budget(w, templates)
+        budget, cap, note = self.capped_budget(w)
         phase.update({"lrs": lrs, "hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
-        self.cap(cap)
+        folder = self.templates(phase, w, range(k), deadline)
+        same = dict(workload=asdict(w), seeds=list(range(k)), template_dir=folder, lrs=lrs, cap_gib=cap)
         share = (deadline - time.perf_counter()) / 3
-        self.run(phase, "hydra", deadline - 2 * share, run_hydra, templates, lrs, w, data, self.device, budget)
-        self.run(phase, "deepspeed_zero3_offload", deadline - share, run_deepspeed, templates, lrs, w, data,
-                 self.device, deadline - share)
-        self.run(phase, "fsdp2_cpu_offload", deadline, run_fsdp2, templates, lrs, w, data, self.device, deadline)
+        self.run(phase, "hydra", deadline - 2 * share, "hydra", budget=budget, **same)
+        self.run(phase, "deepspeed_zero3_offload", deadline - share, "deepspeed", **same)
+        self.run(phase, "fsdp2_cpu_offload", deadline, "fsdp2", **same)
         if self.args.smoke:  # FSDP2's own wrapping and step on the CPU, offload off: a code-path check only
-            self.run(phase, "fsdp2_no_offload_cpu_check", deadline, run_fsdp2, templates, lrs, w, data,
-                     self.device, deadline, offload=False)
-        self.cap(None)
+            self.run(phase, "fsdp2_no_offload_cpu_check", deadline, "fsdp2_no_offload", **same)
+        shutil.rmtree(folder, ignore_errors=True)
         hydra = phase["hydra"].get("tokens_per_s")
         for name in ("deepspeed_zero3_offload", "fsdp2_cpu_offload"):
             other = phase[name].get("tokens_per_s")
@@ -208,17 +239,13 @@ class Suite:
                                               "skipped": f"host RAM: needs {need / GiB:.0f} GiB"})
                     print(f"  P3 {optimizer} {w.params() / 1e9:.2f}B: stop, host RAM ({need / GiB:.0f} GiB)")
                     break
-                template = [build_model(w, seed=0, dtype=torch.bfloat16)]
-                budget, cap, note = self.capped_budget(w, template)
-                self.cap(cap)
-                result = run_hydra(template, [1e-5], w, make_batches(w), self.device, budget, optimizer=optimizer)
-                self.cap(None)
-                del template
-                result.update({"optimizer": optimizer, "n_layer": layers, "params": w.params(), "cap_gib": cap})
-                phase["attempts"].append(result)
-                ok = "error" not in result
-                print(f"  P3 {optimizer} n_layer={layers} {w.params() / 1e9:.2f}B: "
-                      f"{'ok' if ok else result['error']}", flush=True)
+                budget, cap, note = self.capped_budget(w)
+                attempt = {"optimizer": optimizer, "n_layer": layers, "params": w.params(), "cap_gib": cap}
+                label = f"P3 {optimizer} n_layer={layers} {w.params() / 1e9:.2f}B"
+                result = self.run(attempt, label, deadline, "hydra", workload=asdict(w), seeds=[0], dtype="bfloat16",
+                                  lrs=[1e-5], budget=budget, cap_gib=cap, optimizer=optimizer)
+                phase["attempts"].append({**attempt.pop(label), **attempt})
+                ok = "error" not in result and "skipped" not in result
                 if not ok:
                     break
                 phase[f"largest_{optimizer}_params"] = w.params()
@@ -227,30 +254,40 @@ class Suite:
                 if self.args.smoke and layers > 2 * self.cfg["p3_layers"]:
                     break  # the smoke test checks the loop, not the limit
 
-    def save(self):
-        """Writes the record so far: a run stopped by an outer time limit keeps the phases it finished."""
+    def save(self, run: dict | None = None):
+        """Writes the record so far after every run, and appends that run to runs.jsonl: a suite stopped by an
+        outer time limit keeps every figure it has produced."""
         self.record["failures"] = self.failures
         self.record["wall_s"] = time.perf_counter() - self.clock.start
         os.makedirs(self.args.out, exist_ok=True)
-        with open(os.path.join(self.args.out, "gpu_suite.json"), "w") as f:
-            json.dump(self.record, f, indent=1, default=str)
-        with open(os.path.join(self.args.out, "gpu_suite.md"), "w") as f:
-            f.write(markdown(self.record))
+        if run is not None:
+            with open(os.path.join(self.args.out, "runs.jsonl"), "a") as f:
+                f.write(json.dumps({"at_s": round(self.record["wall_s"], 1), **run}, default=str) + "\n")
+        for name, text in (("gpu_suite.json", lambda: json.dumps(self.record, indent=1, default=str)),
+                           ("gpu_suite.md", lambda: markdown(self.record))):
+            with open(os.path.join(self.args.out, name + ".partial"), "w") as f:
+                f.write(text())
+            os.replace(os.path.join(self.args.out, name + ".partial"), os.path.join(self.args.out, name))
 
     def main(self) -> int:
         print(f"hydra-torch GPU suite ({self.record['mode']}) on {self.device}, "
               f"time box {self.clock.left():.0f} s", flush=True)
-        self.record["machine"] = machine()
-        self.record["pcie"] = pcie_bandwidth(self.device, GiB if self.device.type == "cuda" else 0)
-        print(f"PCIe: {self.record['pcie']}", flush=True)
-        with_p3 = self.args.p3 or self.args.smoke
-        self.p1(self.clock.deadline(0.3 if with_p3 else 0.4))
-        self.save()
-        self.p2(self.clock.deadline(0.5 if with_p3 else 1.0))
-        self.save()
-        if with_p3:
-            self.p3(self.clock.deadline(1.0))
+        try:
+            machine = self.child("machine", self.clock.deadline(0.1))
+            self.record["machine"], self.record["pcie"] = machine.get("machine", machine), machine.get("pcie")
+            print(f"PCIe: {self.record['pcie']}", flush=True)
+            stress = {}
+            self.record["phases"]["stress"] = stress
+            print("Stream stress: 3 small spilled GPT-2 models, fp32 and bf16, on the device against the CPU")
+            self.run(stress, "stream_stress", self.clock.deadline(0.15), "stress")
+            with_p3 = self.args.p3 or self.args.smoke
+            self.p1(self.clock.deadline(0.3 if with_p3 else 0.4))
+            self.p2(self.clock.deadline(0.5 if with_p3 else 1.0))
+            if with_p3:
+                self.p3(self.clock.deadline(1.0))
             self.save()
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         print(f"wrote {self.args.out}/gpu_suite.json and gpu_suite.md in {self.record['wall_s']:.0f} s; "
               f"{len(self.failures)} failures", flush=True)
         for failure in self.failures:
@@ -259,13 +296,7 @@ class Suite:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.smoke:
-        torch.set_num_threads(min(2, torch.get_num_threads()))
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    return Suite(args).main()
+    return Suite(parse_args(argv)).main()
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class Sampler:
 
     def __init__(self, device: torch.device, period: float = 0.05):
         self.device, self.period = device, period
-        self.peak_rss, self.util = rss_bytes(), []
+        self.peak_rss, self.util, self.nvml_error = rss_bytes(), [], None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -136,8 +136,8 @@ class Sampler:
             if nvml:
                 try:
                     self.util.append(torch.cuda.utilization(self.device))
-                except Exception:  # no pynvml, or NVML refused: the other measures still stand
-                    nvml = False
+                except Exception as error:  # no pynvml, or NVML refused: the other measures still stand
+                    self.nvml_error, nvml = f"{type(error).__name__}: {error}", False
 
     def __enter__(self):
         self._thread.start()
@@ -150,7 +150,8 @@ class Sampler:
 
     def record(self) -> dict:
         return {"peak_host_rss_gib": self.peak_rss / GiB,
-                "nvml_gpu_util_mean": (statistics.mean(self.util) / 100 if self.util else None)}
+                "nvml_gpu_util_mean": (statistics.mean(self.util) / 100 if self.util else None),
+                **({"nvml_error": self.nvml_error} if self.nvml_error else {})}
 
 
 # ---- the machine ----------------------------------------------------------------------------------------

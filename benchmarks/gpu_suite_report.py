@@ -53,6 +53,21 @@ def _profile(p: dict) -> list[str]:
     return lines
 
 
+def _stress(r: dict) -> list[str]:
+    lines = ["## Stream stress: 3 small spilled GPT-2 models, the device run against the CPU run", "", _status(r), ""]
+    if any(p in r for p in ("fp32", "bf16")):
+        lines += ["| precision | largest error (of an update) | where | threshold | fewest loads of a shard "
+                  "| device s | CPU s |", "|---|---|---|---|---|---|---|"]
+        for precision in ("fp32", "bf16"):
+            p = r.get(precision)
+            if p:
+                loads = min(min(shards) for shards in p["shard_loads"])
+                lines.append(f"| {precision} | {p['largest_error']:.3g} | {p['where'] or '-'} | {p['threshold']} "
+                             f"| {loads} | {p['device_seconds']:.1f} | {p['cpu_seconds']:.1f} |")
+        lines.append("")
+    return lines
+
+
 def markdown(record: dict) -> str:
     m = record.get("machine", {})
     lines = [f"# hydra-torch GPU suite ({record['mode']}, {record['device']})", "",
@@ -64,6 +79,9 @@ def markdown(record: dict) -> str:
              f"- PCIe (pinned, 1 GiB): {record.get('pcie')}",
              f"- wall time {_num(record.get('wall_s'), '{:.0f}')} s; failures: {record.get('failures') or 'none'}", ""]
     phases = record.get("phases", {})
+    stress = phases.get("stress", {}).get("stream_stress")
+    if stress:
+        lines += _stress(stress)
     for key, entry in phases.get("P1", {}).items():
         if not key.startswith("batch_"):
             continue
@@ -90,7 +108,7 @@ def markdown(record: dict) -> str:
                       f"{_num(p2.get('ratio_hydra_vs_deepspeed_zero3_offload'), '{:.2f}')}x, vs FSDP2 "
                       f"{_num(p2.get('ratio_hydra_vs_fsdp2_cpu_offload'), '{:.2f}')}x.", "", HEADER]
             lines += [_row(name, r) for name, r in p2.items()
-                      if isinstance(r, dict) and name not in ("workload",)]
+                      if isinstance(r, dict) and name not in ("workload", "templates")]
             lines.append("")
     p3 = phases.get("P3")
     if p3:

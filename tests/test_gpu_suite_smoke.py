@@ -1,9 +1,12 @@
 """The GPU suite's --smoke mode: every system's code path with tiny models on the CPU, as CI can run it."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +21,12 @@ def test_gpu_suite_smoke(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     record = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert record["failures"] == []
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert runs[0]["name"] == "stream_stress" and len(runs) >= 12      # one line per run, as it ended
+    stress = record["phases"]["stress"]["stream_stress"]
+    for precision in ("fp32", "bf16"):        # two virtual CPU devices on a slow link against one CPU device
+        assert stress[precision]["largest_error"] == 0.0, stress
+        assert min(min(loads) for loads in stress[precision]["shard_loads"]) >= 2  # eviction on every visit
     assert (tmp_path / "gpu_suite.md").read_text().startswith("# hydra-torch GPU suite")
 
     for entry in (v for k, v in record["phases"]["P1"].items() if k.startswith("batch_")):
@@ -39,6 +48,38 @@ def test_gpu_suite_smoke(tmp_path):
     assert p2["fsdp2_no_offload_cpu_check"]["tokens_per_s"] > 0
     assert record["phases"]["P3"]["largest_adamw_params"] > 0
     assert record["phases"]["P3"]["largest_sgd_params"] > 0
+
+
+@pytest.fixture
+def suite(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_suite
+
+    suite = gpu_suite.Suite(gpu_suite.parse_args(["--smoke", "--out", str(tmp_path)]))
+    yield gpu_suite, suite
+    shutil.rmtree(suite.scratch, ignore_errors=True)
+
+
+def test_a_run_past_its_limit_is_killed_and_recorded(suite):
+    gpu_suite, suite = suite
+    suite.grace = 0.0
+    start = time.perf_counter()
+    result = suite.child("machine", time.perf_counter() + 0.5)   # importing torch alone takes longer
+    assert result["error"].startswith("timeout: killed after"), result
+    assert time.perf_counter() - start < 30
+
+
+def test_a_run_that_crashes_is_recorded_with_its_output(suite, tmp_path, monkeypatch):
+    gpu_suite, suite = suite
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, sys\nprint('about to fail', file=sys.stderr, flush=True)\nos.abort()\n")
+    monkeypatch.setattr(gpu_suite, "CHILD", str(crash))
+    phase = {}
+    result = suite.run(phase, "crashing", time.perf_counter() + 60, "hydra")
+    assert "no result" in result["error"] and "about to fail" in result["output"], result
+    assert phase["crashing"] is result and suite.failures == [f"crashing: {result['error']}"]
+    saved = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
+    assert saved["name"] == "crashing" and saved["result"]["error"] == result["error"]
 
 
 def test_profile_counts_kernels_copies_overlap_and_idle_time():
