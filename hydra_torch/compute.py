@@ -19,8 +19,13 @@ def to_device(tree, device):
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
-def loss_value(loss, task_name: str) -> float:
+def check_loss(loss, task_name: str):
+    """A scalar tensor, checked without reading its value (which would wait for the device)."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"task {task_name!r}: loss_fn must return a scalar tensor, got {shape}")
+
+
+def loss_value(loss, task_name: str) -> float:
+    check_loss(loss, task_name)
     return float(loss.detach())

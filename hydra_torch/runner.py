@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydra_torch import _C, schedules, sharding
-from hydra_torch.compute import floating, loss_value, run_shard, to_device
+from hydra_torch.compute import check_loss, floating, run_shard, to_device
 from hydra_torch.evaluation import EvalPass
 from hydra_torch.steps import count_micro_batches, eval_steps, step_groups, step_sizes
 from hydra_torch.task import ModelTask
@@ -42,7 +42,7 @@ class _MicroBatch:
     saved: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)   # shard -> the task's generator states its forward started from
     grad: list | None = None
-    loss: float = 0.0
+    loss: object = None              # its _C.LossReading: the loss on its way to the host, read at its end
 
 
 class TaskRunner:
@@ -185,7 +185,13 @@ class TaskRunner:
 
     def _end_micro_batch(self, slot):
         mb = self._mb
-        self._loss_sum += mb.loss
+        # Read only now, with the whole backward issued: the device never waited for the host to see the loss.
+        value = mb.loss.value()
+        if not math.isfinite(value):
+            self._stepped = []  # every shard's step read the same gate and was skipped
+            raise NonFiniteLossError(f"task {self.task.name!r}: the loss is {value} at step {self.steps}; "
+                                     "training stopped and the weights of the last completed step were kept")
+        self._loss_sum += value
         self._mb = None
         if not mb.last:
             return
@@ -274,7 +280,9 @@ class TaskRunner:
                 if self.compute_dtype != torch.float32:
                     out = tree_map(lambda t: t.float() if floating(t) else t, out)
                 loss = self.task.loss_fn(out, to_device(mb.batch, slot.device))
-                mb.loss = self._check_loss(loss)
+                check_loss(loss, self.task.name)
+                # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
+                mb.loss = engine.watch_loss(mid, loss)
             (loss / mb.count).backward()
             mb.grad = self._input_grads(x_in)
             self._backward_done(engine, mid, s, mb)
@@ -351,10 +359,3 @@ class TaskRunner:
     def _input_grads(x_in):
         leaves, _ = tree_flatten(x_in)
         return [t.grad if floating(t) else None for t in leaves]
-
-    def _check_loss(self, loss) -> float:
-        value = loss_value(loss, self.task.name)
-        if not math.isfinite(value):
-            raise NonFiniteLossError(f"task {self.task.name!r}: the loss is {value} at step {self.steps}; "
-                                     "training stopped and the weights of the last completed step were kept")
-        return value

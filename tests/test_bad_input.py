@@ -146,7 +146,11 @@ def test_non_scalar_loss_stops_the_task_before_any_update():
 
 @pytest.mark.parametrize("budget_fraction", [0.5, 100.0])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_nan_loss_keeps_the_last_good_weights(budget_fraction, accumulate):
+@pytest.mark.parametrize("devices, precision, clip, bad", [("cpu", None, None, math.nan),
+                                                          (["cpu", "cpu"], "bf16", 1.0, math.inf)])
+def test_nan_loss_keeps_the_last_good_weights(budget_fraction, accumulate, devices, precision, clip, bad):
+    # The loss is read only once the micro-batch's backward is issued: every shard's step reads it first (the
+    # commit gate) and skips itself, so no step of the bad micro-batch reaches any shard.
     bad_step = 3
     data = token_batches(6 * accumulate)
     calls = {"n": 0}
@@ -154,18 +158,22 @@ def test_nan_loss_keeps_the_last_good_weights(budget_fraction, accumulate):
     def loss_fn(out, batch):
         calls["n"] += 1
         loss = lm_loss(out, batch)
-        # NaN on the last micro-batch of step `bad_step`: earlier micro-batches' gradients must be dropped.
-        return loss * math.nan if calls["n"] == (bad_step + 1) * accumulate else loss
+        # Bad on the last micro-batch of step `bad_step`: earlier micro-batches' gradients must be dropped.
+        return loss * bad if calls["n"] == (bad_step + 1) * accumulate else loss
+
+    def make_task(model, loss_fn, data):
+        return ht.ModelTask(model, loss_fn=loss_fn, data=data, accumulate=accumulate, precision=precision,
+                            clip_grad_norm=clip)
 
     # The reference: the same training stopped after `bad_step` good steps.
     reference = tied_transformer()
-    task = ht.ModelTask(reference, loss_fn=lm_loss, data=data[:bad_step * accumulate], accumulate=accumulate)
-    ht.train([task], devices="cpu", memory_budget=int(budget_fraction * model_bytes(reference)))
+    ht.train([make_task(reference, lm_loss, data[:bad_step * accumulate])], devices=devices,
+             memory_budget=int(budget_fraction * model_bytes(reference)))
 
     model = tied_transformer()
-    task = ht.ModelTask(model, loss_fn=loss_fn, data=data, accumulate=accumulate)
     with pytest.warns(RuntimeWarning, match="step 3"):
-        result = ht.train([task], devices="cpu", memory_budget=int(budget_fraction * model_bytes(model)))[0]
+        result = ht.train([make_task(model, loss_fn, data)], devices=devices,
+                          memory_budget=int(budget_fraction * model_bytes(model)))[0]
     assert isinstance(result.error, ht.NonFiniteLossError)
     assert f"step {bad_step}" in str(result.error)
     assert result.steps == bad_step

@@ -13,6 +13,7 @@ namespace py = pybind11;
 using hydra::engine::DeviceEngine;
 using hydra::engine::EngineStats;
 using hydra::engine::HostWorker;
+using hydra::engine::LossGate;
 using hydra::engine::OptimizerSpec;
 using hydra::engine::ShardStore;
 
@@ -92,6 +93,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int>(), py::arg("threads"))
       .def_property_readonly("threads", &HostWorker::threads);
 
+  // A micro-batch's loss on its way to the host (see LossGate): value() waits for its copy only.
+  py::class_<LossGate, std::shared_ptr<LossGate>>(m, "LossReading")
+      .def("value", &LossGate::value, release_gil());
+
   py::class_<DeviceEngine>(m, "DeviceEngine")
       .def(py::init([](const std::string& device, int64_t budget, std::shared_ptr<HostWorker> host_steps,
                        double link_bytes_per_second) {
@@ -115,6 +120,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("lr_scale") = 1.0, release_gil())
       .def("clip_and_step", &DeviceEngine::clip_and_step, py::arg("model"), py::arg("max_norm"),
            py::arg("lr_scale") = 1.0, release_gil())
+      .def("watch_loss", &DeviceEngine::watch_loss, py::arg("model"), py::arg("loss"), release_gil())
       .def("discard_grads", &DeviceEngine::discard_grads, release_gil())
       .def("synchronize", &DeviceEngine::synchronize, release_gil())
       .def("snapshot", &DeviceEngine::snapshot, release_gil())

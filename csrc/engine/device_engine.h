@@ -14,7 +14,8 @@
 // it reads; a step waits for its gradient copy and for copies still reading the weights it rewrites.
 //
 // Call order per shard visit, from the thread that issues the compute:
-//   plan(...) -> acquire(model, shard, with_grads) -> prefetch_ahead() -> compute -> [backward_done] -> release
+//   plan(...) -> acquire(model, shard, with_grads) -> prefetch_ahead() -> compute -> [watch_loss]
+//   -> [backward_done] -> release
 #pragma once
 
 #include <c10/core/Device.h>
@@ -96,12 +97,16 @@ class DeviceEngine {
   void acquire(int model, int shard, bool with_grads);
   void release(int model, int shard);
   // The shard's backward for this micro-batch is issued. Gradients are accumulated; with `step` the shard's
-  // optimizer step follows (on the host for spilled models, overlapping the compute of other shards). A step
-  // updates only the parameters that received a gradient since the last one, through the shard's own use or
+  // optimizer step follows (on the host for spilled models, overlapping the compute of other shards), unless
+  // the loss gate set by watch_loss is closed (a non-finite loss): then it is skipped. A step updates only the parameters that received a gradient since the last one, through the shard's own use or
   // another's (a tied weight), in any micro-batch: the others keep their values, state and step count, as
   // torch.optim leaves a parameter whose .grad is None. The step's learning rate is the optimizer's times
   // `lr_scale` (the task's schedule at this step).
   void backward_done(int model, int shard, bool step, double lr_scale = 1.0);
+  // The micro-batch's loss, just computed on this device: the gate of the step it ends (see LossGate), which
+  // steps of the model submitted from now on read, on any device. Returns it, for the caller to read the value
+  // once the backward is issued.
+  std::shared_ptr<LossGate> watch_loss(int model, const at::Tensor& loss);
   // Global-norm clipping: after backward_done(step=false) on every shard, scales all gradients so their
   // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_), steps every shard, returns the norm.
   double clip_and_step(int model, double max_norm, double lr_scale = 1.0);

@@ -1,4 +1,5 @@
 // DeviceEngine, the training half: parameter binding, gradients, optimizer steps, and bringing state home.
+#include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -109,13 +110,33 @@ void DeviceEngine::note_gradients(int model, int shard) {
   bound.clear();  // noted once: a later backward of the shard binds afresh
 }
 
+std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& loss) {
+  Model& m = live(model);
+  TORCH_CHECK(loss.numel() == 1, "watch_loss: the loss must have one element, got ", loss.numel());
+  const at::Tensor value = loss.detach().reshape({}).to(at::kFloat);
+  std::shared_ptr<LossGate> gate;
+  if (has_streams_) {
+    c10::DeviceGuard device_guard(device_);
+    // Pinned: the copy is asynchronous on the compute stream, ordered after the loss and before the backward.
+    at::Tensor host = at::empty({}, value.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(value, /*non_blocking=*/true);
+    gate = std::make_shared<LossGate>(std::move(host), compute_point());
+  } else {
+    gate = std::make_shared<LossGate>(value.clone(), Fence());
+  }
+  m.store->set_loss_gate(gate);
+  return gate;
+}
+
 void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale) {
   Model& m = live(model);
   ShardState& state = m.shards.at(shard);
   TORCH_CHECK(m.resident || state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   note_gradients(model, shard);
+  const std::shared_ptr<const LossGate> gate = step ? m.store->loss_gate() : nullptr;
   if (m.resident) {
-    if (step) step_resident(model, shard, 1.0, lr_scale);
+    // Waits for the loss's copy only (the forward), not for the backward just queued.
+    if (step && (!gate || gate->open())) step_resident(model, shard, 1.0, lr_scale);
     return;
   }
   const at::Tensor device_grad = grad_view(model, shard);
@@ -137,6 +158,11 @@ void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scal
   std::shared_ptr<ShardStore> owner = m.store;
   Fence done = submit(model, [=, this]() -> DeviceEvent {
     landed.wait();
+    if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
+      owner->undo_step(shard, ranges);
+      landing->reset();
+      return nullptr;
+    }
     const at::Tensor gradient = (*landing)->view(dtype, numel);
     const int64_t start = now_ns();
     // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing

@@ -180,6 +180,17 @@ std::vector<StepRange> ShardStore::take_step(int shard) {
   return ranges;
 }
 
+void ShardStore::undo_step(int shard, const std::vector<StepRange>& ranges) {
+  const std::vector<ParamEntry>& layout = layouts_.at(shard);
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const ParamEntry& e = layout[i];
+    if (e.owner != shard || !e.trainable) continue;
+    for (const StepRange& r : ranges)
+      if (e.master_offset >= r.begin && e.master_offset < r.end) --param_steps_[shard][i];
+  }
+  --steps_[shard];
+}
+
 void ShardStore::accumulate_grads(int shard, const at::Tensor& device_layout_grad) {
   accumulate_borrowed(shard, device_layout_grad);
   grad(shard).add_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "engine/fence.h"
+#include "engine/loss_gate.h"
 #include "engine/optimizer_spec.h"
 #include "engine/optimizer_step.h"
 
@@ -88,6 +89,16 @@ class ShardStore {
   // and keeps its step count, as torch.optim leaves it. When every trainable parameter received one (the usual
   // case) the step is one range over all of them. Resets the notes for the next step.
   std::vector<StepRange> take_step(int shard);
+  // Takes back the counts of a step taken with take_step that was then skipped (its loss gate closed): the
+  // shard's and its parameters' step counts are as before it. From the host job that skipped it; the issuing
+  // thread takes no step of the model after a closed gate (the task stops).
+  void undo_step(int shard, const std::vector<StepRange>& ranges);
+
+  // The gate of the step in progress: the loss of its latest micro-batch (see LossGate). Set by the thread
+  // issuing the model's units, on whichever device computes the loss; read when a shard's step is submitted,
+  // on any device, so it lives with the model's state rather than in one device's engine.
+  void set_loss_gate(std::shared_ptr<const LossGate> gate) { loss_gate_ = std::move(gate); }
+  std::shared_ptr<const LossGate> loss_gate() const { return loss_gate_; }
   // Bumped when a step of the shard is submitted: a device copy of an older version is stale.
   // Atomic: one device's thread bumps what another device's prefetch reads.
   int64_t version(int shard) const { return versions_.at(shard).load(std::memory_order_acquire); }
@@ -176,6 +187,7 @@ class ShardStore {
   // The owned entry holding `param`: (shard, index); throws naming `what` if there is none.
   std::pair<int, size_t> owned_entry(const at::Tensor& param, const char* what) const;
   std::vector<std::atomic<int64_t>> versions_;
+  std::shared_ptr<const LossGate> loss_gate_;
   std::shared_future<void> last_job_;
   mutable std::mutex step_mutex_;
   std::vector<Fence> last_steps_;
