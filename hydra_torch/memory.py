@@ -107,18 +107,25 @@ def available_host_bytes() -> int:
 
 def host_state_bytes(task) -> int:
     """What a task's host training state (the engine's ShardStore) will take: per parameter, an fp32 master
-    and the optimizer's fp32 states, a bf16 shadow in bf16, and an fp32 gradient accumulator where steps sum
-    several gradients (micro-batches, clipping). A tied parameter counts once."""
-    seen, numel = set(), 0
-    for shard in task.shard_params:
+    and the optimizer's fp32 states, a bf16 shadow in bf16, and where a step waits for more than one gradient
+    its gradient: an fp32 accumulator with micro-batches (or clipping in fp32), the bf16 gradient as it landed
+    with clipping in bf16, and an fp32 accumulator for each shard owning a parameter that another shard uses
+    (a tied embedding sums both shards' gradients). A tied parameter counts once."""
+    owner, numel = {}, {}
+    for s, shard in enumerate(task.shard_params):
         for p in shard:
-            if id(p) not in seen:
-                seen.add(id(p))
-                numel += p.numel()
-    per_element = 4 + 4 * task.optimizer.spec().num_states + (2 if task.precision == "bf16" else 0)
-    if task.accumulate > 1 or task.clip_grad_norm is not None:
-        per_element += 4
-    return numel * per_element
+            owner.setdefault(id(p), s)
+            numel[id(p)] = p.numel()
+    tied_owners = {owner[id(p)] for s, shard in enumerate(task.shard_params) for p in shard if owner[id(p)] != s}
+    bf16 = task.precision == "bf16"
+    per_element = 4 + 4 * task.optimizer.spec().num_states + (2 if bf16 else 0)
+    if task.accumulate > 1 or (task.clip_grad_norm is not None and not bf16):
+        gradient, tied = 4, 4
+    elif task.clip_grad_norm is not None:
+        gradient, tied = 2, 4
+    else:
+        gradient, tied = 0, 4
+    return sum(n * (per_element + (tied if owner[key] in tied_owners else gradient)) for key, n in numel.items())
 
 
 def check_host_memory(tasks) -> None:

@@ -323,8 +323,10 @@ class TaskRunner:
             engine.release(mid, s)
 
     def _backward_done(self, engine, mid, s, mb):
-        step = mb.last and self.task.clip_grad_norm is None
-        engine.backward_done(mid, s, step=step, lr_scale=self._lr_scale)
+        clipped = self.task.clip_grad_norm is not None
+        step = mb.last and not clipped
+        # With clipping and one micro-batch a step, a gradient waits for the norm as it landed (bf16: 2 bytes).
+        engine.backward_done(mid, s, step=step, lr_scale=self._lr_scale, keep=clipped and mb.count == 1)
         if step:
             self._stepped.append(s)
 

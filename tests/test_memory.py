@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
+from hydra_torch import memory
 from hydra_torch.memory import format_bytes, parse_budget
 from models import lm_loss, model_bytes, tied_transformer, token_batches
 
@@ -87,9 +88,10 @@ def _mlp(width=64, depth=4):
 @pytest.mark.parametrize("recipe,accumulator", [({}, False), ({"clip_grad_norm": 1.0}, True),
                                                 ({"accumulate": 2}, True)])
 def test_host_state_per_parameter(precision, resident, recipe, accumulator):
-    # fp32 master 4 + two AdamW moments 8 (+ bf16 shadow 2). The fp32 gradient accumulator (4) is spent only
-    # where a step sums several gradients: clipping, micro-batches. (Parameters are padded to 16 elements;
-    # these layers' sizes are multiples of it.)
+    # fp32 master 4 + two AdamW moments 8 (+ bf16 shadow 2). A gradient is kept on the host only where a step
+    # waits for more than one: an fp32 accumulator (4) to sum micro-batches, and with clipping (every shard
+    # waits for the norm) the gradient as it landed: 2 in bf16, 4 in fp32. (Parameters are padded to 16
+    # elements; these layers' sizes are multiples of it.)
     model = _mlp()
     params = sum(p.numel() for p in model.parameters())
     data = [(torch.randn(8, 64), torch.randn(8, 64)) for _ in range(4)]
@@ -98,17 +100,37 @@ def test_host_state_per_parameter(precision, resident, recipe, accumulator):
     budget = 100 * params * 4 if resident else 3 * 64 * 65 * 4 + 65536
     result = ht.train([task], devices="cpu", memory_budget=budget, progress=False)[0]
     assert result.error is None and result.resident == resident
-    per_param = 12 + (2 if precision == "bf16" else 0) + (4 if accumulator and not resident else 0)
+    gradient = 2 if precision == "bf16" and "clip_grad_norm" in recipe else 4
+    per_param = 12 + (2 if precision == "bf16" else 0) + (gradient if accumulator and not resident else 0)
     assert result.host_bytes == per_param * params
+    if not resident:
+        assert memory.host_state_bytes(task) == result.host_bytes
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("recipe", [{}, {"clip_grad_norm": 1.0}, {"accumulate": 2}])
+def test_host_state_of_a_tied_model_is_estimated_exactly(precision, recipe):
+    # The embedding's shard owns the weight the head borrows: it sums both gradients in an fp32 accumulator
+    # (4 bytes for each of its parameters) whatever the recipe; the other shards as above.
+    model = tied_transformer()
+    task = ht.ModelTask(model, data=token_batches(4), loss_fn=lm_loss, precision=precision, **recipe)
+    result = ht.train([task], devices="cpu", memory_budget=int(0.5 * model_bytes(model)), progress=False)[0]
+    assert result.error is None and not result.resident
+    assert memory.host_state_bytes(task) == result.host_bytes
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model[0].weight.numel()
+    base = 12 + (2 if precision == "bf16" else 0)
+    gradient = 0 if not recipe else (2 if precision == "bf16" and "clip_grad_norm" in recipe else 4)
+    assert result.host_bytes == base * params + 4 * embedding + gradient * (params - embedding)
 
 
 def test_host_state_beyond_available_memory_is_refused_before_anything_is_allocated(monkeypatch):
-    from hydra_torch import memory
     model = tied_transformer()
     before = [p.detach().clone() for p in model.parameters()]
     task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2))
     params = sum(p.numel() for p in set(model.parameters()))
-    assert memory.host_state_bytes(task) == params * 12  # AdamW: master and two moments
+    # AdamW: master and two moments; the tied embedding's shard an fp32 accumulator.
+    assert memory.host_state_bytes(task) == params * 12 + model[0].weight.numel() * 4
     assert memory.host_state_bytes(ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2), precision="bf16",
                                                 accumulate=2)) == params * 18
     monkeypatch.setattr(memory, "available_host_bytes", lambda: params * 12 - 1)

@@ -117,7 +117,7 @@ PYBIND11_MODULE(_C, m) {
       .def("acquire", &DeviceEngine::acquire, py::arg("model"), py::arg("shard"), py::arg("with_grads"), release_gil())
       .def("release", &DeviceEngine::release, release_gil())
       .def("backward_done", &DeviceEngine::backward_done, py::arg("model"), py::arg("shard"), py::arg("step"),
-           py::arg("lr_scale") = 1.0, release_gil())
+           py::arg("lr_scale") = 1.0, py::arg("keep") = false, release_gil())
       .def("clip_and_step", &DeviceEngine::clip_and_step, py::arg("model"), py::arg("max_norm"),
            py::arg("lr_scale") = 1.0, release_gil())
       .def("watch_loss", &DeviceEngine::watch_loss, py::arg("model"), py::arg("loss"), release_gil())

@@ -102,7 +102,9 @@ class DeviceEngine {
   // another's (a tied weight), in any micro-batch: the others keep their values, state and step count, as
   // torch.optim leaves a parameter whose .grad is None. The step's learning rate is the optimizer's times
   // `lr_scale` (the task's schedule at this step).
-  void backward_done(int model, int shard, bool step, double lr_scale = 1.0);
+  // `keep` (bf16, spilled): this is the shard's only gradient of a step that clip_and_step will take: it is
+  // kept as it landed (ShardStore::kept) rather than summed into an fp32 accumulator.
+  void backward_done(int model, int shard, bool step, double lr_scale = 1.0, bool keep = false);
   // The micro-batch's loss, just computed on this device: the gate of the step it ends (see LossGate), which
   // steps of the model submitted from now on read, on any device. Returns it, for the caller to read the value
   // once the backward is issued.

@@ -21,15 +21,16 @@ int64_t now_ns() {
 
 // Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
 // runs on a host-step thread. `landed`: the shard's one gradient of this step, in device layout and compute
-// dtype, read in the step's single pass; undefined: the accumulator, which is zeroed for the next step.
+// dtype, read in the step's single pass; undefined: the accumulator, zeroed for the next step, or where the
+// shard has none, its kept gradient.
 void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
                double lr_scale, const at::Tensor& landed) {
   std::vector<at::Tensor> states;
   for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
   const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
-  const at::Tensor grad = landed.defined() ? landed : store.grad(shard);
+  const at::Tensor grad = landed.defined() ? landed : store.pending_grad(shard);
   step_ranges(store.optimizer(), store.master(shard), grad, states, shadow, ranges, grad_scale, lr_scale);
-  if (!landed.defined()) store.grad(shard).zero_();
+  if (!landed.defined() && store.has_grad(shard)) store.grad(shard).zero_();
 }
 
 }  // namespace
@@ -128,7 +129,7 @@ std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& 
   return gate;
 }
 
-void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale) {
+void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale, bool keep) {
   Model& m = live(model);
   ShardState& state = m.shards.at(shard);
   TORCH_CHECK(m.resident || state.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
@@ -170,6 +171,8 @@ void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scal
     const bool single_pass = step && !owner->has_grad(shard);
     if (single_pass) {
       owner->accumulate_borrowed(shard, gradient);
+    } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
+      owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
     } else {
       owner->accumulate_grads(shard, gradient);
     }
@@ -233,7 +236,7 @@ double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) 
   for (int s = 0; s < store.num_shards(); ++s) {
     const int64_t n = store.trainable_numel(s);
     const at::Tensor g = m.resident ? home_view(model, s, m.shards[s].home_grads, store.compute_dtype()).narrow(0, 0, n)
-                                    : store.grad(s).narrow(0, 0, n);
+                                    : store.pending_grad(s).narrow(0, 0, n);
     const double norm = at::linalg_vector_norm(g, 2, c10::nullopt, false, at::kFloat).item<double>();
     sum_of_squares += norm * norm;
   }

@@ -102,6 +102,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     }
     master_.push_back(master);
     grad_.emplace_back();  // allocated by grad() when first needed
+    kept_.emplace_back();  // and by kept()
     std::vector<at::Tensor> states;
     for (int k = 0; k < optimizer.num_states(); ++k) states.push_back(at::zeros({owned_numel_[s]}, at::kFloat));
     state_.push_back(std::move(states));
@@ -140,12 +141,19 @@ at::Tensor& ShardStore::grad(int shard) {
   return accumulator;
 }
 
+at::Tensor& ShardStore::kept(int shard) {
+  at::Tensor& landed = kept_.at(shard);
+  if (!landed.defined()) landed = at::empty({owned_numel_[shard]}, at::kBFloat16);
+  return landed;
+}
+
 int64_t ShardStore::host_bytes() const {
   int64_t bytes = 0;
   auto add = [&](const at::Tensor& t) { bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
   for (int s = 0; s < num_shards(); ++s) {
     add(master_[s]);
     add(grad_[s]);
+    add(kept_[s]);
     for (const at::Tensor& t : state_[s]) add(t);
     if (bf16_) add(shadow_[s]);
   }
@@ -194,6 +202,13 @@ void ShardStore::undo_step(int shard, const std::vector<StepRange>& ranges) {
 void ShardStore::accumulate_grads(int shard, const at::Tensor& device_layout_grad) {
   accumulate_borrowed(shard, device_layout_grad);
   grad(shard).add_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
+}
+
+void ShardStore::keep_grads(int shard, const at::Tensor& device_layout_grad) {
+  TORCH_CHECK(bf16_ && device_layout_grad.scalar_type() == at::kBFloat16,
+              "keep_grads: a kept gradient is a bf16 model's, as it landed");
+  accumulate_borrowed(shard, device_layout_grad);
+  kept(shard).copy_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
 }
 
 void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad) {

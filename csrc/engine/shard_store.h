@@ -65,7 +65,16 @@ class ShardStore {
   // landed, and the 4 bytes a parameter of an accumulator are never spent.
   at::Tensor& grad(int shard);
   bool has_grad(int shard) const { return grad_.at(shard).defined(); }
-  // What the shard's host buffers hold now, in bytes: master, accumulator, optimizer states, shadow.
+  // In bf16, the shard's one gradient of a step, kept as it landed (bf16) until the step: with clipping and
+  // one micro-batch a step, every shard's step waits for the global norm but sums nothing, so 2 bytes a
+  // parameter hold it instead of an fp32 accumulator's 4. A shard that has an accumulator uses it instead (the
+  // owner of a borrowed parameter sums the borrowers' gradients). Allocated at its first use.
+  at::Tensor& kept(int shard);
+  bool has_kept(int shard) const { return kept_.at(shard).defined(); }
+  // Where the shard's gradient of its pending step is: its accumulator if it has one, else the kept gradient.
+  at::Tensor& pending_grad(int shard) { return has_grad(shard) || !has_kept(shard) ? grad(shard) : kept(shard); }
+  // What the shard's host buffers hold now, in bytes: master, accumulator, kept gradient, optimizer states,
+  // shadow.
   int64_t host_bytes() const;
   at::Tensor& state(int shard, int k) { return state_.at(shard).at(k); }
   // What is copied to the device: the bf16 shadow when training in bf16, else the master.
@@ -142,6 +151,8 @@ class ShardStore {
   // Only the borrowed parameters' part of it, into their owners' accumulators (the owned part is stepped from
   // where it landed).
   void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad);
+  // The owned part into the kept gradient (see kept), the borrowed part into the owners' accumulators.
+  void keep_grads(int shard, const at::Tensor& device_layout_grad);
   // One owned parameter's host training state, for checkpoints: the parameter, views shaped like it of its
   // fp32 master value and of its optimizer states (none when it is frozen), and its own step count.
   struct ParamState {
@@ -192,7 +203,7 @@ class ShardStore {
   mutable std::mutex step_mutex_;
   std::vector<Fence> last_steps_;
   std::vector<std::vector<Fence>> readers_;
-  std::vector<at::Tensor> master_, grad_, shadow_;
+  std::vector<at::Tensor> master_, grad_, kept_, shadow_;
   std::vector<std::vector<at::Tensor>> state_;
 };
 

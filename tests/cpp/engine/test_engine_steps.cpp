@@ -252,4 +252,36 @@ TEST(DeviceEngine, SingleMicroBatchStepsReadTheLandedGradientWithoutAnAccumulato
   EXPECT_TRUE(at::equal(direct->grad(0), at::zeros_like(direct->grad(0)))) << "zeroed after its step";
 }
 
+// bf16 with clipping and one micro-batch a step: every gradient waits for the global norm. Kept as it landed
+// (bf16, 2 bytes a parameter) instead of in an fp32 accumulator (4), the steps must agree bit for bit.
+TEST(DeviceEngine, ClippedBf16StepsReadTheKeptGradientsAsTheAccumulatorsWould) {
+  ASSERT_TRUE(op_registered("hydra::adam_step")) << "the engine tests link the op registrations";
+  OptimizerSpec adam;
+  adam.lr = 1e-2;
+  TiedModel kept_model, summed_model;
+  auto kept = make_store(kept_model.shards(), /*bf16=*/true, adam);
+  auto summed = make_store(summed_model.shards(), /*bf16=*/true, adam);
+  const int64_t before = kept->host_bytes();
+  std::vector<double> norms;
+  for (auto* store : {&kept, &summed}) {
+    DeviceEngine engine(kCpu, tight_budget(**store));
+    const int m = engine.add_model(*store);
+    for (int step = 0; step < 3; ++step) {
+      run_step(engine, m, **store, 1, /*check_values=*/false, /*step=*/false, 1.0, /*keep=*/*store == kept);
+      norms.push_back(engine.clip_and_step(m, /*max_norm=*/0.75));
+    }
+    engine.synchronize(m);
+  }
+  EXPECT_EQ(std::vector<double>(norms.begin(), norms.begin() + 3), std::vector<double>(norms.begin() + 3, norms.end()));
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_TRUE(at::equal(kept->master(s), summed->master(s))) << "shard " << s;
+    EXPECT_TRUE(at::equal(kept->shadow(s), summed->shadow(s))) << "shard " << s;
+    for (int k = 0; k < 2; ++k) EXPECT_TRUE(at::equal(kept->state(s, k), summed->state(s, k))) << s;
+  }
+  EXPECT_TRUE(kept->has_grad(0) && !kept->has_kept(0)) << "shard 0 owns e, which shard 2 borrows: a sum";
+  for (int s : {1, 2}) EXPECT_TRUE(kept->has_kept(s) && !kept->has_grad(s)) << "shard " << s;
+  for (int s = 0; s < 3; ++s) EXPECT_TRUE(summed->has_grad(s) && !summed->has_kept(s)) << "shard " << s;
+  EXPECT_EQ(kept->host_bytes(), before + kept->owned_numel(0) * 4 + (kept->owned_numel(1) + kept->owned_numel(2)) * 2);
+}
+
 }  // namespace
