@@ -150,7 +150,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         task.ended.clear()
     start_rng = task_rng.TaskRng.current(resolved[0])
     runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
-    lifecycle.place(runners, engines, budgets, pin)
+    lifecycle.place(runners, engines, pin)
     for runner, state in zip(runners, loaded):
         if state is not None:
             checkpoint.restore(state, runner)

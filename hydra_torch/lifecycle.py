@@ -21,35 +21,20 @@ def make_store(runner, pin: bool):
     return store
 
 
-def place(runners, engines, budgets, pin: bool):
-    """Registers every task's state with the engines. A task is made resident on the device with the most
-    room only if, after that, the device still holds the working set of any task that may spill there, so
-    an early resident task never leaves a later one without room; the others are spilled on every device."""
+def place(runners, engines, pin: bool):
+    """Registers every task's state with the engines: resident on one device or spilled on all, as the
+    engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
+    there keeps room for its working set)."""
     stores = [make_store(runner, pin) for runner in runners]
-    resident_need = [_C.DeviceEngine.resident_need(s) for s in stores]
-    spilled_need = [_C.DeviceEngine.spilled_need(s) for s in stores]
-    free = list(budgets)
-    resident_at = [None] * len(runners)
-    for i in range(len(runners)):
-        may_spill = [spilled_need[j] for j in range(len(runners)) if j != i and (j > i or resident_at[j] is None)]
-        device = max(range(len(engines)), key=lambda d: free[d])
-        if resident_need[i] + max(may_spill, default=0) <= free[device]:
-            resident_at[i] = device
-            free[device] -= resident_need[i]
-    for runner, store, device in zip(runners, stores, resident_at):
-        try:
-            if device is not None:
-                model = engines[device].add_model(store)
-                runner.model_ids[device] = model
-                if engines[device].resident(model):
-                    runner.home = device if len(engines) > 1 else None
-                    runner.keep_graphs = runner.resident = True
-                    continue
-                raise RuntimeError("the device refused to keep it resident")  # the two checks disagree: a bug
-            for d, engine in enumerate(engines):
-                runner.model_ids[d] = engine.add_model(store, allow_resident=False)
-        except RuntimeError as error:
-            raise ValueError(f"task {runner.task.name!r}: {error}") from None
+    try:
+        placed = _C.place_models(engines, stores, [runner.task.name for runner in runners])
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+    for runner, (device, model_ids) in zip(runners, placed):
+        runner.model_ids = {d: model for d, model in enumerate(model_ids) if model >= 0}
+        if device >= 0:
+            runner.home = device if len(engines) > 1 else None
+            runner.keep_graphs = runner.resident = True
 
 
 def home_slot(runner) -> int:

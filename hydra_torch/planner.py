@@ -21,9 +21,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hydra_torch import _C, sharding
 from hydra_torch.memory import format_bytes, parse_budget
 
-# ShardStore aligns every parameter to 16 elements; the engine's device need counts those padded sizes.
-_ALIGN_ELEMENTS = 16
-
 
 @dataclass
 class Plan:
@@ -108,18 +105,16 @@ def apply_plan(task, plan_: Plan) -> None:
     task.shard_params = sharding.shard_parameters(task.modules)
 
 
-def piece_weight_bytes(piece: torch.nn.Module, element_bytes: int) -> int:
-    """Device bytes of a piece's parameters as the engine lays them out (each padded to 16 elements). A
+def piece_weight_bytes(piece: torch.nn.Module, bf16: bool) -> int:
+    """Device bytes of a piece's parameters as the engine lays them out (ShardStore.device_bytes). A
     parameter tied across pieces counts in each, as the engine counts it in each shard that uses it; two
     pieces of one shard sharing it count it twice, which only overstates the need."""
-    padded = sum(-(-p.numel() // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS for p in piece.parameters())
-    return padded * element_bytes
+    return _C.ShardStore.device_bytes([p.numel() for p in piece.parameters()], bf16)
 
 
 def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3) -> list[tuple[int, int, float]]:
     """(weight bytes, activation bytes, seconds) of each piece of `task` on `device`, in order."""
-    dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
-    element_bytes = 2 if task.precision == "bf16" else 4
+    dtype = task.compute_dtype
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
     x = task.inputs(batch)
     if dtype != torch.float32:
@@ -135,7 +130,7 @@ def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3) -> 
             _, _, warm = _probe_piece(piece, warm, device, dtype, 0, needs_input_grad=index > 0)
         for index, piece in enumerate(task.pieces):
             seconds, activation_bytes, x = _probe_piece(piece, x, device, dtype, repeats, needs_input_grad=index > 0)
-            costs.append((piece_weight_bytes(piece, element_bytes), activation_bytes, seconds))
+            costs.append((piece_weight_bytes(piece, dtype == torch.bfloat16), activation_bytes, seconds))
     return costs
 
 

@@ -50,7 +50,7 @@ class TaskRunner:
         self.task = task
         self.index = index
         self.n = task.num_shards
-        self.compute_dtype = torch.bfloat16 if task.precision == "bf16" else torch.float32
+        self.compute_dtype = task.compute_dtype
         self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
         self.store = None                     # its _C.ShardStore, once placed
         self.resident = False                 # its whole training state lives on one device

@@ -210,6 +210,11 @@ class ModelTask:
     def num_shards(self) -> int:
         return len(self.modules)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What its weights, activations and gradients are on a device (its master weights are fp32)."""
+        return {precision: dtype for dtype, precision in _DTYPE_PRECISION.items()}[self.precision]
+
     def buffers(self) -> list[tuple[nn.Module, str]]:
         """(module, name) of every buffer the shards use, each once."""
         found, seen = [], set()

@@ -7,6 +7,7 @@
 #include "bindings/scheduler.h"
 #include "engine/device_engine.h"
 #include "engine/optimizer_spec.h"
+#include "engine/placement.h"
 #include "engine/shard_store.h"
 
 namespace py = pybind11;
@@ -66,6 +67,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ShardStore, std::shared_ptr<ShardStore>>(m, "ShardStore")
       .def(py::init<const std::vector<std::vector<at::Tensor>>&, OptimizerSpec, bool, bool>(), py::arg("shard_params"),
            py::arg("optimizer"), py::arg("bf16"), py::arg("pin_memory"))
+      .def_static("device_bytes", &ShardStore::device_bytes, py::arg("numels"), py::arg("bf16"))
       .def_property_readonly("num_shards", &ShardStore::num_shards)
       .def_property_readonly("pinned", &ShardStore::pinned)
       .def("owned_numel", &ShardStore::owned_numel)
@@ -105,7 +107,13 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("device"), py::arg("budget_bytes"), py::arg("host_steps") = nullptr,
            py::arg("link_bytes_per_second") = 0.0)
-      .def("add_model", &DeviceEngine::add_model, py::arg("store"), py::arg("allow_resident") = true)
+      .def(
+          "add_model",
+          [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident) {
+            return engine.add_model(std::move(store), allow_resident ? DeviceEngine::Residency::kAuto
+                                                                     : DeviceEngine::Residency::kSpilled);
+          },
+          py::arg("store"), py::arg("allow_resident") = true)
       .def("resident", &DeviceEngine::resident)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
       .def_static("resident_bytes", &DeviceEngine::resident_bytes)
@@ -131,4 +139,17 @@ PYBIND11_MODULE(_C, m) {
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
       .def("free_bytes", &DeviceEngine::free_bytes)
       .def("shard_loads", &DeviceEngine::shard_loads);
+
+  // A run's models registered with its devices' engines (engine/placement.h): per model, the device it is
+  // resident on (-1: spilled on every device) and its id in each engine (-1 where it is not registered).
+  m.def(
+      "place_models",
+      [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
+         const std::vector<std::string>& names) {
+        std::vector<std::pair<int, std::vector<int>>> placed;
+        for (hydra::engine::Placement& p : hydra::engine::place_models(engines, stores, names))
+          placed.emplace_back(p.resident_device, std::move(p.model_ids));
+        return placed;
+      },
+      py::arg("engines"), py::arg("stores"), py::arg("names"), release_gil());
 }

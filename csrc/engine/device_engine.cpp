@@ -63,7 +63,7 @@ int64_t DeviceEngine::resident_need(const ShardStore& store) {
   return resident_bytes(store) + kResidentSlack * store.num_shards();
 }
 
-int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_resident) {
+int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency) {
   TORCH_CHECK(store, "add_model: no store");
   // One unit computes at a time on a device, so spilled models share one working set: the largest shard's
   // weights and gradients among them. Resident models each keep their whole state.
@@ -77,9 +77,13 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, bool allow_reside
               spilled, " bytes on the device (its weights and gradients) but only ", room - resident_committed_,
               " of the ", arriving ? "device's arena's " : "budget's ", room,
               " bytes are left; raise memory_budget or cut the model into smaller shards");
+  const bool fits = !arriving && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
+  TORCH_CHECK(residency != Residency::kResident || fits, "add_model: the whole training state needs ", resident,
+              " bytes beside ", resident_committed_ + spilled_reserve_, " already promised, but the budget is ",
+              pool_.budget(), arriving ? " and training has started" : "");
   Model model;
   model.store = std::move(store);
-  model.resident = !arriving && allow_resident && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
+  model.resident = fits && residency != Residency::kSpilled;
   model.shards.resize(model.store->num_shards());
   if (model.resident) {
     resident_committed_ += resident;

@@ -68,11 +68,15 @@ class DeviceEngine {
                double link_bytes_per_second = 0.0);
   ~DeviceEngine();
 
-  // Validates that the model can train within what the budget has left and decides resident (when allowed
-  // and it fits) or spilled. Throws, changing nothing, when even its largest shard cannot fit. Returns the
-  // model's id on this device. A model that may run on several devices must be spilled on all of them. A
-  // model added after training started (a task arriving) is spilled, within the arena already sized.
-  int add_model(std::shared_ptr<ShardStore> store, bool allow_resident = true);
+  // kAuto: resident if its whole state fits what the budget has left, else spilled; kResident: resident or
+  // an error; kSpilled: spilled (a model that may run on several devices must be spilled on all of them).
+  enum class Residency { kAuto, kResident, kSpilled };
+  // Validates that the model can train within what the budget has left and registers it, resident or spilled
+  // as `residency` says. Throws, changing nothing, when even its largest shard cannot fit (or, for kResident,
+  // its whole state). Returns the model's id on this device. A model added after training started (a task
+  // arriving) is spilled, within the arena already sized. Which device a run's model is resident on is
+  // place_models' choice (engine/placement.h).
+  int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto);
   bool resident(int model) const { return models_.at(model).resident; }
   // Models will arrive after training starts: the arena takes the whole budget when it is made, not just
   // what the models added by then could use, so that they have room. Before training starts.

@@ -41,6 +41,10 @@ class ShardStore {
   ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params, OptimizerSpec optimizer, bool bf16,
              bool pin_memory);
 
+  // Bytes on a device of parameters of these sizes laid out as a shard is (each padded to kAlignElements), in
+  // the compute dtype: what a planner counts for a piece of a model before any store exists.
+  static int64_t device_bytes(const std::vector<int64_t>& numels, bool bf16);
+
   int num_shards() const { return static_cast<int>(layouts_.size()); }
   const std::vector<ParamEntry>& layout(int shard) const { return layouts_.at(shard); }
   // The shards whose transfer sources a copy of `shard` to a device reads: itself, then each distinct owner

@@ -93,7 +93,8 @@ TEST(AsyncEngine, APrefetchDoesNotWaitBehindAnotherModelsHostJob) {
   GatedHostSteps steps;
   auto a = store_of(1, 1024), b = store_of(2, 1024);
   DeviceEngine engine(kCpu, 1 << 20, steps.worker, 0.0);
-  const int ma = engine.add_model(a, /*allow_resident=*/false), mb = engine.add_model(b, false);
+  const auto spilled = DeviceEngine::Residency::kSpilled;
+  const int ma = engine.add_model(a, spilled), mb = engine.add_model(b, spilled);
   engine.plan({{ma, 0}, {mb, 0}});
   engine.acquire(ma, 0, true);
   fill_grads(*a, 0, 1.0f);
@@ -116,7 +117,7 @@ TEST(AsyncEngine, ACopyWaitsForTheStepOfTheShardItReads) {
   sgd.lr = 0.5;
   auto store = store_of(2, 256, sgd);
   DeviceEngine engine(kCpu, 1 << 20, steps.worker);
-  const int m = engine.add_model(store, /*allow_resident=*/false);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled);
   engine.plan(m, {0, 1, 0});
   engine.acquire(m, 0, true);
   fill_grads(*store, 0, 2.0f);
@@ -138,7 +139,7 @@ TEST(AsyncEngine, PrefetchAheadFollowsThePlanUpToItsBytes) {
   auto store = store_of(4, 1024);
   const int64_t shard_bytes = 1024 * 4;
   DeviceEngine engine(kCpu, 1 << 20);
-  const int m = engine.add_model(store, /*allow_resident=*/false);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled);
   engine.plan(m, {0, 1, 2, 3, 2});
   engine.acquire(m, 0, false);
   engine.prefetch_ahead(0);
@@ -159,7 +160,7 @@ TEST(AsyncEngine, PrefetchAheadFollowsThePlanUpToItsBytes) {
 TEST(AsyncEngine, StagingBuffersAreAFewShardsOfHostMemory) {
   auto store = store_of(6, 1024);
   DeviceEngine engine(kCpu, 1 << 20);
-  const int m = engine.add_model(store, /*allow_resident=*/false);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled);
   std::vector<int> order{5, 4, 3, 2, 1, 0};
   engine.plan(m, order);
   for (int s : order) {
@@ -185,7 +186,7 @@ TEST(AsyncEngine, AStoreGoesWithItsEngineAfterSteps) {
     auto store = store_of(2, 64, sgd);
     watch = store;
     DeviceEngine engine(kCpu, 1 << 20);
-    const int m = engine.add_model(store, /*allow_resident=*/false);
+    const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled);
     engine.plan(m, {1, 0});
     for (int s : {1, 0}) {
       engine.acquire(m, s, true);
@@ -211,7 +212,7 @@ TEST(AsyncEngine, AShardBorrowingATiedWeightIsReloadedAfterTheOwnersStep) {
   auto store = std::make_shared<ShardStore>(std::vector<std::vector<at::Tensor>>{{tied}, {own, tied}}, sgd,
                                             /*bf16=*/false, /*pin_memory=*/false);
   DeviceEngine engine(kCpu, 1 << 20);
-  const int m = engine.add_model(store, /*allow_resident=*/false);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled);
   engine.plan(m, {1, 0, 1});
   engine.acquire(m, 1, true);
   fill_grads(*store, 1, 1.0f);

@@ -73,7 +73,7 @@ TEST(DeviceEngine, ReleasingAModelFreesItsMemoryAndBudgetForOthers) {
   auto spilled = equal_shards(3);
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*resident) + DeviceEngine::spilled_need(*spilled));
   const int r = engine.add_model(resident);
-  const int s = engine.add_model(spilled, /*allow_resident=*/false);
+  const int s = engine.add_model(spilled, DeviceEngine::Residency::kSpilled);
   ASSERT_TRUE(engine.resident(r));
   run_step(engine, r, *resident, 1, /*check_values=*/false, /*step=*/true);
   run_step(engine, s, *spilled, 1);

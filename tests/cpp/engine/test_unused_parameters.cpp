@@ -68,6 +68,9 @@ std::unique_ptr<DeviceEngine> engine_for(const ShardStore& store, bool resident)
 class UnusedParameters : public testing::TestWithParam<bool> {
  protected:
   bool resident() const { return GetParam(); }
+  DeviceEngine::Residency residency() const {
+    return resident() ? DeviceEngine::Residency::kResident : DeviceEngine::Residency::kSpilled;
+  }
   void SetUp() override {
     if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
   }
@@ -81,7 +84,7 @@ TEST_P(UnusedParameters, AutogradDecidesWhichParametersStep) {
   const OptimizerSpec adamw = adamw_spec();
   auto store = make_store({{u, s, v}}, false, adamw);
   auto engine = engine_for(*store, resident());
-  const int m = engine->add_model(store, resident());
+  const int m = engine->add_model(store, residency());
   ASSERT_EQ(engine->resident(m), resident());
   engine->acquire(m, 0, true);
   (u * u).sum().add((v * 3.0).sum()).backward();
@@ -113,7 +116,7 @@ TEST_P(UnusedParameters, ATiedWeightStepsThroughTheBorrowersUseAlone) {
   const at::Tensor e0 = t.e.detach().clone(), a0 = t.a.detach().clone(), h0 = t.h.detach().clone(),
                    g0 = t.g.detach().clone();
   auto engine = engine_for(*store, resident());
-  const int m = engine->add_model(store, resident());
+  const int m = engine->add_model(store, residency());
   ASSERT_EQ(engine->resident(m), resident());
   engine->plan(m, {2, 1, 0});
   backward_visit(*engine, m, 2, {t.e}, 1.0f, /*step=*/true);  // only the borrower's use of e
@@ -134,7 +137,7 @@ TEST_P(UnusedParameters, AGradientInAnyMicroBatchCountsAndDiscardedOnesDoNot) {
   at::Tensor a = param({7}, 1.0), b = param({9}, 2.0);
   auto store = make_store({{a, b}}, false, adamw_spec());
   auto engine = engine_for(*store, resident());
-  const int m = engine->add_model(store, resident());
+  const int m = engine->add_model(store, residency());
   backward_visit(*engine, m, 0, {a}, 1.0f, /*step=*/false);  // first micro-batch: a only
   backward_visit(*engine, m, 0, {b}, 1.0f, /*step=*/true);   // last micro-batch: b only
   // A micro-batch that failed: its gradient is discarded and must not make a step.
@@ -156,7 +159,7 @@ TEST_P(UnusedParameters, ClippedStepsLeaveParametersWithoutAGradient) {
   auto store = make_store({{x}, {a, y}}, false, adamw_spec());
   const at::Tensor x0 = x.detach().clone(), a0 = a.detach().clone(), y0 = y.detach().clone();
   auto engine = engine_for(*store, resident());
-  const int m = engine->add_model(store, resident());
+  const int m = engine->add_model(store, residency());
   engine->plan(m, {1, 0});
   backward_visit(*engine, m, 1, {a}, 3.0f, /*step=*/false);
   backward_visit(*engine, m, 0, {}, 3.0f, false);

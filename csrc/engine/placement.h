@@ -1,0 +1,31 @@
+// Where each model of a run trains, decided once before training starts from the engines' budget rules.
+//
+// A model is resident on the device with the most room left if, after that, the device still holds the
+// working set of every other model that may spill there (any later model, and the earlier ones already
+// spilled), so an early resident model never leaves a later one without room. Otherwise it is spilled on
+// every device. Models are placed in order; the same arithmetic as DeviceEngine::add_model, which registers
+// each one where it was placed.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/device_engine.h"
+#include "engine/shard_store.h"
+
+namespace hydra::engine {
+
+struct Placement {
+  int resident_device = -1;    // -1: spilled on every device
+  std::vector<int> model_ids;  // per device: the model's id in its engine, -1 where it is not registered
+};
+
+// Registers every store with the engines. Throws, naming the task (`names`, one per store), when a model
+// cannot train on them at all (its largest shard does not fit what a budget has left); models placed before
+// it stay registered, and the run is not started.
+std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
+                                    const std::vector<std::shared_ptr<ShardStore>>& stores,
+                                    const std::vector<std::string>& names);
+
+}  // namespace hydra::engine
