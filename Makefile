@@ -6,6 +6,9 @@ MAX_JOBS ?= 2
 export MAX_JOBS
 CPP_BUILD := build/cpp
 TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# The interpreter itself, not a launcher script (pyenv's shims are shell scripts): python_tests_tsan preloads
+# ThreadSanitizer into it.
+PYTHON_BINARY = $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
 # One set of stamps per Python environment: a new virtual environment installs its packages again.
 STAMPS := build/stamps/$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])')
 
@@ -36,7 +39,8 @@ system-deps:
 	tools/system_deps.sh test
 
 cpp-test: deps system-deps
-	cmake -S tests/cpp -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)"
+	cmake -S tests/cpp -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" \
+	  -DPython3_EXECUTABLE="$(PYTHON_BINARY)"
 	cmake --build $(CPP_BUILD) -j $(MAX_JOBS)
 	cd $(CPP_BUILD) && ctest --output-on-failure
 
