@@ -7,7 +7,8 @@
 // (a) Simulated makespan of the paper-shaped workload (12 models: four each of 24/36/48 shards, per-shard
 //     times +-30%, 8 micro-batches) for every policy, against the lower bound max(work/G, longest chain),
 //     and LRTF's strong-scaling speedup over G=1. (b) Cost of one scheduling decision: next()+complete()
-//     single-threaded over 12 tasks. (c) Cold start: 12 models of 1x-4x sizes, nothing timed at the start;
+//     single-threaded over 12 tasks. (a'') The same workload with copies that follow each device's committed
+//     plan. (c) Cold start: 12 models of 1x-4x sizes, nothing timed at the start;
 //     LRTF with shard costs (sizes, as parameter counts give them) and without, beside the other policies.
 // (d) At cluster scale: 1,000 models on 16 nodes of 8 GPUs, placed across nodes largest first, SHARP (LRTF)
 //     inside each node; without failures and with 1 and 4 node deaths; and the scheduling cost per unit.
@@ -66,6 +67,32 @@ void simulated_makespans() {
       double busy = 0.0;
       for (const TraceEntry& entry : result.trace) busy += entry.end - entry.start;
       std::printf(" | %.3f | %.3f", result.makespan / bound, result.exposed_transfer_seconds / busy);
+    }
+    std::printf(" |\n");
+  }
+}
+
+// LRTF with a copy lane per device and direction that follows the scheduler's committed plan
+// (Prefetch::kAlongPlan, `ahead` units), against max(work / G, longest chain, the busier direction's copy
+// seconds / G).
+void prefetch_along_plan() {
+  const SyntheticWorkload workload = paper_workload();
+  const UnitSeconds compute = workload.compute();
+  std::printf("\n### (a'') LRTF with copies along the plan: weights in and gradients out, 0.5x / 2x a shard's "
+              "forward each; makespan / bound (exposed copy share)\n\n");
+  std::printf("| G | copy 0.5x, 4 ahead | copy 2x, 8 ahead | copy 2x, 32 ahead | copy 2x, 64 ahead "
+              "|\n|---|---|---|---|---|\n");
+  for (int devices : {1, 2, 4, 8, 16, 64}) {
+    std::printf("| %d", devices);
+    for (auto [fraction, ahead] : {std::pair{0.5, 4}, {2.0, 8}, {2.0, 32}, {2.0, 64}}) {
+      SimulationConfig config{workload.tasks, compute, workload.transfer(fraction), devices, PolicyKind::kLrtf,
+                              Mode::kSharp, 1, Prefetch::kAlongPlan, ahead, workload.transfer(fraction)};
+      const SimulationResult result = simulate(config);
+      const double bound = std::max(lower_bound(workload.tasks, compute, devices),
+                                    transfer_bound(workload.tasks, config.transfer, config.gradient_transfer, devices));
+      double busy = 0.0;
+      for (const TraceEntry& entry : result.trace) busy += entry.end - entry.start;
+      std::printf(" | %.3f (%.3f)", result.makespan / bound, result.exposed_transfer_seconds / busy);
     }
     std::printf(" |\n");
   }
@@ -165,6 +192,7 @@ void at_cluster_scale(int kModels) {
 
 int main() {
   simulated_makespans();
+  prefetch_along_plan();
   cold_start();
   decision_cost();
   at_cluster_scale(1000);

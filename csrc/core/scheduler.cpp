@@ -38,7 +38,8 @@ std::vector<TaskSpec> validated(std::vector<TaskSpec> tasks, int num_devices) {
 Scheduler::Scheduler(std::vector<TaskSpec> tasks, int num_devices, PolicyKind policy, uint64_t seed)
     : num_devices_(num_devices),
       cost_model_(validated(tasks, num_devices)),
-      policy_(policy, static_cast<int>(tasks.size()), num_devices, seed) {
+      policy_(policy, static_cast<int>(tasks.size()), num_devices, seed),
+      committed_(static_cast<size_t>(num_devices)) {
   tasks_.reserve(tasks.size());
   for (const TaskSpec& spec : tasks) {
     tasks_.push_back(TaskState{spec, total_units(spec)});
@@ -74,22 +75,63 @@ bool Scheduler::has_work_locked(int device) const {
 }
 
 std::optional<Unit> Scheduler::take_locked(int device) {
+  auto& committed = committed_[static_cast<size_t>(device)];
+  while (!committed.empty()) {
+    const auto [t, index] = committed.front();
+    committed.pop_front();
+    const TaskState& task = tasks_[static_cast<size_t>(t)];
+    if (task.state == State::kIdle && allowed(task, device) && task.next_index == index) return take_task(device, t);
+    committed.clear();
+  }
   candidates_.clear();
   const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
   for (int t = 0; t < num_tasks(); ++t) {
     const TaskState& task = tasks_[static_cast<size_t>(t)];
-    if (task.state != State::kIdle || !allowed(task, device)) continue;
+    if (task.state != State::kIdle || !allowed(task, device) || reserved_elsewhere(t, device)) continue;
     const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
     candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device});
   }
   if (candidates_.empty()) return std::nullopt;
-  const int chosen = candidates_[policy_.choose(device, candidates_)].task;
+  return take_task(device, candidates_[policy_.choose(device, candidates_)].task);
+}
+
+bool Scheduler::reserved_elsewhere(int task, int device) const {
+  if (!plans_committed_) return false;
+  const int64_t next = tasks_[static_cast<size_t>(task)].next_index;
+  for (int d = 0; d < num_devices_; ++d) {
+    const auto& committed = committed_[static_cast<size_t>(d)];
+    if (d != device && !committed.empty() && committed.front() == std::pair<int, int64_t>{task, next}) return true;
+  }
+  return false;
+}
+
+bool Scheduler::planned_elsewhere(int task, int device) const {
+  if (!plans_committed_) return false;
+  for (int d = 0; d < num_devices_; ++d) {
+    if (d == device) continue;
+    for (const auto& [t, index] : committed_[static_cast<size_t>(d)])
+      if (t == task) return true;
+  }
+  return false;
+}
+
+Unit Scheduler::take_task(int device, int chosen) {
   policy_.commit(device, chosen);
   TaskState& task = tasks_[static_cast<size_t>(chosen)];
   task.state = State::kRunning;
   task.running_device = device;
   task.last_device = device;
   return unit_at(chosen, task.spec, task.next_index);
+}
+
+std::vector<Unit> Scheduler::commit_plan(int device, int count) {
+  std::vector<Unit> units = plan(device, count);
+  std::lock_guard lock(mutex_);
+  auto& committed = committed_[static_cast<size_t>(device)];
+  committed.clear();
+  for (const Unit& unit : units) committed.emplace_back(unit.task, unit.index);
+  plans_committed_ = true;
+  return units;
 }
 
 std::optional<Unit> Scheduler::next(int device) {
@@ -148,7 +190,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
   uint64_t sequence = event_sequence_;
   for (int t = 0; t < num_tasks(); ++t) {
     const TaskState& task = tasks_[static_cast<size_t>(t)];
-    if (!allowed(task, device) || task.state == State::kDone || task.failed) continue;
+    if (!allowed(task, device) || task.state == State::kDone || task.failed || planned_elsewhere(t, device)) continue;
     Planned p{t, task.next_index, task.ready_sequence, task.last_device == device};
     if (task.state == State::kRunning) {
       if (task.running_device != device) continue;
@@ -160,13 +202,24 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
   }
   const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
   std::vector<Candidate> candidates;
+  // The committed plan first, as far as it still holds (see commit_plan), then the policy.
+  const auto& committed = committed_[static_cast<size_t>(device)];
+  auto kept = committed.begin();
   while (static_cast<int>(units.size()) < count && !planned.empty()) {
-    candidates.clear();
-    for (const Planned& p : planned) {
-      const double remaining = needs_estimates ? cost_model_.remaining_seconds(p.task, p.index) : 0.0;
-      candidates.push_back(Candidate{p.task, remaining, p.ready, p.ran_last_here});
+    size_t chosen = planned.size();
+    if (kept != committed.end()) {
+      for (size_t i = 0; i < planned.size(); ++i)
+        if (planned[i].task == kept->first && planned[i].index == kept->second) chosen = i;
+      kept = chosen < planned.size() ? kept + 1 : committed.end();
     }
-    const size_t chosen = policy_.choose(device, candidates);
+    if (chosen == planned.size()) {
+      candidates.clear();
+      for (const Planned& p : planned) {
+        const double remaining = needs_estimates ? cost_model_.remaining_seconds(p.task, p.index) : 0.0;
+        candidates.push_back(Candidate{p.task, remaining, p.ready, p.ran_last_here});
+      }
+      chosen = policy_.choose(device, candidates);
+    }
     Planned& p = planned[chosen];
     units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index));
     for (Planned& other : planned) other.ran_last_here = false;

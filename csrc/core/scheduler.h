@@ -14,6 +14,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -54,7 +55,15 @@ class Scheduler {
   // The next `count` units the policy would give `device` if it ran them back to back and no other device
   // took any: the order its shards are needed in, for prefetching and eviction. peek() is its first unit.
   // Policies with state of their own (round_robin, random) plan their next choice only; later ones may differ.
+  // It follows the device's committed plan first, as far as that still holds, and leaves out tasks that
+  // another device's committed plan holds.
   std::vector<Unit> plan(int device, int count) const;
+  // plan(), kept: until the next commit_plan, next() and try_next() give `device` the first of these units
+  // while it is still its task's next unit and the task is ready (the task may have failed, or moved); at the
+  // first that is not, the rest is forgotten and the policy chooses again. Meanwhile no other device takes the
+  // unit at its head. So weights copied in ahead along the plan are used, though the estimates behind the
+  // policy move meanwhile (the simulator's Prefetch::kAlongPlan; the live workers do not commit plans).
+  std::vector<Unit> commit_plan(int device, int count);
 
   // `unit` must be the one next() gave `device`. Feeds its duration to the cost model, makes the task
   // ready again (or finished, or failed if fail() came meanwhile) and wakes waiting workers. Without a
@@ -116,6 +125,11 @@ class Scheduler {
   // The task of `unit`, which must be running on `device` (else std::invalid_argument naming `caller`).
   TaskState& running(int device, const Unit& unit, const char* caller);
   std::optional<Unit> take_locked(int device);
+  Unit take_task(int device, int task);  // marks the task running on `device`; returns its next unit
+  // The task's next unit heads another device's committed plan: that device is copying its weights in.
+  bool reserved_elsewhere(int task, int device) const;
+  // The task is in another device's committed plan: this device's plan leaves it to that one.
+  bool planned_elsewhere(int task, int device) const;
 
   std::vector<TaskState> tasks_;
   int num_devices_;
@@ -125,6 +139,8 @@ class Scheduler {
   bool open_ = false;
   uint64_t event_sequence_ = 0;
   std::vector<Candidate> candidates_;  // reused by take_locked to avoid an allocation per decision
+  std::vector<std::deque<std::pair<int, int64_t>>> committed_;  // per device: (task, unit index), commit_plan
+  bool plans_committed_ = false;  // commit_plan was ever called: until then decisions skip the checks above
 
   mutable std::mutex mutex_;
   std::condition_variable ready_;

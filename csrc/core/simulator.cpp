@@ -52,9 +52,61 @@ double exposed_transfer(const SimulationConfig& config, const DeviceState& devic
   return transfer;
 }
 
+bool has_backward(Phase phase) { return phase == Phase::kForwardBackward || phase == Phase::kBackward; }
+
+bool same_unit(const Unit& a, const Unit& b) { return a.task == b.task && a.index == b.index; }
+
+// A device's host-to-device copy lane under Prefetch::kAlongPlan.
+struct CopyLane {
+  double free_at = 0.0;
+  std::vector<std::pair<Unit, double>> landing;  // planned units whose copy was issued, and when it lands
+
+  double copy(double now, double seconds, SimulationResult& result) {
+    free_at = std::max(now, free_at) + seconds;
+    result.transfer_seconds += seconds;
+    return free_at;
+  }
+};
+
+// When `unit`, dispatched to `device` at `now`, may start: once its shard has landed. Then the lane copies the
+// shards of the units the scheduler plans next for the device (a plan it commits to), as far as
+// `prefetch_units` allows. Each visit of a shard has a copy of its own, but the same shard back to back.
+double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, int device,
+                        const DeviceState& state, CopyLane& lane, const Unit& unit, double now,
+                        SimulationResult& result) {
+  double start = now;
+  const bool same_shard = state.ran_before && state.last_task == unit.task && state.last_shard == unit.shard;
+  auto issued = std::find_if(lane.landing.begin(), lane.landing.end(),
+                             [&](const auto& entry) { return same_unit(entry.first, unit); });
+  if (issued != lane.landing.end()) {
+    start = std::max(now, issued->second);
+    lane.landing.erase(issued);
+  } else if (!same_shard) {
+    start = lane.copy(now, checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer"), result);
+  }
+  const std::vector<Unit> planned = scheduler.commit_plan(device, config.prefetch_units);
+  std::erase_if(lane.landing, [&](const auto& entry) {
+    return std::none_of(planned.begin(), planned.end(), [&](const Unit& p) { return same_unit(p, entry.first); });
+  });
+  const Unit* previous = &unit;
+  for (const Unit& p : planned) {
+    if (static_cast<int>(lane.landing.size()) >= config.prefetch_units) break;
+    const bool back_to_back = p.task == previous->task && p.shard == previous->shard;
+    previous = &p;
+    if (back_to_back || std::any_of(lane.landing.begin(), lane.landing.end(),
+                                    [&](const auto& entry) { return same_unit(entry.first, p); }))
+      continue;
+    lane.landing.emplace_back(p, lane.copy(now, checked(config.transfer(p.task, p.shard, p.phase), "transfer"), result));
+  }
+  return start;
+}
+
 SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<TaskSpec> tasks) {
   Scheduler scheduler(std::move(tasks), config.num_devices, config.policy, config.seed);
   std::vector<DeviceState> devices(static_cast<size_t>(config.num_devices));
+  std::vector<CopyLane> lanes(static_cast<size_t>(config.num_devices));
+  std::vector<double> gradient_lanes(static_cast<size_t>(config.num_devices), 0.0);
+  const bool along_plan = config.transfer && config.prefetch == Prefetch::kAlongPlan;
   std::priority_queue<Completion, std::vector<Completion>, std::greater<>> events;
   SimulationResult result;
   double now = 0.0;
@@ -66,9 +118,17 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       const std::optional<Unit> unit = scheduler.try_next(d);
       if (!unit) continue;
       const double compute = unit_compute(config.compute, *unit);
-      const double exposed = exposed_transfer(config, device, *unit, now);
+      const double exposed =
+          along_plan ? start_along_plan(config, scheduler, d, device, lanes[static_cast<size_t>(d)], *unit, now, result) - now
+                     : exposed_transfer(config, device, *unit, now);
       result.exposed_transfer_seconds += exposed;
       const double end = now + exposed + compute;
+      if (along_plan && config.gradient_transfer && has_backward(unit->phase)) {
+        const double seconds = checked(config.gradient_transfer(unit->task, unit->shard, unit->phase), "transfer");
+        double& lane = gradient_lanes[static_cast<size_t>(d)];
+        lane = std::max(end, lane) + seconds;
+        result.gradient_transfer_seconds += seconds;
+      }
       result.trace.push_back(TraceEntry{d, unit->task, unit->index, now, end});
       device.busy = true;
       events.push(Completion{end, d, *unit, compute});
@@ -146,6 +206,24 @@ double lower_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& comput
     longest = std::max(longest, chain);
   }
   return std::max(total / num_devices, longest);
+}
+
+double transfer_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& transfer,
+                      const UnitSeconds& gradient_transfer, int num_devices) {
+  if (num_devices < 1) throw std::invalid_argument("transfer_bound: num_devices must be >= 1");
+  double in = 0.0, out = 0.0;
+  for (int t = 0; t < static_cast<int>(tasks.size()); ++t) {
+    const TaskSpec& spec = tasks[static_cast<size_t>(t)];
+    for (int64_t i = 0; i < total_units(spec); ++i) {
+      const Unit unit = unit_at(t, spec, i);
+      // F(0) right after the previous micro-batch's B(0) may reuse its weights.
+      const bool may_reuse = unit.phase == Phase::kForward && unit.shard == 0 && unit.micro_batch > 0;
+      if (transfer && !may_reuse) in += checked(transfer(unit.task, unit.shard, unit.phase), "transfer");
+      if (gradient_transfer && has_backward(unit.phase))
+        out += checked(gradient_transfer(unit.task, unit.shard, unit.phase), "transfer");
+    }
+  }
+  return std::max(in, out) / num_devices;
 }
 
 std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,

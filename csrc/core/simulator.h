@@ -16,6 +16,13 @@
 // - The device was idle (or this is its first unit): nothing to hide the copy behind; it is all exposed.
 // kModelParallel keeps every shard resident on its device (the baseline's one advantage): no transfers.
 // The cost model is fed compute seconds only; exposed transfer is the engine's overhead, not the shard's.
+//
+// Prefetch::kAlongPlan replaces the double-buffering rule with what the engine can do: each device has a
+// host-to-device copy lane that, at every dispatch, copies the shards of the next `prefetch_units` units the
+// scheduler plans for the device (Scheduler::plan), in order, as soon as the lane is free; a unit starts once
+// its shard has landed. A copy for a unit the plan no longer holds is dropped (its lane time was spent). The
+// same shard back to back needs no copy. Gradients go out on a device-to-host lane of their own, which the
+// result accounts for; the compute never waits for it.
 #pragma once
 
 #include <cstdint>
@@ -32,14 +39,19 @@ enum class Mode { kSharp, kTaskParallel, kModelParallel };
 // Seconds for one unit of (task, shard, phase); the same for every micro-batch.
 using UnitSeconds = std::function<double(int task, int shard, Phase phase)>;
 
+enum class Prefetch { kPreviousUnit, kAlongPlan };
+
 struct SimulationConfig {
   std::vector<TaskSpec> tasks;
   UnitSeconds compute;
-  UnitSeconds transfer;  // empty: transfers are free
+  UnitSeconds transfer;  // weights in; empty: transfers are free
   int num_devices = 1;
   PolicyKind policy = PolicyKind::kLrtf;
   Mode mode = Mode::kSharp;
   uint64_t seed = 0;
+  Prefetch prefetch = Prefetch::kPreviousUnit;
+  int prefetch_units = 4;            // kAlongPlan: copies issued or landed ahead of use, at most
+  UnitSeconds gradient_transfer;     // kAlongPlan: gradients out after a unit with a backward; empty: none
 };
 
 struct TraceEntry {
@@ -52,7 +64,9 @@ struct TraceEntry {
 
 struct SimulationResult {
   double makespan = 0.0;
-  double exposed_transfer_seconds = 0.0;
+  double exposed_transfer_seconds = 0.0;  // devices waiting for weights
+  double transfer_seconds = 0.0;          // kAlongPlan: busy time of the host-to-device lanes, dropped copies too
+  double gradient_transfer_seconds = 0.0;  // kAlongPlan: busy time of the device-to-host lanes
   std::vector<TraceEntry> trace;  // in dispatch order
 };
 
@@ -65,6 +79,12 @@ double task_seconds(const std::vector<TaskSpec>& tasks, int task, const UnitSeco
 
 // No schedule on num_devices devices can beat max(total compute / num_devices, longest task chain).
 double lower_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute, int num_devices);
+
+// No schedule copying each unit's shard in (the same shard back to back excepted, at most once per micro-batch
+// boundary: B(0) then the next F(0)) over one link per device and direction can beat this: the busier
+// direction's total copy seconds / num_devices.
+double transfer_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& transfer,
+                      const UnitSeconds& gradient_transfer, int num_devices);
 
 // kTaskParallel's binding: device per task.
 std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,

@@ -1,0 +1,103 @@
+// Copies along the plan: the scheduler's committed plans (commit_plan), and the simulator's copy lanes that
+// follow them (Prefetch::kAlongPlan), with the transfer bound.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "core/scheduler.h"
+#include "core/simulator.h"
+#include "core/synthetic_workload.h"
+
+namespace {
+
+using namespace hydra::core;
+
+TEST(CommittedPlan, IsHandedOutInItsOrderThoughThePolicyWouldChooseOtherwise) {
+  // FIFO would give task 0 first (it became ready first); a plan committed while task 1 ran last here
+  // keeps task 1's next unit first.
+  Scheduler scheduler({TaskSpec{2, 1, std::nullopt}, TaskSpec{2, 1, std::nullopt}}, 1, PolicyKind::kFifo);
+  const Unit first = *scheduler.try_next(0);
+  ASSERT_EQ(first.task, 0);
+  scheduler.complete(0, first, 1.0);
+  const std::vector<Unit> planned = scheduler.commit_plan(0, 3);
+  ASSERT_EQ(planned.size(), 3u);
+  for (const Unit& expected : planned) {
+    const Unit got = *scheduler.try_next(0);
+    EXPECT_EQ(got, expected);
+    scheduler.complete(0, got, 1.0);
+  }
+  // Committing again continues the committed order where it still holds: a plan is stable.
+  EXPECT_EQ(scheduler.commit_plan(0, 2), scheduler.plan(0, 2));
+}
+
+TEST(CommittedPlan, AnotherDeviceLeavesItsHeadAloneAndItsTasksOutOfItsOwnPlan) {
+  Scheduler scheduler({TaskSpec{2, 2, std::nullopt}, TaskSpec{2, 2, std::nullopt}}, 2, PolicyKind::kLrtf);
+  const std::vector<Unit> planned = scheduler.commit_plan(0, 1);
+  ASSERT_EQ(planned.size(), 1u);
+  const int reserved = planned[0].task;
+  // Device 1 asks first: it gets the other task, not the one whose weights device 0 is copying in.
+  const Unit other = *scheduler.try_next(1);
+  EXPECT_NE(other.task, reserved);
+  for (const Unit& unit : scheduler.plan(1, 4)) EXPECT_NE(unit.task, reserved);
+  EXPECT_EQ(scheduler.try_next(0)->task, reserved);
+}
+
+TEST(CommittedPlan, AStaleCommitmentIsForgotten) {
+  Scheduler scheduler({TaskSpec{2, 2, std::nullopt}, TaskSpec{2, 2, std::nullopt}}, 2, PolicyKind::kLrtf);
+  const std::vector<Unit> planned = scheduler.commit_plan(0, 2);
+  ASSERT_EQ(planned.size(), 2u);
+  scheduler.fail(planned[0].task);  // its units are gone: the commitment cannot hold
+  const std::optional<Unit> unit = scheduler.try_next(0);
+  ASSERT_TRUE(unit.has_value());
+  EXPECT_NE(unit->task, planned[0].task);
+  EXPECT_EQ(scheduler.try_next(1), std::nullopt) << "both tasks' units are taken or gone";
+}
+
+TEST(CopiesAlongThePlan, CopiesShorterThanTheComputeAreHiddenAfterTheFirst) {
+  // One task of three shards, one micro-batch: F0 F1 (1 s each), FB2, B1, B0 (3 s each); copies 0.5 s.
+  SimulationConfig config;
+  config.tasks = {TaskSpec{3, 1, std::nullopt}};
+  config.compute = [](int, int, Phase phase) { return phase == Phase::kForward ? 1.0 : 3.0; };
+  config.transfer = [](int, int, Phase) { return 0.5; };
+  config.gradient_transfer = [](int, int, Phase) { return 0.5; };
+  config.prefetch = Prefetch::kAlongPlan;
+  config.prefetch_units = 2;
+  const SimulationResult result = simulate(config);
+  EXPECT_DOUBLE_EQ(result.exposed_transfer_seconds, 0.5) << "only the first copy, on an idle device";
+  EXPECT_DOUBLE_EQ(result.makespan, 0.5 + 11.0);
+  EXPECT_DOUBLE_EQ(result.transfer_seconds, 5 * 0.5) << "every unit's shard once, nothing wasted";
+  EXPECT_DOUBLE_EQ(result.gradient_transfer_seconds, 3 * 0.5) << "FB2, B1, B0";
+  EXPECT_DOUBLE_EQ(transfer_bound(config.tasks, config.transfer, config.gradient_transfer, 1), 2.5);
+}
+
+TEST(CopiesAlongThePlan, ALinkSlowerThanTheComputeSetsThePace) {
+  // Copies of 2 s against 1 s forwards: the link is the bottleneck, and it never idles once started.
+  SimulationConfig config;
+  config.tasks = {TaskSpec{3, 2, std::nullopt}};
+  config.compute = [](int, int, Phase) { return 1.0; };
+  config.transfer = [](int, int, Phase) { return 2.0; };
+  config.prefetch = Prefetch::kAlongPlan;
+  config.prefetch_units = 4;
+  const SimulationResult result = simulate(config);
+  // 10 units, the second micro-batch's F0 follows B0 on the same shard: 9 copies of 2 s, then the last unit.
+  EXPECT_DOUBLE_EQ(transfer_bound(config.tasks, config.transfer, {}, 1), 18.0);
+  EXPECT_DOUBLE_EQ(result.makespan, 18.0 + 1.0);
+  EXPECT_DOUBLE_EQ(result.transfer_seconds, 18.0);
+}
+
+TEST(CopiesAlongThePlan, TwelveModelsWasteNoCopyAndBeatDoubleBuffering) {
+  const SyntheticWorkload workload = paper_workload();
+  for (int devices : {1, 4}) {
+    SCOPED_TRACE(devices);
+    SimulationConfig config{workload.tasks, workload.compute(), workload.transfer(2.0), devices, PolicyKind::kLrtf,
+                            Mode::kSharp, 1, Prefetch::kAlongPlan, 8, workload.transfer(2.0)};
+    const SimulationResult along = simulate(config);
+    config.prefetch = Prefetch::kPreviousUnit;
+    const SimulationResult previous = simulate(config);
+    const double needed = transfer_bound(workload.tasks, workload.transfer(2.0), {}, 1);
+    EXPECT_LE(along.transfer_seconds, 1.01 * needed) << "copies for units the plan dropped";
+    EXPECT_LT(along.makespan, previous.makespan);
+  }
+}
+
+}  // namespace
