@@ -42,6 +42,18 @@ def make_tasks(args, data):
     return tasks
 
 
+def parse_workload(parser, steps: int = 8):
+    """Adds the shared workload arguments (and --models, --width), parses them, and returns the arguments,
+    the batches and each shard's fp32 weight bytes of one such model."""
+    parser.add_argument("--width", type=int, default=256)
+    add_workload_args(parser, steps=steps)
+    args = parser.parse_args()
+    hf_logging.set_verbosity_error()
+    data = token_batches(args)
+    probe = make_tasks(args, data)[0]
+    return args, data, [sum(p.numel() * 4 for p in shard) for shard in probe.shard_params]
+
+
 def run(args, data, budget, link, prefetch_bytes):
     tasks = make_tasks(args, data)
     original = DeviceSlot.prefetch
@@ -67,16 +79,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bandwidth", type=float, default=2e8, help="emulated link, bytes/s per direction")
     parser.add_argument("--models", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--cache", type=float, default=0.5,
                         help="room in the budget beyond the working set, in models' weights")
-    add_workload_args(parser, steps=8)
-    args = parser.parse_args()
-    hf_logging.set_verbosity_error()
-
-    data = token_batches(args)
-    probe = make_tasks(args, data)[0]
-    shard_bytes = [sum(p.numel() * 4 for p in shard) for shard in probe.shard_params]
+    args, data, shard_bytes = parse_workload(parser)
     # The working set (a shard's weights and gradients) plus room to cache and prefetch into.
     budget = 2 * max(shard_bytes) + int(args.cache * sum(shard_bytes)) + 65536
     modes = {"memory speed": (False, None), "link, next shard": (True, None),

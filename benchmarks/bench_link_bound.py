@@ -18,11 +18,8 @@ import statistics
 from unittest import mock
 
 import torch
-from transformers.utils import logging as hf_logging
-
 import hydra_torch as ht
-from bench_emulated_link import make_tasks
-from bench_multi_model import add_workload_args, token_batches
+from bench_emulated_link import make_tasks, parse_workload
 from hydra_torch import testing, workers
 
 
@@ -50,20 +47,13 @@ def block_forward_seconds(results, shards: int) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=1)
-    parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--ahead", type=int, default=1,
                         help="room in the budget for this many more shards' weights (1: double buffering)")
     parser.add_argument("--far", action="store_true",
                         help="prefetch along the plan as far as free memory allows (default: the next shard)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 1.0, 2.0, 4.0],
                         help="a block's weight copy over its forward")
-    add_workload_args(parser, steps=8)
-    args = parser.parse_args()
-    hf_logging.set_verbosity_error()
-
-    data = token_batches(args)
-    probe = make_tasks(args, data)[0]
-    shard_bytes = [sum(p.numel() * 4 for p in shard) for shard in probe.shard_params]
+    args, data, shard_bytes = parse_workload(parser)
     block_bytes = shard_bytes[1]
     # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile.
     budget = (2 + args.ahead) * max(shard_bytes) + 65536
