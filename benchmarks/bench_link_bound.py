@@ -8,7 +8,7 @@ counts. Reported, medians of interleaved rounds: the span (first unit's start to
 bound, and the shares of the span the compute waited for weights to land (`acquire_wait_seconds`, the exposed
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
 
-    python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--rounds 3]
+    python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def train(args, data, budget, bandwidth=None):
             stack.enter_context(testing.emulated_link(bandwidth))
         if args.far:  # prefetch along the plan into all free memory, not only the next planned shard
             stack.enter_context(mock.patch.object(workers, "PREFETCH_BEYOND_NEXT_BYTES", -1))
+        stack.enter_context(mock.patch.object(workers, "COMMITTED_UNITS", args.commit))
         results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
     assert all(r.error is None and not r.resident for r in results), [r.error for r in results]
     return results
@@ -51,6 +52,8 @@ def main():
                         help="room in the budget for this many more shards' weights (1: double buffering)")
     parser.add_argument("--far", action="store_true",
                         help="prefetch along the plan as far as free memory allows (default: the next shard)")
+    parser.add_argument("--commit", type=int, default=workers.COMMITTED_UNITS,
+                        help="units of its plan each device commits to (0: none, the policy decides each unit)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 1.0, 2.0, 4.0],
                         help="a block's weight copy over its forward")
     args, data, shard_bytes = parse_workload(parser)
@@ -75,7 +78,7 @@ def main():
                                 compute, stats["host_to_device_bytes"] / bandwidth[ratio], took))
     print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
           f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's weights "
-          f"and gradients and {args.ahead} more's weights), prefetch {'as far as it allows' if args.far else 'next'}; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.rounds} "
+          f"and gradients and {args.ahead} more's weights), prefetch {'as far as it allows' if args.far else 'next'}, {args.commit} units committed; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.rounds} "
           "interleaved rounds")
     print("| copy / forward | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | waiting for "
           "weights | waiting for gradient room |")

@@ -83,6 +83,7 @@ void bind_scheduler(py::module_& m) {
       .def("cancelled", &Scheduler::cancelled)
       .def("peek", &Scheduler::peek)
       .def("plan", &Scheduler::plan, py::arg("device"), py::arg("count"))
+      .def("commit_plan", &Scheduler::commit_plan, py::arg("device"), py::arg("count"))
       .def("complete", &Scheduler::complete, py::arg("device"), py::arg("unit"), py::arg("seconds"))
       .def("observe", &Scheduler::observe, py::arg("unit"), py::arg("seconds"))
       .def("fail", &Scheduler::fail)

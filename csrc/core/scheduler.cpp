@@ -126,6 +126,8 @@ Unit Scheduler::take_task(int device, int chosen) {
 
 std::vector<Unit> Scheduler::commit_plan(int device, int count) {
   std::vector<Unit> units = plan(device, count);
+  // Only LRTF's order is a means (to the makespan) that a plan may fix early; the others' is the contract.
+  if (policy_.kind() != PolicyKind::kLrtf) return units;
   std::lock_guard lock(mutex_);
   auto& committed = committed_[static_cast<size_t>(device)];
   committed.clear();

@@ -62,7 +62,9 @@ class Scheduler {
   // while it is still its task's next unit and the task is ready (the task may have failed, or moved); at the
   // first that is not, the rest is forgotten and the policy chooses again. Meanwhile no other device takes the
   // unit at its head. So weights copied in ahead along the plan are used, though the estimates behind the
-  // policy move meanwhile (the simulator's Prefetch::kAlongPlan; the live workers do not commit plans).
+  // policy move meanwhile (the live workers commit a few units; the simulator's Prefetch::kAlongPlan as many
+  // as it copies ahead). LRTF only: with fifo, round_robin or random the order asked for is kept exactly, and
+  // this is plan().
   std::vector<Unit> commit_plan(int device, int count);
 
   // `unit` must be the one next() gave `device`. Feeds its duration to the cost model, makes the task

@@ -12,22 +12,29 @@ namespace {
 
 using namespace hydra::core;
 
-TEST(CommittedPlan, IsHandedOutInItsOrderThoughThePolicyWouldChooseOtherwise) {
-  // FIFO would give task 0 first (it became ready first); a plan committed while task 1 ran last here
-  // keeps task 1's next unit first.
-  Scheduler scheduler({TaskSpec{2, 1, std::nullopt}, TaskSpec{2, 1, std::nullopt}}, 1, PolicyKind::kFifo);
-  const Unit first = *scheduler.try_next(0);
-  ASSERT_EQ(first.task, 0);
-  scheduler.complete(0, first, 1.0);
-  const std::vector<Unit> planned = scheduler.commit_plan(0, 3);
-  ASSERT_EQ(planned.size(), 3u);
+TEST(CommittedPlan, IsHandedOutInItsOrderThoughTheEstimatesMove) {
+  // Two equal tasks: LRTF's plan alternates between them. The durations then reported make task 1 look far
+  // longer, which would send LRTF to it at once; the committed units still come in their order.
+  Scheduler scheduler({TaskSpec{2, 2, std::nullopt}, TaskSpec{2, 2, std::nullopt}}, 1, PolicyKind::kLrtf);
+  const std::vector<Unit> planned = scheduler.commit_plan(0, 4);
+  ASSERT_EQ(planned.size(), 4u);
   for (const Unit& expected : planned) {
     const Unit got = *scheduler.try_next(0);
     EXPECT_EQ(got, expected);
-    scheduler.complete(0, got, 1.0);
+    scheduler.complete(0, got, got.task == 1 ? 100.0 : 0.001);
   }
   // Committing again continues the committed order where it still holds: a plan is stable.
   EXPECT_EQ(scheduler.commit_plan(0, 2), scheduler.plan(0, 2));
+}
+
+TEST(CommittedPlan, OnlyLrtfCommits) {
+  // fifo, round_robin and random keep the order asked for at every decision: commit_plan is plan().
+  for (PolicyKind policy : {PolicyKind::kFifo, PolicyKind::kRoundRobin, PolicyKind::kRandom}) {
+    Scheduler scheduler({TaskSpec{2, 2, std::nullopt}, TaskSpec{2, 2, std::nullopt}}, 2, policy);
+    const std::vector<Unit> planned = scheduler.commit_plan(0, 1);
+    ASSERT_EQ(planned.size(), 1u);
+    EXPECT_EQ(scheduler.try_next(1)->task, planned[0].task) << "device 1 may take what device 0 planned";
+  }
 }
 
 TEST(CommittedPlan, AnotherDeviceLeavesItsHeadAloneAndItsTasksOutOfItsOwnPlan) {
