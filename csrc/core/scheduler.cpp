@@ -97,10 +97,14 @@ std::optional<Unit> Scheduler::take_locked(int device) {
 
 bool Scheduler::reserved_elsewhere(int task, int device) const {
   if (!plans_committed_) return false;
-  const int64_t next = tasks_[static_cast<size_t>(task)].next_index;
+  const TaskState& state = tasks_[static_cast<size_t>(task)];
   for (int d = 0; d < num_devices_; ++d) {
     const auto& committed = committed_[static_cast<size_t>(d)];
-    if (d != device && !committed.empty() && committed.front() == std::pair<int, int64_t>{task, next}) return true;
+    // A device that may no longer run the task (it was pinned elsewhere since) holds nothing for it: it might
+    // never ask again.
+    if (d != device && !committed.empty() && committed.front() == std::pair<int, int64_t>{task, state.next_index} &&
+        allowed(state, d))
+      return true;
   }
   return false;
 }
