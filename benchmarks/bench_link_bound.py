@@ -8,7 +8,8 @@ counts. Reported, medians of interleaved rounds: the span (first unit's start to
 bound, and the shares of the span the compute waited for weights to land (`acquire_wait_seconds`, the exposed
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
 
-    python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4] [--rounds 3]
+    python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
+                                          [--rounds 3]
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def span(results) -> float:
 
 def block_forward_seconds(results, shards: int) -> float:
     """The median forward of a transformer block's shard (not the embedding's, not the head's)."""
-    return statistics.median(e.end - e.start for e in results.trace if e.phase == "forward" and 0 < e.shard < shards - 1)
+    return statistics.median(e.end - e.start for e in results.trace
+                             if e.phase == "forward" and 0 < e.shard < shards - 1)
 
 
 def main():
@@ -76,9 +78,11 @@ def main():
             took = span(results)
             rows[ratio].append((took / bound, stats["acquire_wait_seconds"] / took, stats["grad_wait_seconds"] / took,
                                 compute, stats["host_to_device_bytes"] / bandwidth[ratio], took))
+    prefetch = "as far as it allows" if args.far else "next"
     print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
-          f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's weights "
-          f"and gradients and {args.ahead} more's weights), prefetch {'as far as it allows' if args.far else 'next'}, {args.commit} units committed; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.rounds} "
+          f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
+          f"weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, {args.commit} units "
+          f"committed; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.rounds} "
           "interleaved rounds")
     print("| copy / forward | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | waiting for "
           "weights | waiting for gradient room |")

@@ -14,8 +14,8 @@ from hydra_torch.results import TraceEntry
 # of them it commits to (Scheduler.commit_plan: it runs them in that order while they hold, so what it prefetched
 # and kept is used though the cost model's estimates move), and how far ahead of the next planned shard
 # prefetch goes, in bytes. Measured on an emulated link (benchmarks/RESULTS.md, "Against the bound"):
-# committing to 4 units cut four spilled models' training time by 7-9% and their copies by 10%; prefetching
-# beyond the next planned shard was no faster, committed or not.
+# committing to 4 units cut four spilled models' training time by 8-12% and their copies by 11-14%; at memory
+# speed it changed nothing beyond noise; prefetching beyond the next planned shard was no faster, committed or not.
 PLAN_UNITS = 32
 COMMITTED_UNITS = 4
 PREFETCH_BEYOND_NEXT_BYTES = 0

@@ -85,11 +85,17 @@ std::optional<Unit> Scheduler::take_locked(int device) {
   }
   candidates_.clear();
   const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
-  for (int t = 0; t < num_tasks(); ++t) {
-    const TaskState& task = tasks_[static_cast<size_t>(t)];
-    if (task.state != State::kIdle || !allowed(task, device) || reserved_elsewhere(t, device)) continue;
-    const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
-    candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device});
+  // A unit at the head of another device's committed plan waits for that device (its weights are on their way
+  // there), unless this device would otherwise have nothing to do: then it goes, and that commitment lapses.
+  for (const bool respect_reservations : {true, false}) {
+    for (int t = 0; t < num_tasks(); ++t) {
+      const TaskState& task = tasks_[static_cast<size_t>(t)];
+      if (task.state != State::kIdle || !allowed(task, device)) continue;
+      if (respect_reservations && reserved_elsewhere(t, device)) continue;
+      const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
+      candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device});
+    }
+    if (!candidates_.empty() || !plans_committed_) break;
   }
   if (candidates_.empty()) return std::nullopt;
   return take_task(device, candidates_[policy_.choose(device, candidates_)].task);
@@ -111,10 +117,13 @@ bool Scheduler::reserved_elsewhere(int task, int device) const {
 
 bool Scheduler::planned_elsewhere(int task, int device) const {
   if (!plans_committed_) return false;
+  const TaskState& state = tasks_[static_cast<size_t>(task)];
+  if (state.state == State::kRunning && state.running_device == device) return false;  // its own
   for (int d = 0; d < num_devices_; ++d) {
     if (d == device) continue;
+    // Entries for units the task has already run (elsewhere) are stale: they hold nothing.
     for (const auto& [t, index] : committed_[static_cast<size_t>(d)])
-      if (t == task) return true;
+      if (t == task && index >= state.next_index) return true;
   }
   return false;
 }
@@ -137,6 +146,7 @@ std::vector<Unit> Scheduler::commit_plan(int device, int count) {
   committed.clear();
   for (const Unit& unit : units) committed.emplace_back(unit.task, unit.index);
   plans_committed_ = true;
+  ready_.notify_all();  // a unit this device held before may be free for another now
   return units;
 }
 

@@ -60,11 +60,11 @@ class Scheduler {
   std::vector<Unit> plan(int device, int count) const;
   // plan(), kept: until the next commit_plan, next() and try_next() give `device` the first of these units
   // while it is still its task's next unit and the task is ready (the task may have failed, or moved); at the
-  // first that is not, the rest is forgotten and the policy chooses again. Meanwhile no other device takes the
-  // unit at its head. So weights copied in ahead along the plan are used, though the estimates behind the
-  // policy move meanwhile (the live workers commit a few units; the simulator's Prefetch::kAlongPlan as many
-  // as it copies ahead). LRTF only: with fifo, round_robin or random the order asked for is kept exactly, and
-  // this is plan().
+  // first that is not, the rest is forgotten and the policy chooses again. Meanwhile another device takes the
+  // unit at its head only if it has nothing else to do. So weights copied in ahead along the plan are used,
+  // though the estimates behind the policy move meanwhile (the live workers commit a few units; the
+  // simulator's Prefetch::kAlongPlan as many as it copies ahead). LRTF only: with fifo, round_robin or random
+  // the order asked for is kept exactly, and this is plan().
   std::vector<Unit> commit_plan(int device, int count);
 
   // `unit` must be the one next() gave `device`. Feeds its duration to the cost model, makes the task
@@ -130,7 +130,8 @@ class Scheduler {
   Unit take_task(int device, int task);  // marks the task running on `device`; returns its next unit
   // The task's next unit heads another device's committed plan: that device is copying its weights in.
   bool reserved_elsewhere(int task, int device) const;
-  // The task is in another device's committed plan: this device's plan leaves it to that one.
+  // A unit of the task still to run is in another device's committed plan: this device's plan leaves the
+  // task to that one (unless the task is running here).
   bool planned_elsewhere(int task, int device) const;
 
   std::vector<TaskState> tasks_;

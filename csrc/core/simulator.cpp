@@ -96,7 +96,8 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
     if (back_to_back || std::any_of(lane.landing.begin(), lane.landing.end(),
                                     [&](const auto& entry) { return same_unit(entry.first, p); }))
       continue;
-    lane.landing.emplace_back(p, lane.copy(now, checked(config.transfer(p.task, p.shard, p.phase), "transfer"), result));
+    const double seconds = checked(config.transfer(p.task, p.shard, p.phase), "transfer");
+    lane.landing.emplace_back(p, lane.copy(now, seconds, result));
   }
   return start;
 }
@@ -118,9 +119,9 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       const std::optional<Unit> unit = scheduler.try_next(d);
       if (!unit) continue;
       const double compute = unit_compute(config.compute, *unit);
-      const double exposed =
-          along_plan ? start_along_plan(config, scheduler, d, device, lanes[static_cast<size_t>(d)], *unit, now, result) - now
-                     : exposed_transfer(config, device, *unit, now);
+      CopyLane& lane = lanes[static_cast<size_t>(d)];
+      const double exposed = along_plan ? start_along_plan(config, scheduler, d, device, lane, *unit, now, result) - now
+                                        : exposed_transfer(config, device, *unit, now);
       result.exposed_transfer_seconds += exposed;
       const double end = now + exposed + compute;
       if (along_plan && config.gradient_transfer && has_backward(unit->phase)) {
@@ -216,8 +217,10 @@ double transfer_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& tra
     const TaskSpec& spec = tasks[static_cast<size_t>(t)];
     for (int64_t i = 0; i < total_units(spec); ++i) {
       const Unit unit = unit_at(t, spec, i);
-      // F(0) right after the previous micro-batch's B(0) may reuse its weights.
-      const bool may_reuse = unit.phase == Phase::kForward && unit.shard == 0 && unit.micro_batch > 0;
+      // A micro-batch's first unit (F(0), or FB(0) of a one-shard task) may reuse the weights the previous
+      // micro-batch's last unit, on shard 0 too, left on the device.
+      const bool may_reuse = unit.micro_batch > 0 && unit.shard == 0 &&
+                             (unit.phase == Phase::kForward || unit.phase == Phase::kForwardBackward);
       if (transfer && !may_reuse) in += checked(transfer(unit.task, unit.shard, unit.phase), "transfer");
       if (gradient_transfer && has_backward(unit.phase))
         out += checked(gradient_transfer(unit.task, unit.shard, unit.phase), "transfer");

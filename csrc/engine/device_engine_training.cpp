@@ -229,6 +229,7 @@ void DeviceEngine::step_spilled(int model, int shard, double grad_scale, double 
 }
 
 double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) {
+  // Not gated by the loss: the caller reads it first (the runner's _end_micro_batch raises on a non-finite one).
   synchronize(model);
   Model& m = models_.at(model);
   ShardStore& store = *m.store;

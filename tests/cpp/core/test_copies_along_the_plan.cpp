@@ -49,6 +49,35 @@ TEST(CommittedPlan, AnotherDeviceLeavesItsHeadAloneAndItsTasksOutOfItsOwnPlan) {
   EXPECT_EQ(scheduler.try_next(0)->task, reserved);
 }
 
+TEST(CommittedPlan, ADeviceWithNothingElseToDoTakesAnotherDevicesHead) {
+  // Device 0 runs task 0 and commits to task 1 next; device 1 has nothing but task 1: it runs it rather than
+  // idle, and device 0's commitment lapses.
+  Scheduler scheduler({TaskSpec{2, 2, std::nullopt}, TaskSpec{2, 2, std::nullopt}}, 2, PolicyKind::kLrtf);
+  const Unit running = *scheduler.try_next(0);
+  scheduler.commit_plan(0, 2);
+  const std::optional<Unit> taken = scheduler.try_next(1);
+  ASSERT_TRUE(taken.has_value()) << "an idle device waited for another device's commitment";
+  EXPECT_NE(taken->task, running.task);
+  scheduler.complete(0, running, 1.0);
+  EXPECT_EQ(scheduler.try_next(0)->task, running.task);
+}
+
+TEST(CommittedPlan, ATaskRunningHereStaysInThisDevicesPlan) {
+  // Device 0 committed to two units of task 0; device 1 ran the first of them: the second is still device 0's,
+  // but task 0 now runs on device 1, whose plan must foresee its next units (for prefetch and eviction).
+  Scheduler scheduler({TaskSpec{3, 1, std::nullopt}}, 2, PolicyKind::kLrtf);
+  const Unit first = *scheduler.try_next(0);
+  scheduler.complete(0, first, 1.0);
+  scheduler.commit_plan(0, 3);
+  scheduler.commit_plan(1, 1);  // device 1 now asks while device 0 is idle: nothing else for it to do
+  const std::optional<Unit> second = scheduler.try_next(1);
+  ASSERT_TRUE(second.has_value());
+  const std::vector<Unit> planned = scheduler.plan(1, 2);
+  ASSERT_FALSE(planned.empty());
+  EXPECT_EQ(planned.front().task, 0);
+  EXPECT_EQ(planned.front().index, second->index + 1);
+}
+
 TEST(CommittedPlan, AStaleCommitmentIsForgotten) {
   Scheduler scheduler({TaskSpec{2, 2, std::nullopt}, TaskSpec{2, 2, std::nullopt}}, 2, PolicyKind::kLrtf);
   const std::vector<Unit> planned = scheduler.commit_plan(0, 2);
@@ -75,6 +104,18 @@ TEST(CopiesAlongThePlan, CopiesShorterThanTheComputeAreHiddenAfterTheFirst) {
   EXPECT_DOUBLE_EQ(result.transfer_seconds, 5 * 0.5) << "every unit's shard once, nothing wasted";
   EXPECT_DOUBLE_EQ(result.gradient_transfer_seconds, 3 * 0.5) << "FB2, B1, B0";
   EXPECT_DOUBLE_EQ(transfer_bound(config.tasks, config.transfer, config.gradient_transfer, 1), 2.5);
+}
+
+TEST(CopiesAlongThePlan, TheBoundLetsAOneShardTaskKeepItsWeights) {
+  // Every unit of a one-shard task is FB(0) on the same shard: one copy is all any schedule needs.
+  const std::vector<TaskSpec> tasks = {TaskSpec{1, 5, std::nullopt}};
+  EXPECT_DOUBLE_EQ(transfer_bound(tasks, [](int, int, Phase) { return 1.0; }, {}, 1), 1.0);
+  SimulationConfig config;
+  config.tasks = tasks;
+  config.compute = [](int, int, Phase) { return 0.1; };
+  config.transfer = [](int, int, Phase) { return 1.0; };
+  config.prefetch = Prefetch::kAlongPlan;
+  EXPECT_DOUBLE_EQ(simulate(config).makespan, 1.0 + 5 * 0.1);
 }
 
 TEST(CopiesAlongThePlan, ALinkSlowerThanTheComputeSetsThePace) {
