@@ -54,8 +54,6 @@ double exposed_transfer(const SimulationConfig& config, const DeviceState& devic
 
 bool has_backward(Phase phase) { return phase == Phase::kForwardBackward || phase == Phase::kBackward; }
 
-bool same_unit(const Unit& a, const Unit& b) { return a.task == b.task && a.index == b.index; }
-
 // A device's host-to-device copy lane under Prefetch::kAlongPlan.
 struct CopyLane {
   double free_at = 0.0;
@@ -77,7 +75,7 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
   double start = now;
   const bool same_shard = state.ran_before && state.last_task == unit.task && state.last_shard == unit.shard;
   auto issued = std::find_if(lane.landing.begin(), lane.landing.end(),
-                             [&](const auto& entry) { return same_unit(entry.first, unit); });
+                             [&](const auto& entry) { return entry.first == unit; });
   if (issued != lane.landing.end()) {
     start = std::max(now, issued->second);
     lane.landing.erase(issued);
@@ -86,7 +84,7 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
   }
   const std::vector<Unit> planned = scheduler.commit_plan(device, config.prefetch_units);
   std::erase_if(lane.landing, [&](const auto& entry) {
-    return std::none_of(planned.begin(), planned.end(), [&](const Unit& p) { return same_unit(p, entry.first); });
+    return std::none_of(planned.begin(), planned.end(), [&](const Unit& p) { return p == entry.first; });
   });
   const Unit* previous = &unit;
   for (const Unit& p : planned) {
@@ -94,7 +92,7 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
     const bool back_to_back = p.task == previous->task && p.shard == previous->shard;
     previous = &p;
     if (back_to_back || std::any_of(lane.landing.begin(), lane.landing.end(),
-                                    [&](const auto& entry) { return same_unit(entry.first, p); }))
+                                    [&](const auto& entry) { return entry.first == p; }))
       continue;
     const double seconds = checked(config.transfer(p.task, p.shard, p.phase), "transfer");
     lane.landing.emplace_back(p, lane.copy(now, seconds, result));

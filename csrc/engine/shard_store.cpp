@@ -130,7 +130,7 @@ at::Tensor ShardStore::host_buffer(int64_t numel, at::ScalarType dtype, bool pin
 int64_t ShardStore::device_bytes(const std::vector<int64_t>& numels, bool bf16) {
   int64_t elements = 0;
   for (int64_t n : numels) elements += aligned(n);
-  return elements * (bf16 ? 2 : 4);
+  return elements * element_bytes(bf16);
 }
 
 at::ScalarType ShardStore::compute_dtype() const { return bf16_ ? at::kBFloat16 : at::kFloat; }

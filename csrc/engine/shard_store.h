@@ -55,7 +55,8 @@ class ShardStore {
   bool pinned() const { return pinned_; }
   at::ScalarType compute_dtype() const;
   // Bytes of one element in the compute dtype: what weights and gradients take on the device.
-  int64_t element_bytes() const { return bf16_ ? 2 : 4; }
+  static int64_t element_bytes(bool bf16) { return bf16 ? 2 : 4; }
+  int64_t element_bytes() const { return element_bytes(bf16_); }
 
   int64_t owned_numel(int shard) const { return owned_numel_.at(shard); }
   int64_t trainable_numel(int shard) const { return trainable_numel_.at(shard); }
