@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -27,8 +28,7 @@ from transformers.utils import logging as hf_logging
 
 import hydra_torch as ht
 from bench_multi_model import add_workload_args, token_batches
-from hydra_torch import testing
-from hydra_torch.workers import DeviceSlot
+from hydra_torch import testing, workers
 
 
 def make_tasks(args, data):
@@ -56,10 +56,8 @@ def parse_workload(parser, steps: int = 8):
 
 def run(args, data, budget, link, prefetch_bytes):
     tasks = make_tasks(args, data)
-    original = DeviceSlot.prefetch
-    if prefetch_bytes is not None:
-        DeviceSlot.prefetch = lambda slot: slot.engine.prefetch_ahead(prefetch_bytes)
-    try:
+    beyond = workers.PREFETCH_BEYOND_NEXT_BYTES if prefetch_bytes is None else prefetch_bytes
+    with mock.patch.object(workers, "PREFETCH_BEYOND_NEXT_BYTES", beyond):
         start = time.perf_counter()
         if link:
             with testing.emulated_link(args.bandwidth):
@@ -67,8 +65,6 @@ def run(args, data, budget, link, prefetch_bytes):
         else:
             results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
         seconds = time.perf_counter() - start
-    finally:
-        DeviceSlot.prefetch = original
     assert all(r.error is None and not r.resident for r in results), [r.error for r in results]
     stats = results.stats[0]
     return (seconds, stats["weight_copy_seconds"] / seconds, stats["grad_copy_seconds"] / seconds,

@@ -82,7 +82,7 @@ def profile_hydra(template, w: Workload, data, device: torch.device, budget, ste
     """Trains a copy of `template` for `steps` steps (batches from `data`) and profiles the last one."""
     try:
         import hydra_torch as ht
-        from hydra_torch.runner import TaskRunner
+        from hydra_torch import workers
 
         _reset(device)
         model = copy.deepcopy(template)
@@ -94,29 +94,29 @@ def profile_hydra(template, w: Workload, data, device: torch.device, budget, ste
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities)
-        original = TaskRunner.run_unit
+        original = workers._visit
 
-        def run_unit(runner, unit, slot):
+        def visit(slot, unit, runner):
             # Only the last step's units are recorded: earlier steps warm the allocator, cuBLAS and the caches.
             if unit.index == first:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 profiler.start()
             try:
-                return original(runner, unit, slot)
+                return original(slot, unit, runner)
             finally:
                 if unit.index == last:
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     profiler.stop()
 
-        TaskRunner.run_unit = run_unit
+        workers._visit = visit
         try:
             start = time.perf_counter()
             results = ht.train([task], devices=[device], memory_budget=budget, progress=False, seed=w.seed)
             wall = time.perf_counter() - start
         finally:
-            TaskRunner.run_unit = original
+            workers._visit = original
         if results[0].error is not None:
             return {"error": f"{type(results[0].error).__name__}: {results[0].error}"}
         with tempfile.TemporaryDirectory() as folder:

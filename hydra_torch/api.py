@@ -19,7 +19,7 @@ from hydra_torch.arrivals import Arrivals, OpenRun
 from hydra_torch.inbox import Inbox
 from hydra_torch.selection import Selection
 from hydra_torch.task import ModelTask, check_own_models
-from hydra_torch.workers import DeviceSlot, device_worker
+from hydra_torch.workers import DeviceSlot, device_worker, make_loop
 
 
 def resolve_devices(devices) -> list[torch.device]:
@@ -163,7 +163,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     stop = interrupts.StopRequest()
-    slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints, Inbox())
+    slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints, Inbox(), loop=make_loop(scheduler, e, i))
              for i, (d, e) in enumerate(zip(resolved, engines))]
     for slot in slots:
         slot.peers = slots

@@ -94,7 +94,7 @@ class OpenRun:
                 self.selection.arrive(runner)
             store = lifecycle.make_store(runner, self.pin)
             errors = self._on_every_device(lambda slot: runner.model_ids.__setitem__(
-                slot.index, slot.engine.add_model(store, allow_resident=False)))
+                slot.index, slot.engine.add_model(store, allow_resident=False, task=runner.index)))
             if errors or self._workers_gone.is_set():
                 self._on_every_device(lambda slot: slot.index in runner.model_ids
                                       and slot.engine.release_model(runner.model_ids[slot.index]))

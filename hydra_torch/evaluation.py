@@ -51,20 +51,15 @@ class EvalPass:
                 self.x = task.inputs(to_device(self.batch, device))
                 if runner.compute_dtype != torch.float32:
                     self.x = tree_map(lambda t: t.to(runner.compute_dtype) if floating(t) else t, self.x)
-            engine, mid = slot.engine, runner.model_ids[slot.index]
             x = to_device(self.x, device)
-            engine.acquire(mid, s, with_grads=False)
-            try:
-                slot.prefetch()
-                with eval_mode(task.modules[s]), torch.no_grad(), runner.rng.cpu_section(("evaluate", s), save=False), \
-                        runner.rng.on_device(device, save=False):
-                    y = run_shard(task.modules[s], x)
-                    if s == runner.n - 1:
-                        if runner.compute_dtype != torch.float32:
-                            y = tree_map(lambda t: t.float() if floating(t) else t, y)
-                        loss = task.loss_fn(y, to_device(self.batch, device))
-            finally:
-                engine.release(mid, s)
+            slot.loop.begin(unit)
+            with eval_mode(task.modules[s]), torch.no_grad(), runner.rng.cpu_section(("evaluate", s), save=False), \
+                    runner.rng.on_device(device, save=False):
+                y = run_shard(task.modules[s], x)
+                if s == runner.n - 1:
+                    if runner.compute_dtype != torch.float32:
+                        y = tree_map(lambda t: t.float() if floating(t) else t, y)
+                    loss = task.loss_fn(y, to_device(self.batch, device))
         except Exception as error:
             if hasattr(error, "add_note"):
                 error.add_note(f"task {task.name!r}: in the evaluation after step {runner.steps}, validation "

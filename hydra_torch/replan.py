@@ -100,8 +100,8 @@ def _move(slot, runner, groups) -> str | None:
         _carry_state(old, store)
         del old
     ids = {}
-    errors = on_devices(slots, lambda s: ids.__setitem__(s.index, s.engine.add_model(store, allow_resident=False)),
-                        own=slot)
+    errors = on_devices(slots, lambda s: ids.__setitem__(
+        s.index, s.engine.add_model(store, allow_resident=False, task=runner.index)), own=slot)
     if not ids:
         return f"no device can take it in {runner.n} shards: {errors[0]}"
     # Some devices' arenas are taken (by resident tasks, say), or their workers have ended: it trains on one

@@ -125,8 +125,9 @@ class TaskRunner:
         return self._rng
 
     def run_unit(self, unit, slot):
-        """Runs one unit on `slot` (engine + device); `slot.prefetch()` is called once the unit's own shard
-        is in place, to bring in the shard planned next on that device."""
+        """Runs one unit on `slot`: its shard is acquired (`slot.loop.begin`) where its compute starts, once its
+        inputs are on their way; the worker ends the visit. Returns what the loop's end reports: the shard's
+        backward (a _C.BackwardDone), or None."""
         device, s = slot.device, unit.shard
         self._place_buffers(s, device)
         if unit.phase == EVALUATE:
@@ -134,17 +135,24 @@ class TaskRunner:
         elif unit.phase == FORWARD:
             if s == 0:
                 self._begin_micro_batch(device)
-            self._forward(s, slot)
+            self._forward(unit, slot)
         elif unit.phase == FORWARD_BACKWARD:
             if self.n == 1:
                 self._begin_micro_batch(device)
-            self._forward_backward(slot)
-            if self.n == 1:
-                self._end_micro_batch(slot)
+            self._forward_backward(unit, slot)
+            return self._backward_report()
         else:
-            self._backward(s, slot)
-            if s == 0:
-                self._end_micro_batch(slot)
+            self._backward(unit, slot)
+            return self._backward_report()
+        return None
+
+    def unit_ended(self, unit, slot, backward):
+        """After the loop's end: the shard's step is queued (`backward.step`), and the micro-batch ends with
+        its last backward unit."""
+        if backward is not None and backward.step:
+            self._stepped.append(unit.shard)
+        if unit.phase == FORWARD_BACKWARD and self.n == 1 or unit.phase == BACKWARD and unit.shard == 0:
+            self._end_micro_batch(slot)
 
     def at_step_boundary(self) -> bool:
         """No step in progress: every shard has had the same number of steps applied."""
@@ -250,85 +258,71 @@ class TaskRunner:
             engines[slot_index].discard_grads(model_id)
 
     # -- units -------------------------------------------------------------------------------------------------
-    def _forward(self, s, slot):
-        engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
+    def _forward(self, unit, slot):
+        mb, s = self._mb, unit.shard
         x = to_device(mb.x, slot.device)
         if self.keep_graphs and s > 0:
             x = self._requires_grad(x)
-        engine.acquire(mid, s, with_grads=False)
-        try:
-            slot.prefetch()
-            mb.rng[s] = self._rng.snapshot()
-            with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs):
-                y = run_shard(self.task.modules[s], x)
-        finally:
-            engine.release(mid, s)
+        slot.loop.begin(unit)
+        mb.rng[s] = self._rng.snapshot()
+        with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs):
+            y = run_shard(self.task.modules[s], x)
         mb.saved[s] = (x, y) if self.keep_graphs else x
         mb.x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y) if self.keep_graphs else y
 
-    def _forward_backward(self, slot):
+    def _forward_backward(self, unit, slot):
         engine, mid, mb, s = slot.engine, self.model_ids[slot.index], self._mb, self.n - 1
         x_in = self._requires_grad(to_device(mb.x, slot.device))
         mb.x = None
-        engine.acquire(mid, s, with_grads=True)
-        try:
-            slot.prefetch()
-            # The task's streams go on from where this forward and loss leave them: a backward's recompute
-            # replays a forward's draws and must not advance them.
-            with self._random(("forward_backward",), slot.device), torch.enable_grad():
-                out = run_shard(self.task.modules[s], x_in)
-                if self.compute_dtype != torch.float32:
-                    out = tree_map(lambda t: t.float() if floating(t) else t, out)
-                loss = self.task.loss_fn(out, to_device(mb.batch, slot.device))
-                check_loss(loss, self.task.name)
-                # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
-                mb.loss = engine.watch_loss(mid, loss)
-            (loss / mb.count).backward()
-            mb.grad = self._input_grads(x_in)
-            self._backward_done(engine, mid, s, mb)
-        finally:
-            engine.release(mid, s)
+        slot.loop.begin(unit)
+        # The task's streams go on from where this forward and loss leave them: a backward's recompute
+        # replays a forward's draws and must not advance them.
+        with self._random(("forward_backward",), slot.device), torch.enable_grad():
+            out = run_shard(self.task.modules[s], x_in)
+            if self.compute_dtype != torch.float32:
+                out = tree_map(lambda t: t.float() if floating(t) else t, out)
+            loss = self.task.loss_fn(out, to_device(mb.batch, slot.device))
+            check_loss(loss, self.task.name)
+            # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
+            mb.loss = engine.watch_loss(mid, loss)
+        (loss / mb.count).backward()
+        mb.grad = self._input_grads(x_in)
 
-    def _backward(self, s, slot):
-        engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
+    def _backward(self, unit, slot):
+        mb, s = self._mb, unit.shard
         saved = mb.saved.pop(s)
         grad = to_device(mb.grad, slot.device)
-        engine.acquire(mid, s, with_grads=True)
-        try:
-            slot.prefetch()
-            rng = mb.rng.pop(s)
-            with torch.enable_grad():
-                if self.keep_graphs:
-                    x_in, y = saved
-                else:
-                    x_in = self._requires_grad(to_device(saved, slot.device))
-                    # The forward already updated running statistics (BatchNorm); re-running it must not. The
-                    # recompute gets throw-away copies (not restored in place: autograd saved what it used).
-                    originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
+        slot.loop.begin(unit)
+        rng = mb.rng.pop(s)
+        with torch.enable_grad():
+            if self.keep_graphs:
+                x_in, y = saved
+            else:
+                x_in = self._requires_grad(to_device(saved, slot.device))
+                # The forward already updated running statistics (BatchNorm); re-running it must not. The
+                # recompute gets throw-away copies (not restored in place: autograd saved what it used).
+                originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
+                for m, name, buffer in originals:
+                    m._buffers[name] = buffer.clone()
+                try:
+                    with self._random(("forward", s), slot.device, start=rng, save=False):
+                        y = run_shard(self.task.modules[s], x_in)
+                finally:
                     for m, name, buffer in originals:
-                        m._buffers[name] = buffer.clone()
-                    try:
-                        with self._random(("forward", s), slot.device, start=rng, save=False):
-                            y = run_shard(self.task.modules[s], x_in)
-                    finally:
-                        for m, name, buffer in originals:
-                            m._buffers[name] = buffer
-                outputs, _ = tree_flatten(y)
-                pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            mb.grad = self._input_grads(x_in) if s > 0 else None
-            self._backward_done(engine, mid, s, mb)
-        finally:
-            engine.release(mid, s)
+                        m._buffers[name] = buffer
+            outputs, _ = tree_flatten(y)
+            pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        mb.grad = self._input_grads(x_in) if s > 0 else None
 
-    def _backward_done(self, engine, mid, s, mb):
+    def _backward_report(self):
+        """What the loop's end tells the engine of the shard's backward: whether the step follows (the
+        micro-batch's last, unless clipping steps every shard at once), at the schedule's rate; with clipping
+        and one micro-batch a step, the gradient waits for the norm as it landed (bf16: 2 bytes)."""
         clipped = self.task.clip_grad_norm is not None
-        step = mb.last and not clipped
-        # With clipping and one micro-batch a step, a gradient waits for the norm as it landed (bf16: 2 bytes).
-        engine.backward_done(mid, s, step=step, lr_scale=self._lr_scale, keep=clipped and mb.count == 1)
-        if step:
-            self._stepped.append(s)
+        return _C.BackwardDone(step=self._mb.last and not clipped, lr_scale=self._lr_scale,
+                               keep=clipped and self._mb.count == 1)
 
     def _evaluate(self, unit, slot):
         """E(s) of validation batch unit.micro_batch (see hydra_torch.evaluation)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_torch import replan, unit_clock
+from hydra_torch import _C, replan, unit_clock
 from hydra_torch.results import TraceEntry
 
 # How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), how many
@@ -16,9 +16,16 @@ from hydra_torch.results import TraceEntry
 # prefetch goes, in bytes. Measured on an emulated link (benchmarks/RESULTS.md, "Against the bound"):
 # committing to 4 units cut four spilled models' training time by 8-12% and their copies by 11-14%; at memory
 # speed it changed nothing beyond noise; prefetching beyond the next planned shard was no faster, committed or not.
+# Read when a run starts (make_loop).
 PLAN_UNITS = 32
 COMMITTED_UNITS = 4
 PREFETCH_BEYOND_NEXT_BYTES = 0
+
+
+def make_loop(scheduler, engine, index: int):
+    """The device's per-unit seam (_C.DeviceLoop): begin plans, acquires and prefetches; end reports the
+    backward and releases."""
+    return _C.DeviceLoop(scheduler, engine, index, PLAN_UNITS, COMMITTED_UNITS, PREFETCH_BEYOND_NEXT_BYTES)
 
 
 @dataclass
@@ -33,22 +40,7 @@ class DeviceSlot:
     inbox: object = None        # inbox.Inbox: engine work other threads ask of this one
     open_run: object = None     # arrivals.OpenRun: told of every task that ends, when tasks may join the run
     peers: list = None          # every device's slot, this one included
-
-    def prefetch(self):
-        """Brings in the next planned shard not on the device, possibly another task's."""
-        self.engine.prefetch_ahead(PREFETCH_BEYOND_NEXT_BYTES)
-
-    def plan(self, runner, unit):
-        """Tells the engine which shard visits come next here, in order: this unit's, then the units the
-        scheduler will hand this device next (the first COMMITTED_UNITS of them kept to). Eviction keeps what
-        is needed soonest; prefetch follows it."""
-        visits = [(runner.model_ids[self.index], unit.shard)]
-        self.scheduler.commit_plan(self.index, COMMITTED_UNITS)
-        for planned in self.scheduler.plan(self.index, PLAN_UNITS):
-            model = self.runners[planned.task].model_ids.get(self.index)
-            if model is not None:
-                visits.append((model, planned.shard))
-        self.engine.plan(visits)
+    loop: object = None         # _C.DeviceLoop (make_loop)
 
 
 def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
@@ -144,20 +136,34 @@ def _leave_if_ended(slot: DeviceSlot, unit, runner):
             slot.open_run.ended(runner)
 
 
+def _visit(slot: DeviceSlot, unit, runner) -> int:
+    """The unit's shard visit: the runner's compute (which begins the visit on the loop where its compute
+    starts), the loop's end (the shard released however the compute ended), then what the runner does once
+    the shard's backward is reported. Returns the bytes copied to the device meanwhile."""
+    try:
+        backward = runner.run_unit(unit, slot)
+    except BaseException:
+        slot.loop.end(unit, None)
+        raise
+    copied = slot.loop.end(unit, backward)
+    runner.unit_ended(unit, slot, backward)
+    return copied
+
+
 def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
     runner = slot.runners[unit.task]
     start = time.perf_counter()
     mark = clock.start() if clock is not None else None
-    copied = slot.engine.host_to_device_bytes()
     plan = len(runner.replans)
     fatal = None
     failed = retried = False
+    copied = 0
     try:
-        slot.plan(runner, unit)
-        runner.run_unit(unit, slot)
+        copied = _visit(slot, unit, runner)
         if runner.stopped is not None:  # a selection rule stopped it here, at a step boundary
             slot.scheduler.fail(unit.task)
     except Exception as error:  # the task ends, unless it ran out of memory and can be re-planned; the others go on
+        copied = slot.loop.copied()
         retried = replan.retry(slot, unit, runner, error)
         if not retried:
             runner.note_partial_step(error)
@@ -166,13 +172,13 @@ def _run_unit(slot: DeviceSlot, unit, clock, trace: list, lock: threading.Lock):
             slot.scheduler.fail(unit.task)
             failed = True
     except BaseException as error:  # Ctrl-C or an exit: the task ends, and so does this worker
+        copied = slot.loop.copied()
         runner.note_partial_step(error)
         with lock:
             runner.error = runner.error or error
         slot.scheduler.fail(unit.task)
         fatal = error
         failed = True
-    copied = slot.engine.host_to_device_bytes() - copied
 
     def record(begin, end):
         with lock:

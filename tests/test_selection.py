@@ -59,7 +59,9 @@ def test_a_stopped_task_keeps_exactly_the_weights_of_its_last_step():
 
 def test_training_loss_metric_needs_no_validation_data():
     data = token_batches(8)
-    results = ht.train(tasks_for([3e-3, 1e-3, 1e-5, 1e-6], data), devices="cpu", progress=False,
+    # FIFO: the order in which tasks reach a rung, and so which of them an asynchronous rung stops, does not
+    # depend on unit timings (under LRTF a run on a busy machine could let every task through).
+    results = ht.train(tasks_for([3e-3, 1e-3, 1e-5, 1e-6], data), devices="cpu", progress=False, schedule="fifo",
                        selection=ht.SuccessiveHalving(min_steps=2, reduction_factor=2, metric="train_loss"))
     stopped = [r for r in results if r.stopped]
     assert stopped and all("mean training loss since the last rung" in r.stopped for r in stopped)

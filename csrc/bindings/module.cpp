@@ -6,12 +6,15 @@
 #include "bindings/partitioner.h"
 #include "bindings/scheduler.h"
 #include "engine/device_engine.h"
+#include "engine/device_loop.h"
 #include "engine/optimizer_spec.h"
 #include "engine/placement.h"
 #include "engine/shard_store.h"
 
 namespace py = pybind11;
+using hydra::engine::BackwardDone;
 using hydra::engine::DeviceEngine;
+using hydra::engine::DeviceLoop;
 using hydra::engine::EngineStats;
 using hydra::engine::HostWorker;
 using hydra::engine::LossGate;
@@ -50,7 +53,9 @@ PYBIND11_MODULE(_C, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
 
   py::class_<OptimizerSpec> spec(m, "OptimizerSpec");
-  py::enum_<OptimizerSpec::Kind>(spec, "Kind").value("adam", OptimizerSpec::Kind::kAdam).value("sgd", OptimizerSpec::Kind::kSgd);
+  py::enum_<OptimizerSpec::Kind>(spec, "Kind")
+      .value("adam", OptimizerSpec::Kind::kAdam)
+      .value("sgd", OptimizerSpec::Kind::kSgd);
   spec.def(py::init<>())
       .def_readwrite("kind", &OptimizerSpec::kind)
       .def_readwrite("lr", &OptimizerSpec::lr)
@@ -86,7 +91,8 @@ PYBIND11_MODULE(_C, m) {
              return states;
            })
       .def("set_param_steps", &ShardStore::set_param_steps, py::arg("param"), py::arg("steps"))
-      .def("set_param_options", &ShardStore::set_param_options, py::arg("param"), py::arg("lr"), py::arg("weight_decay"))
+      .def("set_param_options", &ShardStore::set_param_options, py::arg("param"), py::arg("lr"),
+           py::arg("weight_decay"))
       .def("refresh_shadow", &ShardStore::refresh_shadow)
       .def("write_back", &ShardStore::write_back);
 
@@ -109,11 +115,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("link_bytes_per_second") = 0.0)
       .def(
           "add_model",
-          [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident) {
-            return engine.add_model(std::move(store), allow_resident ? DeviceEngine::Residency::kAuto
-                                                                     : DeviceEngine::Residency::kSpilled);
+          [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident, int task) {
+            return engine.add_model(std::move(store),
+                                    allow_resident ? DeviceEngine::Residency::kAuto : DeviceEngine::Residency::kSpilled,
+                                    task);
           },
-          py::arg("store"), py::arg("allow_resident") = true)
+          py::arg("store"), py::arg("allow_resident") = true, py::arg("task") = -1)
+      .def("model_of", &DeviceEngine::model_of, py::arg("task"))
       .def("resident", &DeviceEngine::resident)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
       .def_static("resident_bytes", &DeviceEngine::resident_bytes)
@@ -139,6 +147,27 @@ PYBIND11_MODULE(_C, m) {
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
       .def("free_bytes", &DeviceEngine::free_bytes)
       .def("shard_loads", &DeviceEngine::shard_loads);
+
+  // What DeviceLoop.end reports of a unit that ran a backward (DeviceEngine.backward_done's arguments).
+  py::class_<BackwardDone>(m, "BackwardDone")
+      .def(py::init([](bool step, double lr_scale, bool keep) { return BackwardDone{step, lr_scale, keep}; }),
+           py::arg("step"), py::arg("lr_scale") = 1.0, py::arg("keep") = false)
+      .def_readonly("step", &BackwardDone::step)
+      .def_readonly("lr_scale", &BackwardDone::lr_scale)
+      .def_readonly("keep", &BackwardDone::keep);
+
+  // A device worker's per-unit seam (engine/device_loop.h); it keeps the scheduler and the engine alive.
+  py::class_<DeviceLoop>(m, "DeviceLoop")
+      .def(py::init([](hydra::core::Scheduler& scheduler, DeviceEngine& engine, int device, int plan_units,
+                       int committed_units, int64_t prefetch_bytes) {
+             const hydra::engine::LoopOptions options{plan_units, committed_units, prefetch_bytes};
+             return std::make_unique<DeviceLoop>(scheduler, engine, device, options);
+           }),
+           py::arg("scheduler"), py::arg("engine"), py::arg("device"), py::arg("plan_units"),
+           py::arg("committed_units"), py::arg("prefetch_bytes"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("begin", &DeviceLoop::begin, py::arg("unit"), release_gil())
+      .def("end", &DeviceLoop::end, py::arg("unit"), py::arg("backward"), release_gil())
+      .def("copied", &DeviceLoop::copied);
 
   // A run's models registered with its devices' engines (engine/placement.h): per model, the device it is
   // resident on (-1: spilled on every device) and its id in each engine (-1 where it is not registered).

@@ -1,17 +1,18 @@
 #include "engine/device_engine.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <chrono>
+#include <cmath>
 #include <limits>
-#include <mutex>
 
 #include "core/eviction.h"
-#include "engine/optimizer_step.h"
+#include "engine/resident_model.h"
+#include "engine/spilled_model.h"
 
 namespace hydra::engine {
 
@@ -63,7 +64,7 @@ int64_t DeviceEngine::resident_need(const ShardStore& store) {
   return resident_bytes(store) + kResidentSlack * store.num_shards();
 }
 
-int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency) {
+int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency, int task) {
   TORCH_CHECK(store, "add_model: no store");
   // One unit computes at a time on a device, so spilled models share one working set: the largest shard's
   // weights and gradients among them. Resident models each keep their whole state.
@@ -81,29 +82,34 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   TORCH_CHECK(residency != Residency::kResident || fits, "add_model: the whole training state needs ", resident,
               " bytes beside ", resident_committed_ + spilled_reserve_, " already promised, but the budget is ",
               pool_.budget(), arriving ? " and training has started" : "");
-  Model model;
-  model.store = std::move(store);
-  model.resident = fits && residency != Residency::kSpilled;
-  model.shards.resize(model.store->num_shards());
-  if (model.resident) {
+  const int id = static_cast<int>(models_.size());
+  const bool resident_here = fits && residency != Residency::kSpilled;
+  if (resident_here) {
     resident_committed_ += resident;
+    uploads_pending_ = true;
   } else {
     spilled_reserve_ = reserve;
-    grad_headroom_ = std::max(grad_headroom_, min_spilled_bytes(*model.store) / 2 + 512);
+    grad_headroom_ = std::max(grad_headroom_, min_spilled_bytes(*store) / 2 + 512);
   }
-  models_.push_back(std::move(model));
+  if (resident_here) {
+    models_.push_back(std::make_unique<ResidentModel>(*this, id, std::move(store)));
+  } else {
+    models_.push_back(std::make_unique<SpilledModel>(*this, id, std::move(store)));
+  }
+  if (task >= 0) task_models_[task] = id;
   if (arriving) return static_cast<int>(models_.size()) - 1;
   // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
   // cached plus one shard's gradients.
   int64_t demand = 0;
-  for (const Model& m : models_) {
-    if (!m.store) continue;  // released
-    if (m.resident) {
-      demand += resident_need(*m.store);
+  for (const auto& m : models_) {
+    if (m->released()) continue;
+    const ShardStore& store = m->store();
+    if (m->resident()) {
+      demand += resident_need(store);
       continue;
     }
-    demand += spilled_need(*m.store);
-    for (int s = 0; s < m.store->num_shards(); ++s) demand += m.store->device_numel(s) * m.store->element_bytes() + 512;
+    demand += spilled_need(store);
+    for (int s = 0; s < store.num_shards(); ++s) demand += store.device_numel(s) * store.element_bytes() + 512;
   }
   pool_.set_demand(arrivals_ ? pool_.budget() : std::min(demand, pool_.budget()));
   return static_cast<int>(models_.size()) - 1;
@@ -127,60 +133,6 @@ Fence DeviceEngine::compute_point() const {
   return Fence(std::move(event));
 }
 
-bool DeviceEngine::current(int model, int shard) const {
-  const ShardState& state = models_[model].shards[shard];
-  return state.cached && state.version == input_version(model, shard);
-}
-
-int64_t DeviceEngine::input_version(int model, int shard) const {
-  // Versions only grow, so the sum changes whenever a step of the shard or of an owner of one of its tied
-  // parameters is submitted.
-  const ShardStore& store = *models_[model].store;
-  int64_t version = 0;
-  for (int source : store.sources(shard)) version += store.version(source);
-  return version;
-}
-
-Fence DeviceEngine::submit(int model, std::function<DeviceEvent()> job) {
-  static std::mutex order;  // one global submission order across devices (see ShardStore::exchange_last_job)
-  auto done = std::make_shared<std::promise<void>>();
-  Fence fence;
-  {
-    std::lock_guard<std::mutex> lock(order);
-    std::shared_future<void> previous = models_[model].store->exchange_last_job(done->get_future().share());
-    fence = host_steps_->submit([previous, done, job = std::move(job)]() -> DeviceEvent {
-      if (previous.valid()) previous.wait();
-      struct Signal {  // completes the chain however the job ends; its error travels in its own Fence
-        std::shared_ptr<std::promise<void>> promise;
-        ~Signal() { promise->set_value(); }
-      } signal{done};
-      return job();
-    });
-  }
-  return track(model, fence);
-}
-
-Fence DeviceEngine::track(int model, Fence fence) {
-  auto& jobs = models_[model].jobs;
-  // Finished jobs are forgotten, failed ones kept until synchronize() reports them.
-  jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const Fence& f) { return f.succeeded(); }), jobs.end());
-  jobs.push_back(fence);
-  return fence;
-}
-
-std::vector<Fence> DeviceEngine::pending_steps(int model, int shard) const {
-  const ShardStore& store = *models_[model].store;
-  std::vector<Fence> steps;
-  for (int source : store.sources(shard)) steps.push_back(store.last_step(source));
-  return steps;
-}
-
-bool DeviceEngine::steps_done(int model, int shard) const {
-  for (const Fence& f : pending_steps(model, shard))
-    if (!f.ready()) return false;
-  return true;
-}
-
 void DeviceEngine::plan(const std::vector<std::pair<int, int>>& visits) {
   upcoming_.clear();
   for (const auto& [model, shard] : visits) upcoming_.push_back(key(model, shard));
@@ -199,8 +151,9 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need
       if (std::optional<Allocation> allocation = pool_.allocate(bytes)) return std::move(*allocation);
     std::vector<core::EvictionCandidate> candidates;
     for (int m = 0; m < static_cast<int>(models_.size()); ++m)
-      for (int s = 0; s < static_cast<int>(models_[m].shards.size()); ++s)
-        if (models_[m].shards[s].cached) candidates.push_back({key(m, s), models_[m].shards[s].pins > 0});
+      if (const SpilledModel* candidate = spilled(m))
+        for (int s = 0; s < candidate->store().num_shards(); ++s)
+          if (candidate->cached(s)) candidates.push_back({key(m, s), candidate->pinned(s)});
     std::optional<int64_t> victim = core::furthest_next_use(candidates, upcoming_);
     if (need == Need::kPrefetchAhead) victim.reset();  // only into free memory: measured, evicting there churns
     if (victim && need == Need::kPrefetch) {
@@ -213,81 +166,48 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need
     }
     if (!victim) {
       // torch.OutOfMemoryError, as a device allocation that fails: the task is re-planned into smaller shards.
-      TORCH_CHECK_WITH(OutOfMemoryError, need != Need::kMust, "memory budget exhausted on ", device_, ": shard ", shard, " of model ", model, " needs ",
-                  bytes, " bytes; ", pool_.in_use(), " of ", pool_.capacity(),
-                  " are held by shards in use. Raise memory_budget or use smaller shards.");
+      TORCH_CHECK_WITH(OutOfMemoryError, need != Need::kMust, "memory budget exhausted on ", device_, ": shard ",
+                       shard, " of model ", model, " needs ", bytes, " bytes; ", pool_.in_use(), " of ",
+                       pool_.capacity(), " are held by shards in use. Raise memory_budget or use smaller shards.");
       return Allocation{};
     }
-    evict(models_[*victim >> 32].shards[*victim & 0xffffffff]);
+    spilled(static_cast<int>(*victim >> 32))->evict(static_cast<int>(*victim & 0xffffffff));
   }
 }
 
-void DeviceEngine::evict(ShardState& state) {
-  pool_.release(state.weights, state.last_use);
-  state.weights = Region{};
-  state.cached = false;
-}
-
-bool DeviceEngine::load(int model, int shard, Need need) {
-  ShardStore& store = *models_[model].store;
-  ShardState& state = models_[model].shards[shard];
-  const int64_t numel = store.device_numel(shard);
-  Allocation allocation = allocate(model, shard, numel * store.element_bytes(), need);
-  if (!allocation.region.valid()) return false;
-  state.weights = allocation.region;
-  state.cached = true;
-  state.version = input_version(model, shard);
-  at::Tensor target = pool_.view(state.weights, store.compute_dtype(), numel);
-  // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
-  copies.emplace_back(target.narrow(0, 0, store.owned_numel(shard)),
-                      store.transfer_source(shard).narrow(0, 0, store.owned_numel(shard)));
-  for (const ParamEntry& e : store.layout(shard))
-    if (e.owner != shard)
-      copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
-                          store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
-  std::vector<Fence> after = std::move(allocation.after);
-  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
-  for (Fence& f : pending_steps(model, shard)) after.push_back(std::move(f));
-  // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless it
-  // waits on anything not yet done: the memory it fills may still be filled by one of them (an evicted
-  // prefetch), and a pending step may wait for a copy queued ahead that still reads the step's buffer. A copy
-  // that jumped the queue would then wait on a copy queued behind it, forever.
-  const bool urgent = (need == Need::kMust || need == Need::kEvictAny) &&
-                      std::all_of(after.begin(), after.end(), [](const Fence& f) { return f.ready(); });
-  state.ready = track(model, to_device_.submit(std::move(after), [copies = std::move(copies), this]() -> DeviceEvent {
-    return to_device_.copy(copies);
-  }, urgent));
-  state.last_use = state.ready;
-  for (int source : store.sources(shard)) store.add_reader(source, state.ready);
-  ++state.loads;
-  ++stats_.host_to_device_copies;
-  stats_.host_to_device_bytes += numel * store.element_bytes();
-  return true;
-}
-
 void DeviceEngine::start() {
-  if (pool_.started()) return;
+  if (!uploads_pending_) return;
   // Resident state first, from the start of the arena, so it never splits the space spilled shards share.
-  for (int i = 0; i < static_cast<int>(models_.size()); ++i)
-    if (models_[i].resident) upload_resident(i);
+  for (auto& m : models_)
+    if (!m->released() && m->resident()) static_cast<ResidentModel&>(*m).upload();
+  uploads_pending_ = false;  // not after a failed upload: the next first use tries again
 }
 
-DeviceEngine::Model& DeviceEngine::live(int model) {
-  Model& m = models_.at(model);
-  TORCH_CHECK(m.store, "model ", model, " was released from this device");
+int DeviceEngine::model_of(int task) const {
+  auto it = task_models_.find(task);
+  return it == task_models_.end() ? -1 : it->second;
+}
+
+bool DeviceEngine::resident(int model) const {
+  const DeviceModel& m = *models_.at(model);
+  return !m.released() && m.resident();
+}
+
+DeviceModel& DeviceEngine::live(int model) {
+  DeviceModel& m = *models_.at(model);
+  TORCH_CHECK(!m.released(), "model ", model, " was released from this device");
   return m;
+}
+
+SpilledModel* DeviceEngine::spilled(int model) {
+  DeviceModel& m = *models_.at(model);
+  return m.released() || m.resident() ? nullptr : static_cast<SpilledModel*>(&m);
 }
 
 void DeviceEngine::prefetch(int model, int shard) {
   start();
-  ShardState& state = live(model).shards.at(shard);
-  if (models_[model].resident || current(model, shard)) return;
-  if (state.cached) {
-    if (state.pins > 0) return;
-    evict(state);  // a copy from before the shard's last step
-  }
-  load(model, shard, Need::kPrefetch);
+  live(model).pins(shard);  // checks the shard exists
+  if (SpilledModel* m = spilled(model)) m->prefetch(shard);
 }
 
 void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
@@ -295,89 +215,124 @@ void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
   int64_t issued = 0;
   const std::vector<int64_t> planned(upcoming_.begin(), upcoming_.end());  // load() may evict, not re-plan
   for (int64_t k : planned) {
-    const int model = static_cast<int>(k >> 32), shard = static_cast<int>(k & 0xffffffff);
-    ShardState& state = models_.at(model).shards.at(shard);
-    if (models_[model].resident || current(model, shard)) continue;
-    if (state.cached) {
-      if (state.pins > 0) continue;
-      evict(state);  // a copy from before the shard's last step
+    const int shard = static_cast<int>(k & 0xffffffff);
+    SpilledModel* m = spilled(static_cast<int>(k >> 32));
+    if (!m || m->current(shard)) continue;
+    if (m->cached(shard)) {
+      if (m->pinned(shard)) continue;
+      m->evict(shard);  // a copy from before the shard's last step
     }
-    if (!steps_done(model, shard)) continue;
-    const int64_t bytes = models_[model].store->device_numel(shard) * models_[model].store->element_bytes();
+    if (!m->steps_done(shard)) continue;
+    const int64_t bytes = m->weight_bytes(shard);
     if (issued > 0 && max_bytes >= 0 && issued + bytes > max_bytes) return;
-    if (!load(model, shard, issued == 0 ? Need::kPrefetch : Need::kPrefetchAhead)) return;  // full of sooner needs
+    if (!m->load(shard, issued == 0 ? Need::kPrefetch : Need::kPrefetchAhead)) return;  // full of sooner needs
     issued += bytes;
   }
 }
 
 void DeviceEngine::acquire(int model, int shard, bool with_grads) {
-  Model& m = live(model);
-  ShardState& state = m.shards.at(shard);
+  DeviceModel& m = live(model);
   auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
   if (it != upcoming_.end()) upcoming_.erase(it);
-  TORCH_CHECK(m.resident || state.pins == 0, "shard ", shard, " of model ", model, " acquired twice on ", device_);
-  const bool had_grads = state.grads.valid();
-  ++state.pins;
-  try {
-    start();
-    if (!m.resident) {
-      const auto waiting = std::chrono::steady_clock::now();
-      if (state.cached && !current(model, shard)) evict(state);
-      if (!state.cached) {
-        load(model, shard, Need::kMust);
-        ++stats_.acquire_loads;
-      }
-      if (with_grads && !state.grads.valid()) {
-        const auto allocating = std::chrono::steady_clock::now();
-        allocate_grads(model, shard);
-        stats_.grad_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - allocating).count();
-      }
-      state.ready.order_before(compute_stream());
-      stats_.acquire_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
-    }
-    bind(model, shard, with_grads);
-  } catch (...) {
-    // A failed acquire holds nothing: a pinned shard could never be evicted, and would starve other tasks.
-    --state.pins;
-    if (!had_grads && state.grads.valid()) {
-      pool_.release(state.grads, compute_point());
-      state.grads = Region{};
-    }
-    throw;
-  }
+  start();
+  m.acquire(shard, with_grads);
 }
 
-void DeviceEngine::allocate_grads(int model, int shard) {
-  ShardState& state = models_[model].shards[shard];
-  const int64_t bytes = models_[model].store->device_numel(shard) * models_[model].store->element_bytes();
-  Allocation allocation = allocate(model, shard, bytes, Need::kEvictAny);
-  if (!allocation.region.valid()) {
-    // Every other shard is gone and the range next to this shard's weights is still too small: the arena is
-    // fragmented around them. The budget holds both (add_model checked), so place the gradients first in the
-    // emptied arena and copy the weights in again beside them.
-    evict(state);
-    allocation = allocate(model, shard, bytes, Need::kMust);
-    state.grads = allocation.region;
-    load(model, shard, Need::kMust);
+void DeviceEngine::release(int model, int shard) { models_.at(model)->release(shard); }
+
+std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& loss) {
+  DeviceModel& m = live(model);
+  TORCH_CHECK(loss.numel() == 1, "watch_loss: the loss must have one element, got ", loss.numel());
+  const at::Tensor value = loss.detach().reshape({}).to(at::kFloat);
+  std::shared_ptr<LossGate> gate;
+  if (has_streams_) {
+    c10::DeviceGuard device_guard(device_);
+    // Pinned: the copy is asynchronous on the compute stream, ordered after the loss and before the backward.
+    at::Tensor host = at::empty({}, value.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(value, /*non_blocking=*/true);
+    gate = std::make_shared<LossGate>(std::move(host), compute_point());
   } else {
-    state.grads = allocation.region;
+    gate = std::make_shared<LossGate>(value.clone(), Fence());
   }
-  for (const Fence& f : allocation.after) f.order_reuse_before(compute_stream());
-  grad_view(model, shard).zero_();
+  m.store().set_loss_gate(gate);
+  return gate;
 }
 
-void DeviceEngine::release(int model, int shard) {
-  ShardState& state = models_.at(model).shards.at(shard);
-  TORCH_CHECK(state.pins > 0, "release of shard ", shard, " of model ", model, " that was not acquired");
-  --state.pins;
-  state.bound_grads.clear();  // a backward that never completed (an error) received nothing
-  if (models_[model].resident) return;
-  state.last_use = compute_point();
-  if (state.grads.valid()) {  // backward never completed (an error): the gradients are abandoned
-    pool_.release(state.grads, state.last_use);
-    state.grads = Region{};
-  }
-  if (state.cached && state.pins == 0 && !current(model, shard)) evict(state);
+void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale, bool keep) {
+  live(model).backward_done(shard, step, lr_scale, keep);
 }
+
+double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) {
+  // Not gated by the loss: the caller reads it first (the runner's _end_micro_batch raises on a non-finite one).
+  synchronize(model);
+  DeviceModel& m = *models_.at(model);
+  const int shards = m.store().num_shards();
+  double sum_of_squares = 0.0;
+  for (int s = 0; s < shards; ++s) {
+    const double norm = at::linalg_vector_norm(m.pending_grad(s), 2, c10::nullopt, false, at::kFloat).item<double>();
+    sum_of_squares += norm * norm;
+  }
+  const double total = std::sqrt(sum_of_squares);
+  if (!std::isfinite(total)) {
+    discard_grads(model);
+    TORCH_CHECK(false, "the gradient norm is not finite (", total, "); the step was skipped, weights unchanged");
+  }
+  const double scale = std::min(1.0, max_norm / (total + 1e-6));
+  for (int s = shards - 1; s >= 0; --s) m.step(s, scale, lr_scale);
+  return total;
+}
+
+void DeviceEngine::discard_grads(int model) {
+  synchronize(model);
+  models_.at(model)->discard_grads();
+}
+
+void DeviceEngine::synchronize(int model) { models_.at(model)->synchronize(); }
+
+void DeviceEngine::snapshot(int model) {
+  synchronize(model);
+  models_.at(model)->copy_home();
+}
+
+void DeviceEngine::finish(int model) {
+  DeviceModel& m = live(model);
+  std::exception_ptr failure;
+  try {
+    m.synchronize();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  m.copy_home();
+  m.store().write_back();
+  if (failure) std::rethrow_exception(failure);
+}
+
+void DeviceEngine::release_model(int model) {
+  DeviceModel& m = *models_.at(model);
+  if (m.released()) return;
+  m.synchronize();
+  for (int s = 0; s < m.store().num_shards(); ++s)
+    TORCH_CHECK(m.pins(s) == 0, "release_model: shard ", s, " of model ", model, " is still acquired");
+  // Visits planned before the task ended must not bring its shards back in.
+  std::erase_if(upcoming_, [model](int64_t visit) { return (visit >> 32) == model; });
+  m.free_device_memory(compute_point());
+  if (m.resident()) resident_committed_ -= resident_need(m.store());
+  m.drop_store();
+  std::erase_if(task_models_, [model](const auto& entry) { return entry.second == model; });
+}
+
+EngineStats DeviceEngine::stats() const {
+  EngineStats stats = stats_;
+  stats.capacity_bytes = pool_.capacity();
+  stats.high_water_bytes = pool_.high_water();
+  stats.host_steps = host_steps_done_.load();
+  stats.host_step_seconds = static_cast<double>(host_step_ns_.load()) * 1e-9;
+  stats.grad_copy_seconds = to_host_.busy_seconds();
+  stats.weight_copy_seconds = to_device_.busy_seconds();
+  stats.staging_bytes = staging_.host_bytes();
+  return stats;
+}
+
+std::vector<int64_t> DeviceEngine::shard_loads(int model) const { return models_.at(model)->shard_loads(); }
 
 }  // namespace hydra::engine

@@ -1,5 +1,7 @@
 // Everything one compute device does for the models that train on it: where each shard's training state
-// lives, copies in and out, rebinding module parameters, and the optimizer steps.
+// lives, copies in and out, rebinding module parameters, and the optimizer steps. This class is the facade and
+// owns what the device's models share (memory, copy lanes, host-step threads, the plan); each model is a
+// ResidentModel or a SpilledModel (engine/device_model.h), which do the per-model work.
 //
 // A model is *resident* on the device when all of its training state (weights, gradients, optimizer state)
 // fits in what the budget has left: then nothing is copied after the first upload and steps run on the
@@ -13,7 +15,8 @@
 // threads shared by every device and ordered per model). A weight copy waits only for the step of the shard
 // it reads; a step waits for its gradient copy and for copies still reading the weights it rewrites.
 //
-// Call order per shard visit, from the thread that issues the compute:
+// Call order per shard visit, from the thread that issues the compute (DeviceLoop's begin and end make these
+// calls for a device's worker):
 //   plan(...) -> acquire(model, shard, with_grads) -> prefetch_ahead() -> compute -> [watch_loss]
 //   -> [backward_done] -> release
 #pragma once
@@ -25,6 +28,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/copy_lane.h"
@@ -34,6 +38,9 @@
 #include "engine/staging_ring.h"
 
 namespace hydra::engine {
+
+class DeviceModel;
+class SpilledModel;
 
 struct EngineStats {
   int64_t budget_bytes = 0;
@@ -76,8 +83,11 @@ class DeviceEngine {
   // its whole state). Returns the model's id on this device. A model added after training started (a task
   // arriving) is spilled, within the arena already sized. Which device a run's model is resident on is
   // place_models' choice (engine/placement.h).
-  int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto);
-  bool resident(int model) const { return models_.at(model).resident; }
+  // `task`: the scheduler's id of the model's task (-1: none), by which DeviceLoop finds the model (model_of).
+  int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto, int task = -1);
+  // The model added for the scheduler's task `task` and not released since; -1 when there is none.
+  int model_of(int task) const;
+  bool resident(int model) const;
   // Models will arrive after training starts: the arena takes the whole budget when it is made, not just
   // what the models added by then could use, so that they have room. Before training starts.
   void expect_arrivals();
@@ -102,9 +112,10 @@ class DeviceEngine {
   void release(int model, int shard);
   // The shard's backward for this micro-batch is issued. Gradients are accumulated; with `step` the shard's
   // optimizer step follows (on the host for spilled models, overlapping the compute of other shards), unless
-  // the loss gate set by watch_loss is closed (a non-finite loss): then it is skipped. A step updates only the parameters that received a gradient since the last one, through the shard's own use or
-  // another's (a tied weight), in any micro-batch: the others keep their values, state and step count, as
-  // torch.optim leaves a parameter whose .grad is None. The step's learning rate is the optimizer's times
+  // the loss gate set by watch_loss is closed (a non-finite loss): then it is skipped. A step updates only the
+  // parameters that received a gradient since the last one, through the shard's own use or another's (a tied
+  // weight), in any micro-batch: the others keep their values, state and step count, as torch.optim leaves a
+  // parameter whose .grad is None. The step's learning rate is the optimizer's times
   // `lr_scale` (the task's schedule at this step).
   // `keep` (bf16, spilled): this is the shard's only gradient of a step that clip_and_step will take: it is
   // kept as it landed (ShardStore::kept) rather than summed into an fp32 accumulator.
@@ -141,31 +152,12 @@ class DeviceEngine {
   std::vector<int64_t> shard_loads(int model) const;
 
  private:
-  struct ShardState {
-    // Spilled: a cached weight copy, and a gradient buffer while backward runs.
-    Region weights, grads;
-    Fence ready, last_use;
-    bool cached = false;
-    int64_t version = 0;  // of the store's shard when copied in
-    int pins = 0;
-    int64_t loads = 0;
-    // Resident: the shard's whole training state, in master layout.
-    Region home_weights, home_grads, home_master;
-    std::vector<Region> home_states;
-    // The .grad tensors bind() gave the parameters, per layout entry (undefined where none), while the shard
-    // is acquired with gradients. Each has a version counter of its own, which autograd's in-place
-    // accumulation bumps: a tensor whose counter moved is a parameter that received a gradient.
-    std::vector<at::Tensor> bound_grads;
-  };
-  struct Model {
-    std::shared_ptr<ShardStore> store;
-    bool resident = false;
-    bool uploaded = false;
-    std::vector<ShardState> shards;
-    std::vector<Fence> jobs;  // queued copies and host jobs, so errors surface on synchronize
-  };
+  friend class DeviceModel;
+  friend class ResidentModel;
+  friend class SpilledModel;
   static int64_t key(int model, int shard) { return (static_cast<int64_t>(model) << 32) | shard; }
-  Model& live(int model);  // throws for a released model
+  DeviceModel& live(int model);         // throws for a released model
+  SpilledModel* spilled(int model);     // null for a resident or released model
   c10::Stream compute_stream() const;
   Fence compute_point() const;  // everything issued so far on the compute stream
   // How hard an allocation tries: a prefetch of the next planned visit only displaces shards needed later
@@ -173,42 +165,21 @@ class DeviceEngine {
   // (plans change as the cost model learns: evicting for them copied more than it saved); an allocation for
   // the shard about to compute evicts any unpinned shard, and `kMust` fails loudly.
   enum class Need { kPrefetchAhead, kPrefetch, kEvictAny, kMust };
+  // Device memory for the shard, evicting spilled models' cached shards by furthest next use as `need` allows.
   Allocation allocate(int model, int shard, int64_t bytes, Need need);
-  bool load(int model, int shard, Need need);
-  void allocate_grads(int model, int shard);
-  void start();  // on first use: uploads every resident model
-  void upload_resident(int model);
-  // Copies a resident model's device state (weights, master, optimizer states) into its store.
-  void copy_resident_home(int model);
-  void bind(int model, int shard, bool with_grads);
-  // Tells the store which of the shard's parameters received a gradient since bind() (see bound_grads).
-  void note_gradients(int model, int shard);
-  // The shard's optimizer step, submitted now: it updates the parameters that received a gradient since the
-  // last one (ShardStore::take_step).
-  void step_resident(int model, int shard, double grad_scale, double lr_scale);
-  void step_spilled(int model, int shard, double grad_scale, double lr_scale);
-  // Queues a host job after the model's previous one.
-  Fence submit(int model, std::function<DeviceEvent()> job);
-  Fence track(int model, Fence fence);  // a copy of the model's, whose error synchronize() must report
-  // The steps a copy of the shard reads the result of (its own, and those of the owners of its tied
-  // parameters) are done.
-  bool steps_done(int model, int shard) const;
-  std::vector<Fence> pending_steps(int model, int shard) const;
-  void evict(ShardState& state);
-  bool current(int model, int shard) const;
-  int64_t input_version(int model, int shard) const;  // of what a copy of the shard reads
-  at::Tensor grad_view(int model, int shard);
-  at::Tensor home_view(int model, int shard, const Region& region, at::ScalarType dtype);
+  void start();  // on first use (and after a failed upload): uploads every resident model
 
   c10::Device device_;
   bool has_streams_;
   DevicePool pool_;
-  std::vector<Model> models_;
+  std::vector<std::unique_ptr<DeviceModel>> models_;
   std::deque<int64_t> upcoming_;
+  std::unordered_map<int, int> task_models_;  // scheduler task id -> model id
   int64_t resident_committed_ = 0;  // the resident models' whole state
   int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
   int64_t grad_headroom_ = 0;       // the largest gradient region of a spilled model
   bool arrivals_ = false;           // see expect_arrivals()
+  bool uploads_pending_ = false;    // a resident model is not on the device yet (start() uploads it)
   EngineStats stats_;
   // Written by host-step threads, read by stats(): kept apart from stats_, which only the caller's thread touches.
   std::atomic<int64_t> host_steps_done_{0}, host_step_ns_{0};

@@ -30,13 +30,13 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
       if (resident[i] + may_spill <= free[device]) {
         // add_model's own check is implied: what it has reserved for earlier spilled models is within
         // may_spill, and what earlier resident models took is what `free` no longer counts.
-        p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident);
+        p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident, i);
         p.resident_device = device;
         free[device] -= resident[i];
         continue;
       }
       for (size_t d = 0; d < engines.size(); ++d)
-        p.model_ids[d] = engines[d]->add_model(stores[i], DeviceEngine::Residency::kSpilled);
+        p.model_ids[d] = engines[d]->add_model(stores[i], DeviceEngine::Residency::kSpilled, i);
     } catch (const c10::Error& error) {
       TORCH_CHECK(false, "task '", names[i], "': ", error.what_without_backtrace());
     }

@@ -21,9 +21,10 @@ struct Placement {
   std::vector<int> model_ids;  // per device: the model's id in its engine, -1 where it is not registered
 };
 
-// Registers every store with the engines. Throws, naming the task (`names`, one per store), when a model
-// cannot train on them at all (its largest shard does not fit what a budget has left); models placed before
-// it stay registered, and the run is not started.
+// Registers every store with the engines, store i as the scheduler's task i (DeviceEngine::model_of).
+// Throws, naming the task (`names`, one per store), when a model cannot train on them at all (its largest
+// shard does not fit what a budget has left); models placed before it stay registered, and the run is not
+// started.
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names);

@@ -105,3 +105,28 @@ TEST(DeviceEngine, BudgetJustBelowTheSpilledMinimumIsRejected) {
 }
 
 }  // namespace
+
+namespace {
+
+using namespace engine_test;
+
+// A device whose memory is below its budget: the arena cannot be made when the resident model is uploaded.
+// The model must not count as uploaded: its gradients are discarded and its weights written back from the
+// store, as if it had never been on the device (a re-plan then spills it).
+TEST(DeviceEngine, AResidentUploadThatFailsLeavesTheModelAsNeverUploaded) {
+  auto store = equal_shards(3);
+  const at::Tensor before = store->master(1).clone();
+  DeviceEngine engine(kCpu, int64_t{1} << 50);  // more than any host can allocate
+  const int m = engine.add_model(store);
+  ASSERT_TRUE(engine.resident(m));
+  engine.expect_arrivals();  // the arena takes the whole budget
+  EXPECT_THROW(engine.acquire(m, 0, /*with_grads=*/true), c10::Error);
+  EXPECT_NO_THROW(engine.discard_grads(m));
+  EXPECT_NO_THROW(engine.snapshot(m));
+  EXPECT_NO_THROW(engine.finish(m));
+  EXPECT_TRUE(at::equal(store->master(1), before));
+  EXPECT_THROW(engine.acquire(m, 0, false), c10::Error) << "still no arena: the upload is tried again, and fails";
+  EXPECT_NO_THROW(engine.release_model(m));
+}
+
+}  // namespace

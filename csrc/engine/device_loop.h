@@ -1,0 +1,68 @@
+// The seam between a device's worker thread (Python) and the native parts, per unit: a unit's shard visit is
+// one begin() and one end() call around its compute.
+//
+//   begin: plans the device's next shard visits (the unit's own, then the scheduler's plan for this device,
+//          its first units committed to), acquires the unit's shard (with gradient room for a backward) and
+//          prefetches the next planned shard. The runner calls it where the unit's compute starts, once the
+//          unit's inputs are on their way (loading a batch overlaps the copy the acquire may wait for);
+//   end:   reports the shard's backward when the unit ran one (its gradients go out, its step is queued) and
+//          releases the shard. The worker calls it after the runner, however the runner ended: with no visit
+//          open (the unit failed before begin, or begin failed) it does nothing.
+//
+// Tasks are named by the scheduler's ids; the engine finds their models (DeviceEngine::model_of).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "core/scheduler.h"
+#include "engine/device_engine.h"
+
+namespace hydra::engine {
+
+struct LoopOptions {
+  int plan_units = 32;       // how many units ahead the engine's plan looks (eviction keeps what is needed soonest)
+  int committed_units = 4;   // how many of them the device commits to running in order (Scheduler::commit_plan)
+  int64_t prefetch_bytes = 0;  // how far beyond the next planned shard prefetch goes (DeviceEngine::prefetch_ahead)
+};
+
+// What end() reports of a unit that ran a backward: as DeviceEngine::backward_done's arguments.
+struct BackwardDone {
+  bool step = false;
+  double lr_scale = 1.0;
+  bool keep = false;
+};
+
+class DeviceLoop {
+ public:
+  // Both outlive the loop.
+  DeviceLoop(core::Scheduler& scheduler, DeviceEngine& engine, int device, LoopOptions options);
+
+  // On the device's worker thread, before the unit's compute. Throws, with no visit open and nothing held,
+  // when the unit's shard cannot be acquired (torch.OutOfMemoryError when it does not fit) or its task has no
+  // model here.
+  void begin(const core::Unit& unit);
+  // After the unit's compute, or its failure (then with no backward). Closes the visit begin opened: the shard
+  // is released even when reporting the backward throws. Returns the bytes copied to the device since begin(),
+  // 0 when no visit was open.
+  int64_t end(const core::Unit& unit, const std::optional<BackwardDone>& backward);
+  // What the last end() returned (for a unit that failed: the worker records the copies it caused).
+  int64_t copied() const { return copied_; }
+  const LoopOptions& options() const { return options_; }
+
+ private:
+  int model(int task) const;  // throws when the task has no model on this device
+
+  core::Scheduler& scheduler_;
+  DeviceEngine& engine_;
+  const int device_;
+  const LoopOptions options_;
+  struct Visit {
+    int model, shard;
+    int64_t bytes_before;  // the engine's host-to-device bytes when it began
+  };
+  std::optional<Visit> open_;
+  int64_t copied_ = 0;
+};
+
+}  // namespace hydra::engine

@@ -1,0 +1,99 @@
+// One model as one device holds it: the per-model half of DeviceEngine (engine/device_engine.h). A model is
+// one of two kinds, fixed when it is added:
+//   ResidentModel (engine/resident_model.h): its whole training state lives on the device; steps run there.
+//   SpilledModel (engine/spilled_model.h): weights and gradients visit the device around each shard's
+//   compute; steps run on the host.
+// What both kinds share lives here: pinning a shard while it computes, pointing the user's parameters at
+// device memory, noting which parameters received a gradient, and the model's chain of host jobs.
+// DeviceEngine owns the models and the device-wide parts they use (memory pool, copy lanes, host-step
+// threads, statistics); every call comes from the thread that issues the device's compute.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/device_engine.h"
+
+namespace hydra::engine {
+
+class DeviceModel {
+ public:
+  DeviceModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store);
+  virtual ~DeviceModel() = default;
+  DeviceModel(const DeviceModel&) = delete;
+  DeviceModel& operator=(const DeviceModel&) = delete;
+
+  virtual bool resident() const = 0;
+  // Pins the shard, makes it computable (its weights, and with_grads room for its gradients) and points the
+  // module's parameters at it. A failed acquire holds nothing: a pinned shard could never be evicted.
+  void acquire(int shard, bool with_grads);
+  // Unpins the shard; gradients of a backward that never completed (an error) are dropped.
+  void release(int shard);
+  // See DeviceEngine::backward_done.
+  virtual void backward_done(int shard, bool step, double lr_scale, bool keep) = 0;
+  // The shard's optimizer step over the gradients accumulated so far, scaled by `grad_scale`, submitted now.
+  virtual void step(int shard, double grad_scale, double lr_scale) = 0;
+  // The gradients the shard's next step reads, its trainable parameters' part: what clipping's norm covers.
+  virtual at::Tensor pending_grad(int shard) = 0;
+  // Forgets the gradients accumulated since the last step (after synchronize()).
+  virtual void discard_grads() = 0;
+  // Copies state that lives on the device into the store (after synchronize()); nothing for a spilled model.
+  virtual void copy_home() {}
+  // Frees everything the model holds on the device; `issued`: everything issued on the compute stream so far.
+  virtual void free_device_memory(const Fence& issued) = 0;
+
+  // Queues a host job after the model's previous one (on any device: the store keeps one chain).
+  Fence submit(std::function<DeviceEvent()> job);
+  // A copy or job of the model's, whose error synchronize() must report.
+  Fence track(Fence fence);
+  // Waits for every queued host job and copy of the model's, rethrowing the first error among them.
+  void synchronize();
+
+  int id() const { return id_; }
+  ShardStore& store() const { return *store_; }
+  std::shared_ptr<ShardStore> store_ptr() const { return store_; }
+  int pins(int shard) const { return visits_.at(shard).pins; }
+  bool released() const { return !store_; }
+  // After free_device_memory: the engine no longer holds the store.
+  void drop_store() { store_.reset(); }
+  std::vector<int64_t> shard_loads() const;
+
+ protected:
+  // Brings the pinned shard's state to the device for its compute and binds it. If it throws, it holds
+  // nothing it did not hold before.
+  virtual void make_computable(int shard, bool with_grads) = 0;
+  // The shard is unpinned (pins(shard) counts what is left).
+  virtual void after_release(int shard) {}
+  // Where bind() points one parameter: a flat weight buffer (and gradient buffer) and the parameter's offset.
+  struct Place {
+    at::Tensor weights, grads;
+    int64_t offset = 0;
+  };
+  // Points every parameter of the shard at its place (and, with_grads, its .grad at the same offset of the
+  // gradient buffer), and remembers the .grad tensors for note_gradients.
+  void bind(int shard, bool with_grads, const std::function<Place(const ParamEntry&)>& place);
+  // Tells the store which of the shard's parameters received a gradient since bind() (see Visit).
+  void note_gradients(int shard);
+  void count_load(int shard) { ++visits_[shard].loads; }
+
+  DeviceEngine& engine_;
+
+ private:
+  struct Visit {
+    int pins = 0;
+    int64_t loads = 0;  // copies of the shard to the device
+    // The .grad tensors bind() gave the parameters, per layout entry (undefined where none), while the shard
+    // is acquired with gradients. Each has a version counter of its own, which autograd's in-place
+    // accumulation bumps: a tensor whose counter moved is a parameter that received a gradient.
+    std::vector<at::Tensor> bound_grads;
+  };
+  const int id_;
+  std::shared_ptr<ShardStore> store_;
+  std::vector<Visit> visits_;
+  std::vector<Fence> jobs_;  // queued copies and host jobs, so errors surface on synchronize
+};
+
+}  // namespace hydra::engine

@@ -1,0 +1,278 @@
+#include "engine/spilled_model.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "engine/optimizer_step.h"
+
+namespace hydra::engine {
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
+// runs on a host-step thread. `landed`: the shard's one gradient of this step, in device layout and compute
+// dtype, read in the step's single pass; undefined: the accumulator, zeroed for the next step, or where the
+// shard has none, its kept gradient.
+void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
+               double lr_scale, const at::Tensor& landed) {
+  std::vector<at::Tensor> states;
+  for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
+  const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
+  const at::Tensor grad = landed.defined() ? landed : store.pending_grad(shard);
+  step_ranges(store.optimizer(), store.master(shard), grad, states, shadow, ranges, grad_scale, lr_scale);
+  if (!landed.defined() && store.has_grad(shard)) store.grad(shard).zero_();
+}
+
+}  // namespace
+
+int64_t SpilledModel::weight_bytes(int shard) const { return store().device_numel(shard) * store().element_bytes(); }
+
+at::Tensor SpilledModel::grad_view(int shard) const {
+  return engine_.pool_.view(weights_[shard].grads, store().compute_dtype(), store().device_numel(shard));
+}
+
+int64_t SpilledModel::input_version(int shard) const {
+  // Versions only grow, so the sum changes whenever a step of the shard or of an owner of one of its tied
+  // parameters is submitted.
+  int64_t version = 0;
+  for (int source : store().sources(shard)) version += store().version(source);
+  return version;
+}
+
+bool SpilledModel::current(int shard) const {
+  const Weights& w = weights_.at(shard);
+  return w.cached && w.version == input_version(shard);
+}
+
+std::vector<Fence> SpilledModel::pending_steps(int shard) const {
+  std::vector<Fence> steps;
+  for (int source : store().sources(shard)) steps.push_back(store().last_step(source));
+  return steps;
+}
+
+bool SpilledModel::steps_done(int shard) const {
+  for (const Fence& f : pending_steps(shard))
+    if (!f.ready()) return false;
+  return true;
+}
+
+void SpilledModel::evict(int shard) {
+  Weights& w = weights_[shard];
+  engine_.pool_.release(w.weights, w.last_use);
+  w.weights = Region{};
+  w.cached = false;
+}
+
+bool SpilledModel::load(int shard, DeviceEngine::Need need) {
+  ShardStore& store = this->store();
+  Weights& w = weights_[shard];
+  const int64_t numel = store.device_numel(shard);
+  Allocation allocation = engine_.allocate(id(), shard, weight_bytes(shard), need);
+  if (!allocation.region.valid()) return false;
+  w.weights = allocation.region;
+  w.cached = true;
+  w.version = input_version(shard);
+  at::Tensor target = engine_.pool_.view(w.weights, store.compute_dtype(), numel);
+  // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  copies.emplace_back(target.narrow(0, 0, store.owned_numel(shard)),
+                      store.transfer_source(shard).narrow(0, 0, store.owned_numel(shard)));
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner != shard)
+      copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
+                          store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
+  std::vector<Fence> after = std::move(allocation.after);
+  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
+  for (Fence& f : pending_steps(shard)) after.push_back(std::move(f));
+  // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless it
+  // waits on anything not yet done: the memory it fills may still be filled by one of them (an evicted
+  // prefetch), and a pending step may wait for a copy queued ahead that still reads the step's buffer. A copy
+  // that jumped the queue would then wait on a copy queued behind it, forever.
+  const bool urgent = (need == DeviceEngine::Need::kMust || need == DeviceEngine::Need::kEvictAny) &&
+                      std::all_of(after.begin(), after.end(), [](const Fence& f) { return f.ready(); });
+  CopyLane& lane = engine_.to_device_;
+  w.ready = track(lane.submit(
+      std::move(after), [copies = std::move(copies), &lane]() -> DeviceEvent { return lane.copy(copies); }, urgent));
+  w.last_use = w.ready;
+  for (int source : store.sources(shard)) store.add_reader(source, w.ready);
+  count_load(shard);
+  ++engine_.stats_.host_to_device_copies;
+  engine_.stats_.host_to_device_bytes += weight_bytes(shard);
+  return true;
+}
+
+void SpilledModel::prefetch(int shard) {
+  if (current(shard)) return;
+  if (cached(shard)) {
+    if (pinned(shard)) return;
+    evict(shard);  // a copy from before the shard's last step
+  }
+  load(shard, DeviceEngine::Need::kPrefetch);
+}
+
+void SpilledModel::make_computable(int shard, bool with_grads) {
+  Weights& w = weights_[shard];
+  const bool had_grads = w.grads.valid();
+  EngineStats& stats = engine_.stats_;
+  try {
+    const auto waiting = std::chrono::steady_clock::now();
+    if (w.cached && !current(shard)) evict(shard);
+    if (!w.cached) {
+      load(shard, DeviceEngine::Need::kMust);
+      ++stats.acquire_loads;
+    }
+    if (with_grads && !w.grads.valid()) {
+      const auto allocating = std::chrono::steady_clock::now();
+      allocate_grads(shard);
+      stats.grad_wait_seconds += seconds_since(allocating);
+    }
+    w.ready.order_before(engine_.compute_stream());
+    stats.acquire_wait_seconds += seconds_since(waiting);
+    const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
+    const at::Tensor grads = with_grads ? grad_view(shard) : at::Tensor();
+    // Every parameter the shard uses is in its own copy, tied ones included.
+    bind(shard, with_grads, [&](const ParamEntry& e) { return Place{weights, grads, e.device_offset}; });
+  } catch (...) {
+    if (!had_grads && w.grads.valid()) {
+      engine_.pool_.release(w.grads, engine_.compute_point());
+      w.grads = Region{};
+    }
+    throw;
+  }
+}
+
+void SpilledModel::allocate_grads(int shard) {
+  Weights& w = weights_[shard];
+  Allocation allocation = engine_.allocate(id(), shard, weight_bytes(shard), DeviceEngine::Need::kEvictAny);
+  if (!allocation.region.valid()) {
+    // Every other shard is gone and the range next to this shard's weights is still too small: the arena is
+    // fragmented around them. The budget holds both (add_model checked), so place the gradients first in the
+    // emptied arena and copy the weights in again beside them.
+    evict(shard);
+    allocation = engine_.allocate(id(), shard, weight_bytes(shard), DeviceEngine::Need::kMust);
+    w.grads = allocation.region;
+    load(shard, DeviceEngine::Need::kMust);
+  } else {
+    w.grads = allocation.region;
+  }
+  for (const Fence& f : allocation.after) f.order_reuse_before(engine_.compute_stream());
+  grad_view(shard).zero_();
+}
+
+void SpilledModel::after_release(int shard) {
+  Weights& w = weights_[shard];
+  w.last_use = engine_.compute_point();
+  if (w.grads.valid()) {  // backward never completed (an error): the gradients are abandoned
+    engine_.pool_.release(w.grads, w.last_use);
+    w.grads = Region{};
+  }
+  if (w.cached && !pinned(shard) && !current(shard)) evict(shard);
+}
+
+void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool keep) {
+  Weights& w = weights_.at(shard);
+  TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
+  note_gradients(shard);
+  std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
+  const at::Tensor device_grad = grad_view(shard);
+  const at::ScalarType dtype = store().compute_dtype();
+  const int64_t numel = device_grad.numel();
+  const int64_t bytes = weight_bytes(shard);
+  // The staging buffer the gradient lands in: leased by the copy, given back when the host job is done with
+  // it (or when both jobs are gone, however they ended).
+  auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
+  CopyLane& lane = engine_.to_host_;
+  StagingRing& staging = engine_.staging_;
+  const Fence landed = track(lane.submit({engine_.compute_point()}, [=, &lane, &staging]() -> DeviceEvent {
+    *landing = staging.acquire(bytes);
+    return lane.copy({{(*landing)->view(dtype, numel), device_grad}});
+  }));
+  ++engine_.stats_.device_to_host_copies;
+  engine_.stats_.device_to_host_bytes += bytes;
+  const std::vector<Fence> readers = store().readers(shard);  // the step rewrites the buffer they read
+  // Taken now, on this thread: later micro-batches note their gradients for the next step meanwhile.
+  const std::vector<StepRange> ranges = step ? store().take_step(shard) : std::vector<StepRange>{};
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  DeviceEngine& engine = engine_;
+  Fence done = submit([=, &engine]() -> DeviceEvent {
+    landed.wait();
+    if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
+      owner->undo_step(shard, ranges);
+      landing->reset();
+      return nullptr;
+    }
+    const at::Tensor gradient = (*landing)->view(dtype, numel);
+    const int64_t start = now_ns();
+    // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
+    // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
+    const bool single_pass = step && !owner->has_grad(shard);
+    if (single_pass) {
+      owner->accumulate_borrowed(shard, gradient);
+    } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
+      owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
+    } else {
+      owner->accumulate_grads(shard, gradient);
+    }
+    if (step) {
+      for (const Fence& copy : readers) copy.wait_done();
+      step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
+      ++engine.host_steps_done_;
+    }
+    engine.host_step_ns_ += now_ns() - start;
+    landing->reset();
+    return nullptr;
+  });
+  // Free again once copied out: the next shard's gradients need not wait for this one's step.
+  engine_.pool_.release(w.grads, landed);
+  w.grads = Region{};
+  if (step) {
+    store().set_last_step(shard, done);
+    store().bump_version(shard);  // the device copy predates the step: dropped on release
+  }
+}
+
+void SpilledModel::step(int shard, double grad_scale, double lr_scale) {
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  const std::vector<Fence> readers = owner->readers(shard);
+  const std::vector<StepRange> ranges = owner->take_step(shard);
+  DeviceEngine& engine = engine_;
+  const Fence done = submit([=, &engine]() -> DeviceEvent {
+    for (const Fence& copy : readers) copy.wait_done();
+    const int64_t start = now_ns();
+    step_host(*owner, shard, ranges, grad_scale, lr_scale, at::Tensor());
+    ++engine.host_steps_done_;
+    engine.host_step_ns_ += now_ns() - start;
+    return nullptr;
+  });
+  owner->set_last_step(shard, done);
+  owner->bump_version(shard);
+  if (cached(shard) && !pinned(shard)) evict(shard);
+}
+
+at::Tensor SpilledModel::pending_grad(int shard) {
+  return store().pending_grad(shard).narrow(0, 0, store().trainable_numel(shard));
+}
+
+void SpilledModel::discard_grads() {
+  store().forget_gradients();
+  for (int s = 0; s < store().num_shards(); ++s)
+    if (store().has_grad(s)) store().grad(s).zero_();
+}
+
+void SpilledModel::free_device_memory(const Fence& /*issued*/) {
+  for (int s = 0; s < static_cast<int>(weights_.size()); ++s)
+    if (cached(s)) evict(s);
+}
+
+}  // namespace hydra::engine

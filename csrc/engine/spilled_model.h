@@ -1,0 +1,57 @@
+// A model whose training state stays on the host: a shard's weights are copied to the device for its compute
+// (prefetched ahead of it, and kept while the budget allows, evicted by furthest next use), its gradients are
+// copied out as soon as its backward is issued, and its optimizer step runs on a host-step thread once they
+// have landed, overlapping the compute of other shards.
+//
+// A weight copy waits only for the steps of the shards it reads (its own, and its tied parameters' owners');
+// a step waits for its gradient copy and for copies still reading the weights it rewrites.
+#pragma once
+
+#include "engine/device_model.h"
+
+namespace hydra::engine {
+
+class SpilledModel final : public DeviceModel {
+ public:
+  using DeviceModel::DeviceModel;
+  bool resident() const override { return false; }
+  void backward_done(int shard, bool step, double lr_scale, bool keep) override;
+  void step(int shard, double grad_scale, double lr_scale) override;
+  at::Tensor pending_grad(int shard) override;
+  void discard_grads() override;
+  void free_device_memory(const Fence& issued) override;
+
+  // For the engine's prefetch and eviction.
+  bool cached(int shard) const { return weights_.at(shard).cached; }
+  bool pinned(int shard) const { return pins(shard) > 0; }
+  // A cached copy of the shard that no step has made stale since.
+  bool current(int shard) const;
+  // The steps a copy of the shard reads the result of are done.
+  bool steps_done(int shard) const;
+  int64_t weight_bytes(int shard) const;
+  // Copies the shard's weights in, after the steps they read; false when `need` allows no room for them.
+  bool load(int shard, DeviceEngine::Need need);
+  // Frees the shard's cached weights (once copies and compute reading them are done).
+  void evict(int shard);
+  // Brings in the shard unless a current copy is on the device or on its way (DeviceEngine::prefetch).
+  void prefetch(int shard);
+
+ protected:
+  void make_computable(int shard, bool with_grads) override;
+  void after_release(int shard) override;
+
+ private:
+  struct Weights {
+    Region weights, grads;  // the cached weight copy, and a gradient buffer while backward runs
+    Fence ready, last_use;
+    bool cached = false;
+    int64_t version = 0;  // of the store's shards it was copied from
+  };
+  void allocate_grads(int shard);
+  int64_t input_version(int shard) const;  // of what a copy of the shard reads
+  std::vector<Fence> pending_steps(int shard) const;
+  at::Tensor grad_view(int shard) const;
+  std::vector<Weights> weights_ = std::vector<Weights>(store().num_shards());
+};
+
+}  // namespace hydra::engine

@@ -1,0 +1,141 @@
+// DeviceLoop: a unit's shard visit as one begin() and one end(), models found by the scheduler's task ids.
+#include <optional>
+#include <stdexcept>
+
+#include "core/scheduler.h"
+#include "device_engine_helpers.h"
+#include "engine/device_loop.h"
+
+namespace {
+
+using namespace engine_test;
+using hydra::core::Phase;
+using hydra::core::PolicyKind;
+using hydra::core::Scheduler;
+using hydra::core::TaskSpec;
+using hydra::core::Unit;
+using hydra::engine::BackwardDone;
+using hydra::engine::DeviceLoop;
+using hydra::engine::LoopOptions;
+
+constexpr int kShards = 4;
+
+bool is_backward(const Unit& unit) { return unit.phase == Phase::kForwardBackward || unit.phase == Phase::kBackward; }
+
+// Runs every unit the scheduler hands device 0 through the loop, writing each backward's gradients as
+// run_step does; steps at the end of every micro-batch.
+void run_through_loop(Scheduler& scheduler, DeviceLoop& loop, DeviceEngine& engine, const std::vector<int>& task_models,
+                      const std::vector<ShardStore*>& stores) {
+  while (std::optional<Unit> unit = scheduler.try_next(0)) {
+    loop.begin(*unit);
+    ShardStore& store = *stores[unit->task];
+    expect_bound_to_master(store, unit->shard);
+    std::optional<BackwardDone> backward;
+    if (is_backward(*unit)) {
+      write_grads(store, unit->shard);
+      backward = BackwardDone{/*step=*/true, /*lr_scale=*/1.0, /*keep=*/false};
+    }
+    loop.end(*unit, backward);
+    scheduler.complete(0, *unit, 0.01);
+  }
+  for (int model : task_models) engine.finish(model);
+}
+
+// One spilled model of kShards shards as task 0 (no task: `task` -1), on a roomy CPU engine, and its loop.
+struct OneTask {
+  explicit OneTask(int64_t budget = 1 << 20, int task = 0)
+      : engine(kCpu, budget), model(engine.add_model(store, DeviceEngine::Residency::kSpilled, task)) {}
+  std::shared_ptr<ShardStore> store = equal_shards(kShards);
+  DeviceEngine engine;
+  const int model;
+  Scheduler scheduler{{TaskSpec{kShards, 1, std::nullopt}}, 1, PolicyKind::kLrtf};
+  DeviceLoop loop{scheduler, engine, 0, LoopOptions{}};
+  const Unit first = *scheduler.try_next(0);  // F(0)
+};
+
+TEST(DeviceLoop, TrainsAsTheEngineCallsItStandsFor) {
+  if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
+  auto direct = equal_shards(kShards);
+  auto looped = equal_shards(kShards);
+  DeviceEngine reference(kCpu, tight_budget(*direct) + 1024);
+  const int r = reference.add_model(direct, DeviceEngine::Residency::kSpilled);
+  run_step(reference, r, *direct, 1, /*check_values=*/true, /*step=*/true);
+  run_step(reference, r, *direct, 1, /*check_values=*/true, /*step=*/true);
+  reference.finish(r);
+
+  DeviceEngine engine(kCpu, tight_budget(*looped) + 1024);
+  const int m = engine.add_model(looped, DeviceEngine::Residency::kSpilled, /*task=*/0);
+  Scheduler scheduler({TaskSpec{kShards, /*micro_batches=*/2, std::nullopt}}, 1, PolicyKind::kLrtf);
+  DeviceLoop loop(scheduler, engine, 0, LoopOptions{});
+  run_through_loop(scheduler, loop, engine, {m}, {looped.get()});
+
+  for (int s = 0; s < kShards; ++s) {
+    EXPECT_TRUE(at::equal(looped->master(s), direct->master(s))) << "shard " << s;
+    EXPECT_FALSE(at::equal(looped->master(s), equal_shards(kShards)->master(s))) << "shard " << s << " stepped";
+  }
+}
+
+TEST(DeviceLoop, FindsEachTasksModelByTheSchedulersId) {
+  if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
+  auto first = equal_shards(kShards), second = equal_shards(kShards, 20);
+  DeviceEngine engine(kCpu, 1 << 20);
+  // Registered in the opposite order to their tasks: model ids and task ids differ.
+  const int model_of_task1 = engine.add_model(second, DeviceEngine::Residency::kSpilled, 1);
+  const int model_of_task0 = engine.add_model(first, DeviceEngine::Residency::kSpilled, 0);
+  ASSERT_EQ(engine.model_of(0), model_of_task0);
+  ASSERT_EQ(engine.model_of(1), model_of_task1);
+  EXPECT_EQ(engine.model_of(2), -1);
+
+  Scheduler scheduler({TaskSpec{kShards, 1, std::nullopt}, TaskSpec{kShards, 1, std::nullopt}}, 1, PolicyKind::kFifo);
+  DeviceLoop loop(scheduler, engine, 0, LoopOptions{});
+  run_through_loop(scheduler, loop, engine, {model_of_task0, model_of_task1}, {first.get(), second.get()});
+  // Each store saw exactly its own task's visits: a forward and a backward per shard, the last shard once.
+  EXPECT_EQ(engine.shard_loads(model_of_task0), (std::vector<int64_t>{1, 1, 1, 1}));
+  EXPECT_EQ(engine.shard_loads(model_of_task1), (std::vector<int64_t>{1, 1, 1, 1}));
+
+  engine.release_model(model_of_task1);
+  EXPECT_EQ(engine.model_of(1), -1) << "a released model is no task's any more";
+  EXPECT_EQ(engine.model_of(0), model_of_task0);
+}
+
+TEST(DeviceLoop, BeginPlansAndPrefetchesTheNextPlannedShard) {
+  // Room for two shards' weights beside one shard's gradients: the next planned shard can come in.
+  const auto sized = equal_shards(kShards);
+  OneTask t(tight_budget(*sized) + DeviceEngine::min_spilled_bytes(*sized) + 2048);
+  t.loop.begin(t.first);
+  EXPECT_EQ(t.engine.shard_loads(t.model), (std::vector<int64_t>{1, 1, 0, 0})) << "shard 1's forward is planned next";
+  EXPECT_GT(t.loop.end(t.first, std::nullopt), 0) << "the bytes copied in since begin";
+}
+
+TEST(DeviceLoop, EndReleasesTheShardEvenWhenTheBackwardReportFails) {
+  OneTask t;
+  ASSERT_EQ(t.first.phase, Phase::kForward);
+  t.loop.begin(t.first);
+  // A forward holds no gradients: reporting a backward for it is refused...
+  EXPECT_THROW(t.loop.end(t.first, BackwardDone{}), c10::Error);
+  // ...and the shard is released all the same: it can be acquired again.
+  EXPECT_NO_THROW(t.engine.acquire(t.model, t.first.shard, false));
+  t.engine.release(t.model, t.first.shard);
+}
+
+TEST(DeviceLoop, BeginRefusesATaskWithoutAModelHereHoldingNothing) {
+  OneTask t(1 << 20, /*task=*/-1);  // as a model a test drives by hand
+  EXPECT_THROW(t.loop.begin(t.first), c10::Error);
+  EXPECT_EQ(t.loop.end(t.first, std::nullopt), 0) << "no visit is open: the worker's end after a failure does nothing";
+  EXPECT_THROW(t.loop.end(t.first, BackwardDone{}), c10::Error) << "a backward of a shard never acquired";
+  EXPECT_THROW(DeviceLoop(t.scheduler, t.engine, 1, LoopOptions{}), c10::Error) << "the scheduler runs one device";
+}
+
+TEST(DeviceLoop, AVisitEndsBeforeTheNextBegins) {
+  OneTask t;
+  t.loop.begin(t.first);
+  EXPECT_THROW(t.loop.begin(t.first), c10::Error);
+  Unit other = t.first;
+  other.shard = 1;
+  EXPECT_THROW(t.loop.end(other, std::nullopt), c10::Error) << "another shard's unit cannot end this visit...";
+  EXPECT_NO_THROW(t.engine.acquire(t.model, t.first.shard, false)) << "...and the shard it held is released";
+  t.engine.release(t.model, t.first.shard);
+  EXPECT_EQ(t.loop.end(t.first, std::nullopt), 0) << "the visit is closed";
+}
+
+}  // namespace
