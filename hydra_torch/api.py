@@ -136,10 +136,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     pin = _pin(pin_memory, resolved)
 
     for task in tasks:
-        if task.auto_shards:
-            # Planned for the smallest budget among the devices: a spilled model may run on any of them.
-            smallest = min(range(len(resolved)), key=lambda i: budgets[i])
-            planner.apply_plan(task, planner.plan(task, device=resolved[smallest], budget=budgets[smallest]))
+        planner.plan_for_devices(task, resolved, budgets)
     link = testing.link_bytes_per_second()
     engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(resolved, budgets)]
     for engine in engines if arrivals is not None else ():

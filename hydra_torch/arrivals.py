@@ -84,9 +84,7 @@ class OpenRun:
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             memory.check_host_memory([task])
-            if task.auto_shards:
-                smallest = min(range(len(self.devices)), key=lambda i: self.budgets[i])
-                planner.apply_plan(task, planner.plan(task, device=self.devices[smallest], budget=self.budgets[smallest]))
+            planner.plan_for_devices(task, self.devices, self.budgets)
             task.stopped_on_request = False
             task.ended.clear()
             runner = TaskRunner(task, len(self.runners), self.start_rng)

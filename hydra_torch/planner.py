@@ -105,6 +105,14 @@ def apply_plan(task, plan_: Plan) -> None:
     task.shard_params = sharding.shard_parameters(task.modules)
 
 
+def plan_for_devices(task, devices, budgets) -> None:
+    """Cuts a task whose shards are left to the planner (`auto_shards`) for the smallest budget among the
+    devices: a spilled model may run on any of them."""
+    if task.auto_shards:
+        smallest = min(range(len(devices)), key=lambda i: budgets[i])
+        apply_plan(task, plan(task, device=devices[smallest], budget=budgets[smallest]))
+
+
 def piece_weight_bytes(piece: torch.nn.Module, bf16: bool) -> int:
     """Device bytes of a piece's parameters as the engine lays them out (ShardStore.device_bytes). A
     parameter tied across pieces counts in each, as the engine counts it in each shard that uses it; two
