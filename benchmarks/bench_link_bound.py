@@ -9,7 +9,7 @@ bound, and the shares of the span the compute waited for weights to land (`acqui
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
-                                          [--rounds 3]
+                                          [--rounds 3] [--by-unit]
 """
 from __future__ import annotations
 
@@ -47,6 +47,23 @@ def block_forward_seconds(results, shards: int) -> float:
                              if e.phase == "forward" and 0 < e.shard < shards - 1)
 
 
+def unit_kind(entry, shards: int) -> str:
+    """A unit's phase and shard; a forward of the first shard after a step is told apart (it waits for that
+    shard's gradients to go out, its step and its weights to come back in)."""
+    after_step = entry.phase == "forward" and entry.shard == 0 and entry.unit >= 2 * shards - 1
+    return f"{entry.phase} {entry.shard}" + (" after a step" if after_step else "")
+
+
+def extra_by_kind(base, results, shards: int) -> dict[str, float]:
+    """Seconds each kind of unit took on the link beyond its median time at memory speed, summed."""
+    at_memory_speed, on_link = {}, {}
+    for trace, into in ((base.trace, at_memory_speed), (results.trace, on_link)):
+        for e in trace:
+            into.setdefault(unit_kind(e, shards), []).append(e.end - e.start)
+    return {kind: sum(times) - statistics.median(at_memory_speed[kind]) * len(times)
+            for kind, times in on_link.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=1)
@@ -58,11 +75,14 @@ def main():
                         help="units of its plan each device commits to (0: none, the policy decides each unit)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 1.0, 2.0, 4.0],
                         help="a block's weight copy over its forward")
+    parser.add_argument("--by-unit", action="store_true",
+                        help="also where the span beyond memory speed goes: each kind of unit's extra seconds")
     args, data, shard_bytes = parse_workload(parser)
     block_bytes = shard_bytes[1]
     # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile.
     budget = (2 + args.ahead) * max(shard_bytes) + 65536
     rows = {ratio: [] for ratio in args.ratios}
+    extra = {ratio: [] for ratio in args.ratios}
     bandwidth = {}
     for _ in range(args.rounds):
         base = train(args, data, budget)
@@ -76,6 +96,7 @@ def main():
             bound = max(compute, stats["host_to_device_bytes"] / bandwidth[ratio],
                         stats["device_to_host_bytes"] / bandwidth[ratio])
             took = span(results)
+            extra[ratio].append(extra_by_kind(base, results, len(shard_bytes)))
             rows[ratio].append((took / bound, stats["acquire_wait_seconds"] / took, stats["grad_wait_seconds"] / took,
                                 compute, stats["host_to_device_bytes"] / bandwidth[ratio], took))
     prefetch = "as far as it allows" if args.far else "next"
@@ -91,6 +112,13 @@ def main():
         med = [statistics.median(r[i] for r in runs) for i in range(6)]
         print(f"| {ratio:g} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | {med[0]:.2f} | "
               f"{100 * med[1]:.0f}% | {100 * med[2]:.0f}% |")
+    if args.by_unit:
+        print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "
+              "largest first:")
+        for ratio, runs in extra.items():
+            kinds = {kind: statistics.median(run.get(kind, 0.0) for run in runs) for kind in runs[0]}
+            ranked = sorted(kinds.items(), key=lambda item: -item[1])
+            print(f"- copy / forward {ratio:g}: " + ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in ranked))
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ class TaskRunner:
         its last backward unit."""
         if backward is not None and backward.step:
             self._stepped.append(unit.shard)
-        if unit.phase == FORWARD_BACKWARD and self.n == 1 or unit.phase == BACKWARD and unit.shard == 0:
+        if (unit.phase == FORWARD_BACKWARD and self.n == 1) or (unit.phase == BACKWARD and unit.shard == 0):
             self._end_micro_batch(slot)
 
     def at_step_boundary(self) -> bool:
