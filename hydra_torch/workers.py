@@ -20,12 +20,16 @@ from hydra_torch.results import TraceEntry
 PLAN_UNITS = 32
 COMMITTED_UNITS = 4
 PREFETCH_BEYOND_NEXT_BYTES = 0
+# A spilled task whose step was just queued is held back (Scheduler.hold) until its first shard can come in
+# again: other tasks run meanwhile instead of the device waiting for the step and the copy.
+HOLD_FOR_STEPS = True
 
 
 def make_loop(scheduler, engine, index: int):
     """The device's per-unit seam (_C.DeviceLoop): begin plans, acquires and prefetches; end reports the
     backward and releases."""
-    return _C.DeviceLoop(scheduler, engine, index, PLAN_UNITS, COMMITTED_UNITS, PREFETCH_BEYOND_NEXT_BYTES)
+    return _C.DeviceLoop(scheduler, engine, index, PLAN_UNITS, COMMITTED_UNITS, PREFETCH_BEYOND_NEXT_BYTES,
+                         HOLD_FOR_STEPS)
 
 
 @dataclass

@@ -159,12 +159,13 @@ PYBIND11_MODULE(_C, m) {
   // A device worker's per-unit seam (engine/device_loop.h); it keeps the scheduler and the engine alive.
   py::class_<DeviceLoop>(m, "DeviceLoop")
       .def(py::init([](hydra::core::Scheduler& scheduler, DeviceEngine& engine, int device, int plan_units,
-                       int committed_units, int64_t prefetch_bytes) {
-             const hydra::engine::LoopOptions options{plan_units, committed_units, prefetch_bytes};
+                       int committed_units, int64_t prefetch_bytes, bool hold_for_steps) {
+             const hydra::engine::LoopOptions options{plan_units, committed_units, prefetch_bytes, hold_for_steps};
              return std::make_unique<DeviceLoop>(scheduler, engine, device, options);
            }),
            py::arg("scheduler"), py::arg("engine"), py::arg("device"), py::arg("plan_units"),
-           py::arg("committed_units"), py::arg("prefetch_bytes"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+           py::arg("committed_units"), py::arg("prefetch_bytes"), py::arg("hold_for_steps") = true,
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("begin", &DeviceLoop::begin, py::arg("unit"), release_gil())
       .def("end", &DeviceLoop::end, py::arg("unit"), py::arg("backward"), release_gil())
       .def("copied", &DeviceLoop::copied);

@@ -1,5 +1,6 @@
 #include "core/scheduler.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include <stdexcept>
@@ -80,22 +81,25 @@ std::optional<Unit> Scheduler::take_locked(int device) {
     const auto [t, index] = committed.front();
     committed.pop_front();
     const TaskState& task = tasks_[static_cast<size_t>(t)];
-    if (task.state == State::kIdle && allowed(task, device) && task.next_index == index) return take_task(device, t);
+    if (task.state == State::kIdle && !task.held && allowed(task, device) && task.next_index == index)
+      return take_task(device, t);
     committed.clear();
   }
   candidates_.clear();
   const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
   // A unit at the head of another device's committed plan waits for that device (its weights are on their way
-  // there), unless this device would otherwise have nothing to do: then it goes, and that commitment lapses.
-  for (const bool respect_reservations : {true, false}) {
+  // there), and a held task waits for its release, unless this device would otherwise have nothing to do: then
+  // the reserved unit goes (that commitment lapses), and failing that the held one.
+  for (const int pass : {0, 1, 2}) {
     for (int t = 0; t < num_tasks(); ++t) {
       const TaskState& task = tasks_[static_cast<size_t>(t)];
       if (task.state != State::kIdle || !allowed(task, device)) continue;
-      if (respect_reservations && reserved_elsewhere(t, device)) continue;
+      if (pass == 0 && reserved_elsewhere(t, device)) continue;
+      if (pass < 2 && task.held) continue;
       const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
       candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device});
     }
-    if (!candidates_.empty() || !plans_committed_) break;
+    if (!candidates_.empty()) break;
   }
   if (candidates_.empty()) return std::nullopt;
   return take_task(device, candidates_[policy_.choose(device, candidates_)].task);
@@ -201,13 +205,14 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     int64_t index;
     uint64_t ready;
     bool ran_last_here;
+    bool held;
   };
   std::vector<Planned> planned;
   uint64_t sequence = event_sequence_;
   for (int t = 0; t < num_tasks(); ++t) {
     const TaskState& task = tasks_[static_cast<size_t>(t)];
     if (!allowed(task, device) || task.state == State::kDone || task.failed || planned_elsewhere(t, device)) continue;
-    Planned p{t, task.next_index, task.ready_sequence, task.last_device == device};
+    Planned p{t, task.next_index, task.ready_sequence, task.last_device == device, task.held};
     if (task.state == State::kRunning) {
       if (task.running_device != device) continue;
       ++p.index;
@@ -225,16 +230,22 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     size_t chosen = planned.size();
     if (kept != committed.end()) {
       for (size_t i = 0; i < planned.size(); ++i)
-        if (planned[i].task == kept->first && planned[i].index == kept->second) chosen = i;
+        if (planned[i].task == kept->first && planned[i].index == kept->second && !planned[i].held) chosen = i;
       kept = chosen < planned.size() ? kept + 1 : committed.end();
     }
     if (chosen == planned.size()) {
+      // A held task comes after the others (it is released meanwhile, or nothing else is left).
+      const bool all_held = std::all_of(planned.begin(), planned.end(), [](const Planned& p) { return p.held; });
       candidates.clear();
-      for (const Planned& p : planned) {
+      std::vector<size_t> positions;
+      for (size_t i = 0; i < planned.size(); ++i) {
+        const Planned& p = planned[i];
+        if (p.held && !all_held) continue;
         const double remaining = needs_estimates ? cost_model_.remaining_seconds(p.task, p.index) : 0.0;
         candidates.push_back(Candidate{p.task, remaining, p.ready, p.ran_last_here});
+        positions.push_back(i);
       }
-      chosen = policy_.choose(device, candidates);
+      chosen = positions[policy_.choose(device, candidates)];
     }
     Planned& p = planned[chosen];
     units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index));
@@ -277,6 +288,15 @@ void Scheduler::observe(const Unit& unit, double seconds) {
   check_task(unit.task);
   std::lock_guard lock(mutex_);
   cost_model_.observe(unit.task, unit.shard, unit.phase, seconds);
+}
+
+void Scheduler::hold(int task, bool held) {
+  check_task(task);
+  {
+    std::lock_guard lock(mutex_);
+    tasks_[static_cast<size_t>(task)].held = held;
+  }
+  if (!held) ready_.notify_all();
 }
 
 void Scheduler::fail(int task) {

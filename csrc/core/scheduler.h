@@ -75,6 +75,11 @@ class Scheduler {
   // A unit's duration measured after its complete(): the cost model learns it as complete() would have.
   void observe(const Unit& unit, double seconds);
 
+  // While held, a task's next unit goes to a device only if nothing else is ready for it (plans leave it
+  // behind too): its weights cannot come in yet, say, until its step is done. A committed plan whose head it is
+  // lapses. Release with held = false; an unknown task throws std::invalid_argument.
+  void hold(int task, bool held);
+
   // Drops the task's remaining units. A unit already running still completes normally.
   void fail(int task);
 
@@ -118,6 +123,7 @@ class Scheduler {
     int running_device = -1;
     int last_device = -1;
     uint64_t ready_sequence = 0;
+    bool held = false;  // see hold()
   };
 
   void check_task(int task) const;

@@ -238,6 +238,11 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   m.acquire(shard, with_grads);
 }
 
+bool DeviceEngine::waits_for_step(int model, int shard) {
+  const SpilledModel* m = spilled(model);
+  return m && !m->current(shard) && !m->steps_done(shard);
+}
+
 void DeviceEngine::release(int model, int shard) { models_.at(model)->release(shard); }
 
 std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& loss) {

@@ -109,6 +109,9 @@ class DeviceEngine {
   // still running on the host is skipped: its copy would wait for the step and hold up every copy behind it.
   void prefetch_ahead(int64_t max_bytes = -1);
   void acquire(int model, int shard, bool with_grads);
+  // The shard's weights are not on the device and cannot be copied yet: a step they read is still running
+  // (a spilled model's first shard, at the start of its next step).
+  bool waits_for_step(int model, int shard);
   void release(int model, int shard);
   // The shard's backward for this micro-batch is issued. Gradients are accumulated; with `step` the shard's
   // optimizer step follows (on the host for spilled models, overlapping the compute of other shards), unless

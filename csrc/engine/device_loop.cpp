@@ -20,8 +20,18 @@ int DeviceLoop::model(int task) const {
   return model;
 }
 
+void DeviceLoop::release_held() {
+  std::erase_if(held_, [this](const std::pair<int, int>& entry) {
+    const auto [task, model] = entry;
+    if (engine_.model_of(task) == model && engine_.waits_for_step(model, 0)) return false;
+    scheduler_.hold(task, false);
+    return true;
+  });
+}
+
 void DeviceLoop::begin(const core::Unit& unit) {
   TORCH_CHECK(!open_, "DeviceLoop.begin: the visit of shard ", open_ ? open_->shard : -1, " has not ended");
+  release_held();
   const int64_t bytes_before = engine_.host_to_device_bytes();
   const int own = model(unit.task);
   // The unit's own visit first, then the units the scheduler will hand this device next, the first
@@ -61,6 +71,11 @@ int64_t DeviceLoop::end(const core::Unit& unit, const std::optional<BackwardDone
     throw;
   }
   engine_.release(visit.model, visit.shard);
+  if (backward && backward->step && visit.shard == 0 && options_.hold_for_steps &&
+      engine_.waits_for_step(visit.model, 0)) {
+    scheduler_.hold(unit.task, true);
+    held_.emplace_back(unit.task, visit.model);
+  }
   return copied_ = engine_.host_to_device_bytes() - visit.bytes_before;
 }
 

@@ -6,14 +6,17 @@
 //          prefetches the next planned shard. The runner calls it where the unit's compute starts, once the
 //          unit's inputs are on their way (loading a batch overlaps the copy the acquire may wait for);
 //   end:   reports the shard's backward when the unit ran one (its gradients go out, its step is queued) and
-//          releases the shard. The worker calls it after the runner, however the runner ended: with no visit
-//          open (the unit failed before begin, or begin failed) it does nothing.
+//          releases the shard; a spilled task whose step it queued is held until that step is done. The
+//          worker calls it after the runner, however the runner ended: with no visit open (the unit failed
+//          before begin, or begin failed) it does nothing.
 //
 // Tasks are named by the scheduler's ids; the engine finds their models (DeviceEngine::model_of).
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "core/scheduler.h"
 #include "engine/device_engine.h"
@@ -24,6 +27,9 @@ struct LoopOptions {
   int plan_units = 32;       // how many units ahead the engine's plan looks (eviction keeps what is needed soonest)
   int committed_units = 4;   // how many of them the device commits to running in order (Scheduler::commit_plan)
   int64_t prefetch_bytes = 0;  // how far beyond the next planned shard prefetch goes (DeviceEngine::prefetch_ahead)
+  // A spilled task whose step has just been queued is held (Scheduler::hold) until its first shard can be
+  // copied in again: its next forward would wait for the whole step, and another task's units run meanwhile.
+  bool hold_for_steps = true;
 };
 
 // What end() reports of a unit that ran a backward: as DeviceEngine::backward_done's arguments.
@@ -52,6 +58,8 @@ class DeviceLoop {
 
  private:
   int model(int task) const;  // throws when the task has no model on this device
+  // Releases the tasks this loop held whose first shard no longer waits for a step (or that left the device).
+  void release_held();
 
   core::Scheduler& scheduler_;
   DeviceEngine& engine_;
@@ -62,6 +70,7 @@ class DeviceLoop {
     int64_t bytes_before;  // the engine's host-to-device bytes when it began
   };
   std::optional<Visit> open_;
+  std::vector<std::pair<int, int>> held_;  // (task, model) held by this loop
   int64_t copied_ = 0;
 };
 

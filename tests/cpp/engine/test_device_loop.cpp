@@ -1,10 +1,12 @@
 // DeviceLoop: a unit's shard visit as one begin() and one end(), models found by the scheduler's task ids.
+#include <chrono>
 #include <optional>
 #include <stdexcept>
 
 #include "core/scheduler.h"
 #include "device_engine_helpers.h"
 #include "engine/device_loop.h"
+#include "manual_fence.h"
 
 namespace {
 
@@ -16,7 +18,10 @@ using hydra::core::TaskSpec;
 using hydra::core::Unit;
 using hydra::engine::BackwardDone;
 using hydra::engine::DeviceLoop;
+using hydra::engine::HostWorker;
 using hydra::engine::LoopOptions;
+using hydra::engine::testing::ManualFence;
+using namespace std::chrono_literals;
 
 constexpr int kShards = 4;
 
@@ -105,6 +110,62 @@ TEST(DeviceLoop, BeginPlansAndPrefetchesTheNextPlannedShard) {
   t.loop.begin(t.first);
   EXPECT_EQ(t.engine.shard_loads(t.model), (std::vector<int64_t>{1, 1, 0, 0})) << "shard 1's forward is planned next";
   EXPECT_GT(t.loop.end(t.first, std::nullopt), 0) << "the bytes copied in since begin";
+}
+
+// Runs `unit` through the loop (a backward writes gradients and steps) and completes it.
+void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit) {
+  loop.begin(unit);
+  std::optional<BackwardDone> backward;
+  if (is_backward(unit)) {
+    write_grads(store, unit.shard);
+    backward = BackwardDone{true, 1.0, false};
+  }
+  loop.end(unit, backward);
+  scheduler.complete(0, unit, 0.01);
+}
+
+// A spilled task whose step was just queued cannot start its next forward before the step is done: the loop
+// holds it, and the device runs another task meanwhile. Once the step is done the task is released.
+TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
+  if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
+  for (const bool hold : {false, true}) {
+    SCOPED_TRACE(hold ? "holding" : "not holding");
+    auto first = equal_shards(kShards), second = equal_shards(kShards, 20);
+    auto host_steps = std::make_shared<HostWorker>(1);
+    DeviceEngine engine(kCpu, 1 << 20, host_steps);
+    engine.add_model(first, DeviceEngine::Residency::kSpilled, 0);
+    engine.add_model(second, DeviceEngine::Residency::kSpilled, 1);
+    // Task 0 has the longer chain: LRTF goes back to it after its first step, unless it is held.
+    Scheduler scheduler({TaskSpec{kShards, 3, std::nullopt}, TaskSpec{kShards, 1, std::nullopt}}, 1,
+                        PolicyKind::kLrtf);
+    LoopOptions options;
+    options.hold_for_steps = hold;
+    DeviceLoop loop(scheduler, engine, 0, options);
+    scheduler.hold(1, true);  // the test's own hold: task 0's first micro-batch runs alone
+    ManualFence gate;
+    for (;;) {
+      const Unit unit = *scheduler.try_next(0);
+      ASSERT_EQ(unit.task, 0);
+      const bool last = unit.phase == Phase::kBackward && unit.shard == 0;
+      if (last) {  // shard 0's step waits behind the gate
+        host_steps->submit([fence = gate.fence]() -> hydra::engine::DeviceEvent {
+          fence.wait();
+          return nullptr;
+        });
+      }
+      run_unit(scheduler, loop, *first, unit);
+      if (last) break;
+    }
+    scheduler.hold(1, false);
+    const Unit next = *scheduler.try_next(0);
+    EXPECT_EQ(next.task, hold ? 1 : 0) << "while task 0's step runs, task 1 goes first";
+    gate.finish();
+    ASSERT_TRUE(hydra::engine::testing::ready_within(first->last_step(0), 10s));
+    run_unit(scheduler, loop, next.task == 0 ? *first : *second, next);  // its begin releases task 0
+    if (hold) EXPECT_EQ(scheduler.try_next(0)->task, 0) << "released, the longer task comes back first";
+    engine.synchronize(0);
+    engine.synchronize(1);
+  }
 }
 
 TEST(DeviceLoop, EndReleasesTheShardEvenWhenTheBackwardReportFails) {
