@@ -27,22 +27,24 @@ constexpr int kShards = 4;
 
 bool is_backward(const Unit& unit) { return unit.phase == Phase::kForwardBackward || unit.phase == Phase::kBackward; }
 
-// Runs every unit the scheduler hands device 0 through the loop, writing each backward's gradients as
-// run_step does; steps at the end of every micro-batch.
+// Runs `unit` through the loop, its parameters bound to the master values, writing a backward's gradients as
+// run_step does and stepping; then completes it.
+void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit) {
+  loop.begin(unit);
+  expect_bound_to_master(store, unit.shard);
+  std::optional<BackwardDone> backward;
+  if (is_backward(unit)) {
+    write_grads(store, unit.shard);
+    backward = BackwardDone{/*step=*/true, /*lr_scale=*/1.0, /*keep=*/false};
+  }
+  loop.end(unit, backward);
+  scheduler.complete(0, unit, 0.01);
+}
+
+// Runs every unit the scheduler hands device 0 through the loop; steps at the end of every micro-batch.
 void run_through_loop(Scheduler& scheduler, DeviceLoop& loop, DeviceEngine& engine, const std::vector<int>& task_models,
                       const std::vector<ShardStore*>& stores) {
-  while (std::optional<Unit> unit = scheduler.try_next(0)) {
-    loop.begin(*unit);
-    ShardStore& store = *stores[unit->task];
-    expect_bound_to_master(store, unit->shard);
-    std::optional<BackwardDone> backward;
-    if (is_backward(*unit)) {
-      write_grads(store, unit->shard);
-      backward = BackwardDone{/*step=*/true, /*lr_scale=*/1.0, /*keep=*/false};
-    }
-    loop.end(*unit, backward);
-    scheduler.complete(0, *unit, 0.01);
-  }
+  while (std::optional<Unit> unit = scheduler.try_next(0)) run_unit(scheduler, loop, *stores[unit->task], *unit);
   for (int model : task_models) engine.finish(model);
 }
 
@@ -110,18 +112,6 @@ TEST(DeviceLoop, BeginPlansAndPrefetchesTheNextPlannedShard) {
   t.loop.begin(t.first);
   EXPECT_EQ(t.engine.shard_loads(t.model), (std::vector<int64_t>{1, 1, 0, 0})) << "shard 1's forward is planned next";
   EXPECT_GT(t.loop.end(t.first, std::nullopt), 0) << "the bytes copied in since begin";
-}
-
-// Runs `unit` through the loop (a backward writes gradients and steps) and completes it.
-void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit) {
-  loop.begin(unit);
-  std::optional<BackwardDone> backward;
-  if (is_backward(unit)) {
-    write_grads(store, unit.shard);
-    backward = BackwardDone{true, 1.0, false};
-  }
-  loop.end(unit, backward);
-  scheduler.complete(0, unit, 0.01);
 }
 
 // A spilled task whose step was just queued cannot start its next forward before the step is done: the loop
