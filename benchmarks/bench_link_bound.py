@@ -9,7 +9,7 @@ bound, and the shares of the span the compute waited for weights to land (`acqui
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
-                                          [--rounds 3] [--by-unit]
+                                          [--rounds 3] [--by-unit] [--clip MAX_NORM]
 """
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ def main():
                         help="units of its plan each device commits to (0: none, the policy decides each unit)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 1.0, 2.0, 4.0],
                         help="a block's weight copy over its forward")
+    parser.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                        help="every model clips its gradients' global norm (clip_grad_norm)")
     parser.add_argument("--by-unit", action="store_true",
                         help="also where the span beyond memory speed goes: each kind of unit's extra seconds")
     args, data, shard_bytes = parse_workload(parser)
@@ -103,8 +105,8 @@ def main():
     print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
           f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
           f"weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, {args.commit} units "
-          f"committed; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.rounds} "
-          "interleaved rounds")
+          f"committed, clipping {args.clip}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"medians of {args.rounds} interleaved rounds")
     print("| copy / forward | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | waiting for "
           "weights | waiting for gradient room |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,6 +1,7 @@
 """Memory budgets: bytes, strings with a unit, or a fraction of the device's free memory."""
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import os
@@ -109,13 +110,17 @@ def host_state_bytes(task) -> int:
     """What a task's host training state (the engine's ShardStore) will take: per parameter, an fp32 master
     and the optimizer's fp32 states, a bf16 shadow in bf16, and where a step waits for more than one gradient
     its gradient: an fp32 accumulator with micro-batches (or clipping in fp32), the bf16 gradient as it landed
-    with clipping in bf16, and an fp32 accumulator for each shard owning a parameter that another shard uses
-    (a tied embedding sums both shards' gradients). A tied parameter counts once."""
+    with clipping in bf16. A shard owning a parameter that another shard uses (a tied embedding) sums both
+    shards' gradients: in bf16 with one micro-batch a step and no clipping, the borrower's waits as it landed
+    where every parameter has at most one borrower, else in an fp32 accumulator. A tied parameter counts once."""
     owner, numel = {}, {}
+    borrowers = collections.Counter()
     for s, shard in enumerate(task.shard_params):
-        for p in shard:
+        for p in {id(p): p for p in shard}.values():
             owner.setdefault(id(p), s)
             numel[id(p)] = p.numel()
+            if owner[id(p)] != s and p.requires_grad:
+                borrowers[id(p)] += 1
     tied_owners = {owner[id(p)] for s, shard in enumerate(task.shard_params) for p in shard if owner[id(p)] != s}
     bf16 = task.precision == "bf16"
     per_element = 4 + 4 * task.optimizer.spec().num_states + (2 if bf16 else 0)
@@ -124,7 +129,7 @@ def host_state_bytes(task) -> int:
     elif task.clip_grad_norm is not None:
         gradient, tied = 2, 4
     else:
-        gradient, tied = 0, 4
+        gradient, tied = 0, (2 if bf16 and all(n == 1 for n in borrowers.values()) else 4)
     return sum(n * (per_element + (tied if owner[key] in tied_owners else gradient)) for key, n in numel.items())
 
 

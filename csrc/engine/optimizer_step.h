@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "engine/optimizer_spec.h"
@@ -32,5 +33,13 @@ void step_flat(const OptimizerSpec& spec, const at::Tensor& param, const at::Ten
 void step_ranges(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
                  const std::vector<at::Tensor>& states, const at::Tensor& shadow,
                  const std::vector<StepRange>& ranges, double grad_scale, double lr_scale);
+
+// step_ranges where the elements of `first_spans` ([begin, end) of the buffers) have a first gradient waiting
+// in `first` (ShardStore::kept): their gradient is summed in fp32 as an accumulator sums it, zero plus `first`
+// plus `grad`, one chunk at a time, so no fp32 buffer of the whole shard is made.
+void step_ranges_summing(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
+                         const at::Tensor& first, const std::vector<std::pair<int64_t, int64_t>>& first_spans,
+                         const std::vector<at::Tensor>& states, const at::Tensor& shadow,
+                         const std::vector<StepRange>& ranges, double grad_scale, double lr_scale);
 
 }  // namespace hydra::engine

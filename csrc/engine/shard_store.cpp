@@ -88,9 +88,17 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     }
     device_numel_[s] = offset;
     received_.emplace_back(layouts_[s].size(), 0);
+    borrowed_waiting_.emplace_back(layouts_[s].size(), 0);
     param_steps_.emplace_back(layouts_[s].size(), 0);
     options_.emplace_back(layouts_[s].size(), ParamOptions{optimizer.lr, optimizer.weight_decay});
   }
+
+  std::unordered_map<const c10::TensorImpl*, int> borrowers;
+  for (const std::vector<ParamEntry>& entries : borrowed)
+    for (const ParamEntry& e : entries)
+      if (e.trainable) ++borrowers[e.param.unsafeGetTensorImpl()];
+  keeps_borrowed_as_landed_ =
+      bf16 && std::all_of(borrowers.begin(), borrowers.end(), [](const auto& b) { return b.second == 1; });
 
   for (int s = 0; s < n; ++s) {
     // Only what crosses to the device is pinned: a DMA needs it, the host-only buffers do not.
@@ -168,6 +176,19 @@ int64_t ShardStore::host_bytes() const {
 
 void ShardStore::forget_gradients() {
   for (std::vector<uint8_t>& received : received_) std::fill(received.begin(), received.end(), 0);
+  for (std::vector<uint8_t>& waiting : borrowed_waiting_) std::fill(waiting.begin(), waiting.end(), 0);
+}
+
+std::vector<std::pair<int64_t, int64_t>> ShardStore::take_borrowed_spans(int shard) {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  std::vector<uint8_t>& waiting = borrowed_waiting_.at(shard);
+  for (size_t i = 0; i < waiting.size(); ++i) {
+    if (!waiting[i]) continue;
+    const ParamEntry& e = layouts_[shard][i];
+    spans.emplace_back(e.master_offset, e.master_offset + e.numel);
+    waiting[i] = 0;
+  }
+  return spans;
 }
 
 std::vector<StepRange> ShardStore::take_step(int shard) {
@@ -217,12 +238,18 @@ void ShardStore::keep_grads(int shard, const at::Tensor& device_layout_grad) {
   kept(shard).copy_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
 }
 
-void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad) {
+void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step) {
   TORCH_CHECK(device_layout_grad.device().is_cpu() && device_layout_grad.numel() == device_numel_.at(shard),
               "accumulate_grads: expected a host tensor of ", device_numel_.at(shard), " elements");
   for (const ParamEntry& e : layouts_[shard]) {
     if (e.owner == shard || !e.trainable) continue;
-    grad(e.owner).narrow(0, e.master_offset, e.numel).add_(device_layout_grad.narrow(0, e.device_offset, e.numel));
+    const at::Tensor part = device_layout_grad.narrow(0, e.device_offset, e.numel);
+    if (ends_step && keeps_borrowed_as_landed_ && !has_grad(e.owner)) {
+      kept(e.owner).narrow(0, e.master_offset, e.numel).copy_(part);
+      borrowed_waiting_[e.owner][e.owner_index] = 1;
+    } else {
+      grad(e.owner).narrow(0, e.master_offset, e.numel).add_(part);
+    }
   }
 }
 

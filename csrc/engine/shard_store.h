@@ -76,6 +76,15 @@ class ShardStore {
   // owner of a borrowed parameter sums the borrowers' gradients). Allocated at its first use.
   at::Tensor& kept(int shard);
   bool has_kept(int shard) const { return kept_.at(shard).defined(); }
+  // bf16, one micro-batch a step, no clipping: a borrower's gradient of a tied parameter is the first of the
+  // two its owner's step sums. It waits as it landed, in the owner's kept buffer (2 bytes a parameter), instead
+  // of in an fp32 accumulator (4); the owner's step sums it with its own as the accumulator would (see
+  // step_ranges_summing). Only where every trainable parameter has at most one borrower: a third gradient
+  // would have to be summed in bf16, or wait in fp32.
+  bool keeps_borrowed_as_landed() const { return keeps_borrowed_as_landed_; }
+  // The owned parameters of `shard` whose borrower's gradient is waiting in kept(shard), as [offset, offset +
+  // numel) of its master layout; forgets them (the shard's step is summing them now).
+  std::vector<std::pair<int64_t, int64_t>> take_borrowed_spans(int shard);
   // Where the shard's gradient of its pending step is: its accumulator if it has one, else the kept gradient.
   at::Tensor& pending_grad(int shard) { return has_grad(shard) || !has_kept(shard) ? grad(shard) : kept(shard); }
   // What the shard's host buffers hold now, in bytes: master, accumulator, kept gradient, optimizer states,
@@ -154,8 +163,9 @@ class ShardStore {
   // the owned part in one pass, each borrowed parameter into its owner's buffer.
   void accumulate_grads(int shard, const at::Tensor& device_layout_grad);
   // Only the borrowed parameters' part of it, into their owners' accumulators (the owned part is stepped from
-  // where it landed).
-  void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad);
+  // where it landed). `ends_step`: this micro-batch ends the step, and where the owner has no accumulator and
+  // keeps_borrowed_as_landed(), the part waits in the owner's kept buffer instead.
+  void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step = false);
   // The owned part into the kept gradient (see kept), the borrowed part into the owners' accumulators.
   void keep_grads(int shard, const at::Tensor& device_layout_grad);
   // One owned parameter's host training state, for checkpoints: the parameter, views shaped like it of its
@@ -194,6 +204,9 @@ class ShardStore {
   // since the shard's last step, and the parameter's own step count.
   std::vector<std::vector<uint8_t>> received_;
   std::vector<std::vector<int64_t>> param_steps_;
+  // Per shard, per owned entry: a borrower's gradient of it waits in kept (keeps_borrowed_as_landed).
+  std::vector<std::vector<uint8_t>> borrowed_waiting_;
+  bool keeps_borrowed_as_landed_ = false;
   // Per shard, per entry: its learning rate and weight decay (the optimizer's unless set_param_options).
   struct ParamOptions {
     double lr;

@@ -21,17 +21,27 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 // Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
-// runs on a host-step thread. `landed`: the shard's one gradient of this step, in device layout and compute
-// dtype, read in the step's single pass; undefined: the accumulator, zeroed for the next step, or where the
-// shard has none, its kept gradient.
+// runs on a host-step thread. `landed`: the shard's own gradient of this step, in device layout and compute
+// dtype, read in the step's single pass, summed with a borrower's where one waits in the kept buffer;
+// undefined: the accumulator, zeroed for the next step, or where the shard has none, its kept gradient.
 void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
                double lr_scale, const at::Tensor& landed) {
   std::vector<at::Tensor> states;
   for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
   const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
-  const at::Tensor grad = landed.defined() ? landed : store.pending_grad(shard);
-  step_ranges(store.optimizer(), store.master(shard), grad, states, shadow, ranges, grad_scale, lr_scale);
-  if (!landed.defined() && store.has_grad(shard)) store.grad(shard).zero_();
+  const OptimizerSpec& spec = store.optimizer();
+  if (landed.defined()) {
+    const auto waiting = store.take_borrowed_spans(shard);
+    if (waiting.empty()) {
+      step_ranges(spec, store.master(shard), landed, states, shadow, ranges, grad_scale, lr_scale);
+    } else {
+      step_ranges_summing(spec, store.master(shard), landed, store.kept(shard), waiting, states, shadow, ranges,
+                          grad_scale, lr_scale);
+    }
+    return;
+  }
+  step_ranges(spec, store.master(shard), store.pending_grad(shard), states, shadow, ranges, grad_scale, lr_scale);
+  if (store.has_grad(shard)) store.grad(shard).zero_();
 }
 
 }  // namespace
@@ -218,7 +228,7 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
     // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
     const bool single_pass = step && !owner->has_grad(shard);
     if (single_pass) {
-      owner->accumulate_borrowed(shard, gradient);
+      owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
     } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
       owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
     } else {

@@ -2,6 +2,7 @@
 #include <chrono>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 
 #include "core/scheduler.h"
 #include "device_engine_helpers.h"
@@ -28,14 +29,14 @@ constexpr int kShards = 4;
 bool is_backward(const Unit& unit) { return unit.phase == Phase::kForwardBackward || unit.phase == Phase::kBackward; }
 
 // Runs `unit` through the loop, its parameters bound to the master values, writing a backward's gradients as
-// run_step does and stepping; then completes it.
-void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit) {
+// run_step does and stepping (`clipped`: keeping them for clip_and_step instead); then completes it.
+void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit, bool clipped = false) {
   loop.begin(unit);
   expect_bound_to_master(store, unit.shard);
   std::optional<BackwardDone> backward;
   if (is_backward(unit)) {
     write_grads(store, unit.shard);
-    backward = BackwardDone{/*step=*/true, /*lr_scale=*/1.0, /*keep=*/false};
+    backward = BackwardDone{/*step=*/!clipped, /*lr_scale=*/1.0, /*keep=*/clipped};
   }
   loop.end(unit, backward);
   scheduler.complete(0, unit, 0.01);
@@ -116,10 +117,11 @@ TEST(DeviceLoop, BeginPlansAndPrefetchesTheNextPlannedShard) {
 
 // A spilled task whose step was just queued cannot start its next forward before the step is done: the loop
 // holds it, and the device runs another task meanwhile. Once the step is done the task is released.
+// Stepping at its last backward or, clipped, at clip_and_step right after it.
 TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
   if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
-  for (const bool hold : {false, true}) {
-    SCOPED_TRACE(hold ? "holding" : "not holding");
+  for (const auto [hold, clipped] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(testing::Message() << (hold ? "holding" : "not holding") << (clipped ? ", clipped" : ""));
     auto first = equal_shards(kShards), second = equal_shards(kShards, 20);
     auto host_steps = std::make_shared<HostWorker>(1);
     DeviceEngine engine(kCpu, 1 << 20, host_steps);
@@ -137,13 +139,17 @@ TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
       const Unit unit = *scheduler.try_next(0);
       ASSERT_EQ(unit.task, 0);
       const bool last = unit.phase == Phase::kBackward && unit.shard == 0;
-      if (last) {  // shard 0's step waits behind the gate
+      auto close_the_gate = [&] {  // shard 0's step waits behind it
         host_steps->submit([fence = gate.fence]() -> hydra::engine::DeviceEvent {
           fence.wait();
           return nullptr;
         });
-      }
-      run_unit(scheduler, loop, *first, unit);
+      };
+      if (last && !clipped) close_the_gate();
+      run_unit(scheduler, loop, *first, unit, clipped);
+      // As the runner: the norm of the gradients kept, then every shard's step. Ungated (clip_and_step waits
+      // for the host threads first): the task is held from its last backward until its next begin at least.
+      if (last && clipped) engine.clip_and_step(0, /*max_norm=*/1.0, 1.0);
       if (last) break;
     }
     scheduler.hold(1, false);

@@ -284,4 +284,75 @@ TEST(DeviceEngine, ClippedBf16StepsReadTheKeptGradientsAsTheAccumulatorsWould) {
   EXPECT_EQ(kept->host_bytes(), before + kept->owned_numel(0) * 4 + (kept->owned_numel(1) + kept->owned_numel(2)) * 2);
 }
 
+// One micro-batch, one step, as run_step visits the shards, with gradients whose pairwise sums round
+// differently in bf16 than in fp32 (write_grads' values sum exactly in either).
+void run_step_with_rough_grads(DeviceEngine& engine, int model, ShardStore& store, int step) {
+  const int n = store.num_shards();
+  std::vector<int> visits;
+  for (int s = 0; s < n; ++s) visits.push_back(s);
+  for (int s = n - 2; s >= 0; --s) visits.push_back(s);
+  engine.plan(model, visits);
+  for (int s = 0; s < n - 1; ++s) {
+    engine.acquire(model, s, /*with_grads=*/false);
+    engine.release(model, s);
+  }
+  for (int s = n - 1; s >= 0; --s) {
+    engine.acquire(model, s, /*with_grads=*/true);
+    const auto& layout = store.layout(s);
+    for (size_t i = 0; i < layout.size(); ++i) {
+      if (!layout[i].trainable) continue;
+      layout[i].param.mutable_grad().copy_(values(layout[i].param.sizes(), 0.37 * step + 1.3 * s + 0.11 * i) * 3);
+    }
+    engine.backward_done(model, s, /*step=*/true, 1.0);
+    engine.release(model, s);
+  }
+}
+
+// bf16, one micro-batch a step, no clipping: shard 2's gradient of the tied e is the first of the two shard 0
+// steps e with. Kept as it landed, in shard 0's kept buffer (2 bytes a parameter) instead of an fp32
+// accumulator (4), it must step e exactly as the accumulator would: summed with shard 0's own in fp32.
+TEST(DeviceEngine, ATiedWeightsBorrowedBf16GradientWaitsAsItLandedAndStepsAsTheAccumulatorWould) {
+  OptimizerSpec adam;
+  adam.lr = 1e-2;
+  TiedModel kept_model, summed_model;
+  auto kept = make_store(kept_model.shards(), /*bf16=*/true, adam);
+  auto summed = make_store(summed_model.shards(), /*bf16=*/true, adam);
+  for (int s = 0; s < 3; ++s) summed->grad(s);  // allocated up front: every step takes the accumulator path
+  const int64_t before = kept->host_bytes();
+  for (auto* store : {&kept, &summed}) {
+    DeviceEngine engine(kCpu, tight_budget(**store));
+    const int m = engine.add_model(*store);
+    for (int step = 0; step < 3; ++step) run_step_with_rough_grads(engine, m, **store, step);
+    engine.synchronize(m);
+  }
+  // The two gradients of e (shard 0's entry 0, shard 2's entry 1) sum differently in bf16: a bf16 sum would show.
+  const at::Tensor own = (values({10, 4}, 1.3 * 0 + 0.11 * 0) * 3).to(at::kBFloat16);
+  const at::Tensor borrowed = (values({10, 4}, 1.3 * 2 + 0.11 * 1) * 3).to(at::kBFloat16);
+  ASSERT_FALSE(at::equal((own + borrowed).to(at::kFloat), own.to(at::kFloat) + borrowed.to(at::kFloat)));
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_TRUE(at::equal(kept->master(s), summed->master(s))) << "shard " << s;
+    EXPECT_TRUE(at::equal(kept->shadow(s), summed->shadow(s))) << "shard " << s;
+    for (int k = 0; k < 2; ++k) EXPECT_TRUE(at::equal(kept->state(s, k), summed->state(s, k))) << s;
+    EXPECT_EQ(kept->steps_taken(s), 3);
+    EXPECT_FALSE(kept->has_grad(s)) << "shard " << s << ": no fp32 accumulator";
+  }
+  EXPECT_TRUE(kept->has_kept(0)) << "shard 2's gradient of e waited in shard 0's kept buffer";
+  EXPECT_EQ(kept->host_bytes(), before + kept->owned_numel(0) * 2);
+}
+
+// A borrower's gradient waits as it landed only where it is one of just two a step sums (a third would have to
+// be summed in bf16), and in bf16 (an fp32 gradient as it landed takes an accumulator's 4 bytes anyway).
+TEST(ShardStore, KeepsABorrowedGradientAsLandedOnlyInBf16WithOneBorrowerATrainableParameter) {
+  TiedModel m;  // shard 2 borrows e and the frozen z
+  EXPECT_TRUE(ShardStore(m.shards(), OptimizerSpec{}, /*bf16=*/true, false).keeps_borrowed_as_landed());
+  EXPECT_FALSE(ShardStore(m.shards(), OptimizerSpec{}, /*bf16=*/false, false).keeps_borrowed_as_landed());
+  auto shards = m.shards();
+  shards[1].push_back(m.e);
+  EXPECT_FALSE(ShardStore(shards, OptimizerSpec{}, true, false).keeps_borrowed_as_landed()) << "e borrowed twice";
+  shards = m.shards();
+  shards[0].push_back(m.z);
+  EXPECT_TRUE(ShardStore(shards, OptimizerSpec{}, true, false).keeps_borrowed_as_landed())
+      << "z, borrowed twice, is frozen: it has no gradient to sum";
+}
+
 }  // namespace
