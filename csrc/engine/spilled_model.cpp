@@ -82,6 +82,7 @@ void SpilledModel::evict(int shard) {
   engine_.pool_.release(w.weights, w.last_use);
   w.weights = Region{};
   w.cached = false;
+  w.step_queued_next = false;
 }
 
 bool SpilledModel::load(int shard, DeviceEngine::Need need) {
@@ -92,6 +93,7 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
   if (!allocation.region.valid()) return false;
   w.weights = allocation.region;
   w.cached = true;
+  w.step_queued_next = false;
   w.version = input_version(shard);
   at::Tensor target = engine_.pool_.view(w.weights, store.compute_dtype(), numel);
   // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
@@ -187,13 +189,15 @@ void SpilledModel::after_release(int shard) {
     engine_.pool_.release(w.grads, w.last_use);
     w.grads = Region{};
   }
-  if (w.cached && !pinned(shard) && !current(shard)) evict(shard);
+  if (w.cached && !pinned(shard) && (!current(shard) || w.step_queued_next)) evict(shard);
 }
 
 void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool keep) {
   Weights& w = weights_.at(shard);
   TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   note_gradients(shard);
+  // Kept for clip_and_step, whose step is next and makes this copy stale: it goes at release (after_release).
+  if (keep) w.step_queued_next = true;
   std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
   const at::Tensor device_grad = grad_view(shard);
   const at::ScalarType dtype = store().compute_dtype();

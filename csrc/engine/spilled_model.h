@@ -45,6 +45,8 @@ class SpilledModel final : public DeviceModel {
     Region weights, grads;  // the cached weight copy, and a gradient buffer while backward runs
     Fence ready, last_use;
     bool cached = false;
+    // Its gradient waits for clip_and_step, whose step will make this copy stale: not kept past its release.
+    bool step_queued_next = false;
     int64_t version = 0;  // of the store's shards it was copied from
   };
   void allocate_grads(int shard);

@@ -107,6 +107,28 @@ TEST(DeviceEngine, PrefetchNeverDisplacesAShardNeededSooner) {
   EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 0}));
 }
 
+// With clipping, a shard's backward keeps its gradient for clip_and_step, whose step makes the shard's device
+// copy stale. Kept cached past its release, that copy would hold room the next shards' copies need (a prefetch
+// never displaces a shard planned sooner, and this one is planned for the next micro-batch): it goes at release.
+TEST(DeviceEngine, AShardWhoseClippedStepComesNextIsNotKeptCached) {
+  for (const bool keep : {false, true}) {
+    SCOPED_TRACE(keep ? "clipped: kept for clip_and_step" : "stepped at its backward");
+    auto store = equal_shards(3);
+    DeviceEngine engine(kCpu, tight_budget(*store));  // room for two shards' weights
+    const int m = engine.add_model(store);
+    engine.plan(m, {1, 0, 1, 2});
+    engine.acquire(m, 1, /*with_grads=*/true);
+    engine.backward_done(m, 1, /*step=*/!keep, 1.0, keep);
+    engine.release(m, 1);
+    engine.synchronize(m);  // the gradient is out: its room is free
+    engine.prefetch(m, 0);
+    engine.prefetch(m, 2);
+    EXPECT_EQ(engine.shard_loads(m), (std::vector<int64_t>{1, 1, 1})) << "shard 1's copy went at its release";
+    if (keep) engine.clip_and_step(m, /*max_norm=*/1.0, 1.0);
+    engine.synchronize(m);
+  }
+}
+
 TEST(DeviceEngine, SpilledFullVisitSequenceStaysWithinTheBudget) {
   auto store = equal_shards(4);
   const int64_t budget = tight_budget(*store);
