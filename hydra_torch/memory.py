@@ -113,15 +113,16 @@ def host_state_bytes(task) -> int:
     with clipping in bf16. A shard owning a parameter that another shard uses (a tied embedding) sums both
     shards' gradients: in bf16 with one micro-batch a step and no clipping, the borrower's waits as it landed
     where every parameter has at most one borrower, else in an fp32 accumulator. A tied parameter counts once."""
-    owner, numel = {}, {}
+    owner, numel, tied_owners = {}, {}, set()
     borrowers = collections.Counter()
     for s, shard in enumerate(task.shard_params):
         for p in {id(p): p for p in shard}.values():
             owner.setdefault(id(p), s)
             numel[id(p)] = p.numel()
-            if owner[id(p)] != s and p.requires_grad:
-                borrowers[id(p)] += 1
-    tied_owners = {owner[id(p)] for s, shard in enumerate(task.shard_params) for p in shard if owner[id(p)] != s}
+            if owner[id(p)] != s:
+                tied_owners.add(owner[id(p)])
+                if p.requires_grad:
+                    borrowers[id(p)] += 1
     bf16 = task.precision == "bf16"
     per_element = 4 + 4 * task.optimizer.spec().num_states + (2 if bf16 else 0)
     if task.accumulate > 1 or (task.clip_grad_norm is not None and not bf16):

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -106,8 +107,10 @@ inline std::vector<at::Tensor> expected_grads(ShardStore& store, int micro_batch
 // The runner's visit sequence for one optimizer step: forward 0..n-2 without gradients, the last shard with
 // gradients, backward n-2..0, prefetching the next shard at every visit.
 // `keep`: the last micro-batch's gradients wait for clip_and_step as they landed (backward_done's keep).
+// `write`: what a shard's backward writes into its parameters' gradients.
 inline void run_step(DeviceEngine& engine, int model, ShardStore& store, int micro_batches, bool check_values = true,
-              bool step = false, double lr_scale = 1.0, bool keep = false) {
+              bool step = false, double lr_scale = 1.0, bool keep = false,
+              const std::function<void(ShardStore&, int)>& write = write_grads) {
   const int n = store.num_shards();
   std::vector<int> visits;
   for (int mb = 0; mb < micro_batches; ++mb) {
@@ -128,7 +131,7 @@ inline void run_step(DeviceEngine& engine, int model, ShardStore& store, int mic
       engine.acquire(model, s, /*with_grads=*/true);
       if (s > 0) engine.prefetch(model, s - 1);
       if (check_values) expect_bound_to_master(store, s);
-      write_grads(store, s);
+      write(store, s);
       engine.backward_done(model, s, last, lr_scale, keep && mb == micro_batches - 1);
       engine.release(model, s);
     }

@@ -284,28 +284,16 @@ TEST(DeviceEngine, ClippedBf16StepsReadTheKeptGradientsAsTheAccumulatorsWould) {
   EXPECT_EQ(kept->host_bytes(), before + kept->owned_numel(0) * 4 + (kept->owned_numel(1) + kept->owned_numel(2)) * 2);
 }
 
-// One micro-batch, one step, as run_step visits the shards, with gradients whose pairwise sums round
-// differently in bf16 than in fp32 (write_grads' values sum exactly in either).
-void run_step_with_rough_grads(DeviceEngine& engine, int model, ShardStore& store, int step) {
-  const int n = store.num_shards();
-  std::vector<int> visits;
-  for (int s = 0; s < n; ++s) visits.push_back(s);
-  for (int s = n - 2; s >= 0; --s) visits.push_back(s);
-  engine.plan(model, visits);
-  for (int s = 0; s < n - 1; ++s) {
-    engine.acquire(model, s, /*with_grads=*/false);
-    engine.release(model, s);
-  }
-  for (int s = n - 1; s >= 0; --s) {
-    engine.acquire(model, s, /*with_grads=*/true);
+// A backward's gradients (for run_step) whose pairwise sums round differently in bf16 than in fp32
+// (write_grads' values sum exactly in either).
+std::function<void(ShardStore&, int)> rough_grads(int step) {
+  return [step](ShardStore& store, int s) {
     const auto& layout = store.layout(s);
     for (size_t i = 0; i < layout.size(); ++i) {
       if (!layout[i].trainable) continue;
       layout[i].param.mutable_grad().copy_(values(layout[i].param.sizes(), 0.37 * step + 1.3 * s + 0.11 * i) * 3);
     }
-    engine.backward_done(model, s, /*step=*/true, 1.0);
-    engine.release(model, s);
-  }
+  };
 }
 
 // bf16, one micro-batch a step, no clipping: shard 2's gradient of the tied e is the first of the two shard 0
@@ -322,7 +310,8 @@ TEST(DeviceEngine, ATiedWeightsBorrowedBf16GradientWaitsAsItLandedAndStepsAsTheA
   for (auto* store : {&kept, &summed}) {
     DeviceEngine engine(kCpu, tight_budget(**store));
     const int m = engine.add_model(*store);
-    for (int step = 0; step < 3; ++step) run_step_with_rough_grads(engine, m, **store, step);
+    for (int step = 0; step < 3; ++step)
+      run_step(engine, m, **store, 1, /*check_values=*/false, /*step=*/true, 1.0, /*keep=*/false, rough_grads(step));
     engine.synchronize(m);
   }
   // The two gradients of e (shard 0's entry 0, shard 2's entry 1) sum differently in bf16: a bf16 sum would show.
