@@ -56,7 +56,8 @@ class Scheduler {
   // took any: the order its shards are needed in, for prefetching and eviction. peek() is its first unit.
   // Policies with state of their own (round_robin, random) plan their next choice only; later ones may differ.
   // It follows the device's committed plan first, as far as that still holds, and leaves out tasks that
-  // another device's committed plan holds.
+  // another device's committed plan holds. It holds no more of the tasks any device may run than the device's
+  // share of them (plan_share), and ends where those and its pinned tasks are planned to their end.
   std::vector<Unit> plan(int device, int count) const;
   // plan(), kept: until the next commit_plan, next() and try_next() give `device` the first of these units
   // while it is still its task's next unit and the task is ready (the task may have failed, or moved); at the
@@ -139,6 +140,12 @@ class Scheduler {
   // A unit of the task still to run is in another device's committed plan: this device's plan leaves the
   // task to that one (unless the task is running here).
   bool planned_elsewhere(int task, int device) const;
+  // How many of the tasks that any device may run a plan of `device` holds (besides those pinned to it): its
+  // part, one in num_devices. Just one while another device with work is starved (it has not been handed a unit
+  // yet, or its last request found nothing ready): that device takes any such task's next unit at once, so
+  // weights copied here for it would be wasted, and long tasks planned together on one device would share it
+  // while another idles (at the start, or as tasks finish). A device between two units is not starved.
+  int plan_share(int device) const;
 
   std::vector<TaskState> tasks_;
   int num_devices_;
@@ -150,6 +157,8 @@ class Scheduler {
   std::vector<Candidate> candidates_;  // reused by take_locked to avoid an allocation per decision
   std::vector<std::deque<std::pair<int, int64_t>>> committed_;  // per device: (task, unit index), commit_plan
   bool plans_committed_ = false;  // commit_plan was ever called: until then decisions skip the checks above
+  // Per device: it has not been handed a unit yet, or its last request found nothing ready (see plan_share).
+  std::vector<bool> starved_;
 
   mutable std::mutex mutex_;
   std::condition_variable ready_;

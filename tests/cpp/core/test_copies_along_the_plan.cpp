@@ -2,6 +2,7 @@
 // follow them (Prefetch::kAlongPlan), with the transfer bound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "core/scheduler.h"
@@ -87,6 +88,69 @@ TEST(CommittedPlan, AStaleCommitmentIsForgotten) {
   ASSERT_TRUE(unit.has_value());
   EXPECT_NE(unit->task, planned[0].task);
   EXPECT_EQ(scheduler.try_next(1), std::nullopt) << "both tasks' units are taken or gone";
+}
+
+// The tasks of `units`, in the order they first appear.
+std::vector<int> tasks_of(const std::vector<Unit>& units) {
+  std::vector<int> tasks;
+  for (const Unit& unit : units)
+    if (std::ranges::find(tasks, unit.task) == tasks.end()) tasks.push_back(unit.task);
+  return tasks;
+}
+
+TEST(PlanShare, WhileAnotherDeviceWaitsForWorkAPlanHoldsOnlyTheTaskRunningHere) {
+  // Three equal tasks of 6 units, two devices; device 0 runs one. LRTF alone would plan the others next (they have
+  // more left), but device 1, not yet started, would take them at once: copies made for them on device 0 would be
+  // wasted.
+  Scheduler scheduler(std::vector<TaskSpec>(3, TaskSpec{2, 2, std::nullopt}), 2, PolicyKind::kLrtf);
+  const Unit running = *scheduler.try_next(0);
+  const std::vector<Unit> planned = scheduler.plan(0, 8);
+  EXPECT_EQ(planned.size(), 5u) << "the rest of its task, then nothing";
+  EXPECT_EQ(tasks_of(planned), std::vector<int>{running.task});
+  // Device 1 runs a unit and is between two (its worker will ask again at once): device 0 plans its share, two.
+  const Unit there = *scheduler.try_next(1);
+  scheduler.complete(1, there, 1.0);
+  EXPECT_EQ(tasks_of(scheduler.plan(0, 20)).size(), 2u);
+}
+
+TEST(PlanShare, ADeviceThatFoundNothingReadyWaitsForWork) {
+  // One task on two devices: device 1 asked and found nothing (the task runs on device 0). Two more tasks arrive
+  // before it asks again: device 0's plan holds its own task only, not ceil(3 / 2) = 2.
+  Scheduler scheduler({TaskSpec{2, 2, std::nullopt}}, 2, PolicyKind::kLrtf);
+  ASSERT_TRUE(scheduler.try_next(0).has_value());
+  EXPECT_EQ(scheduler.try_next(1), std::nullopt);
+  for (int i = 0; i < 2; ++i) scheduler.add_task(TaskSpec{2, 2, std::nullopt});
+  EXPECT_EQ(tasks_of(scheduler.plan(0, 20)), std::vector<int>{0});
+  ASSERT_TRUE(scheduler.try_next(1).has_value());
+  EXPECT_EQ(tasks_of(scheduler.plan(0, 20)).size(), 2u) << "device 1 runs now";
+}
+
+TEST(PlanShare, WithEveryDeviceBusyAPlanHoldsItsPartOfTheTasks) {
+  // Five equal tasks, both devices running one: device 0's plan holds ceil(5 / 2) = 3 tasks to their end (its own
+  // and two of the three waiting), where LRTF alone would go on to the third.
+  Scheduler scheduler(std::vector<TaskSpec>(5, TaskSpec{2, 2, std::nullopt}), 2, PolicyKind::kLrtf);
+  const Unit here = *scheduler.try_next(0);
+  const Unit there = *scheduler.try_next(1);
+  const std::vector<Unit> planned = scheduler.plan(0, 40);
+  const std::vector<int> tasks = tasks_of(planned);
+  ASSERT_EQ(tasks.size(), 3u);
+  EXPECT_EQ(std::ranges::count(tasks, here.task), 1);
+  EXPECT_EQ(std::ranges::count(tasks, there.task), 0);
+  EXPECT_EQ(planned.size(), 5u + 6u + 6u);
+}
+
+TEST(PlanShare, TasksPinnedToTheDeviceAreAllInItsPlan) {
+  // Tasks 0-2 may run on device 0 only, 3 and 4 anywhere; device 0 runs task 0, device 1 task 3. Device 0's share
+  // of the two free-moving tasks is one (task 4); its pinned tasks do not count against it.
+  std::vector<TaskSpec> tasks(3, TaskSpec{2, 2, 0});
+  tasks.insert(tasks.end(), 2, TaskSpec{2, 2, std::nullopt});
+  Scheduler scheduler(tasks, 2, PolicyKind::kLrtf);
+  ASSERT_EQ(scheduler.try_next(0)->task, 0);  // equal estimates: the lowest id
+  ASSERT_EQ(scheduler.try_next(1)->task, 3);
+  std::vector<int> planned = tasks_of(scheduler.plan(0, 40));
+  std::ranges::sort(planned);
+  EXPECT_EQ(planned, (std::vector<int>{0, 1, 2, 4}));
+  EXPECT_EQ(scheduler.plan(0, 40).size(), 5u + 6u + 6u + 6u);
 }
 
 TEST(CopiesAlongThePlan, CopiesShorterThanTheComputeAreHiddenAfterTheFirst) {
