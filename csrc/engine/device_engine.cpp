@@ -189,24 +189,36 @@ int DeviceEngine::model_of(int task) const {
 }
 
 bool DeviceEngine::resident(int model) const {
-  const DeviceModel& m = *models_.at(model);
+  const DeviceModel& m = model_at(model);
   return !m.released() && m.resident();
 }
 
+DeviceModel& DeviceEngine::model_at(int model) const {
+  TORCH_CHECK(model >= 0 && model < static_cast<int>(models_.size()), "no model ", model, " on this device (",
+              models_.size(), " added)");
+  return *models_[static_cast<size_t>(model)];
+}
+
+DeviceModel& DeviceEngine::live(int model, int shard) {
+  DeviceModel& m = live(model);
+  m.check_shard(shard);
+  return m;
+}
+
 DeviceModel& DeviceEngine::live(int model) {
-  DeviceModel& m = *models_.at(model);
+  DeviceModel& m = model_at(model);
   TORCH_CHECK(!m.released(), "model ", model, " was released from this device");
   return m;
 }
 
 SpilledModel* DeviceEngine::spilled(int model) {
-  DeviceModel& m = *models_.at(model);
+  DeviceModel& m = model_at(model);
   return m.released() || m.resident() ? nullptr : static_cast<SpilledModel*>(&m);
 }
 
 void DeviceEngine::prefetch(int model, int shard) {
   start();
-  live(model).pins(shard);  // checks the shard exists
+  live(model, shard);
   if (SpilledModel* m = spilled(model)) m->prefetch(shard);
 }
 
@@ -231,7 +243,7 @@ void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
 }
 
 void DeviceEngine::acquire(int model, int shard, bool with_grads) {
-  DeviceModel& m = live(model);
+  DeviceModel& m = live(model, shard);
   auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
   if (it != upcoming_.end()) upcoming_.erase(it);
   start();
@@ -239,11 +251,16 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
 }
 
 bool DeviceEngine::waits_for_step(int model, int shard) {
+  model_at(model).check_shard(shard);
   const SpilledModel* m = spilled(model);
   return m && !m->current(shard) && !m->steps_done(shard);
 }
 
-void DeviceEngine::release(int model, int shard) { models_.at(model)->release(shard); }
+void DeviceEngine::release(int model, int shard) {
+  DeviceModel& m = model_at(model);
+  m.check_shard(shard);
+  m.release(shard);
+}
 
 std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& loss) {
   DeviceModel& m = live(model);
@@ -264,13 +281,13 @@ std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& 
 }
 
 void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scale, bool keep) {
-  live(model).backward_done(shard, step, lr_scale, keep);
+  live(model, shard).backward_done(shard, step, lr_scale, keep);
 }
 
 double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) {
   // Not gated by the loss: the caller reads it first (the runner's _end_micro_batch raises on a non-finite one).
   synchronize(model);
-  DeviceModel& m = *models_.at(model);
+  DeviceModel& m = model_at(model);
   const int shards = m.store().num_shards();
   double sum_of_squares = 0.0;
   for (int s = 0; s < shards; ++s) {
@@ -289,14 +306,14 @@ double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) 
 
 void DeviceEngine::discard_grads(int model) {
   synchronize(model);
-  models_.at(model)->discard_grads();
+  model_at(model).discard_grads();
 }
 
-void DeviceEngine::synchronize(int model) { models_.at(model)->synchronize(); }
+void DeviceEngine::synchronize(int model) { model_at(model).synchronize(); }
 
 void DeviceEngine::snapshot(int model) {
   synchronize(model);
-  models_.at(model)->copy_home();
+  model_at(model).copy_home();
 }
 
 void DeviceEngine::finish(int model) {
@@ -313,7 +330,7 @@ void DeviceEngine::finish(int model) {
 }
 
 void DeviceEngine::release_model(int model) {
-  DeviceModel& m = *models_.at(model);
+  DeviceModel& m = model_at(model);
   if (m.released()) return;
   m.synchronize();
   for (int s = 0; s < m.store().num_shards(); ++s)
@@ -338,6 +355,6 @@ EngineStats DeviceEngine::stats() const {
   return stats;
 }
 
-std::vector<int64_t> DeviceEngine::shard_loads(int model) const { return models_.at(model)->shard_loads(); }
+std::vector<int64_t> DeviceEngine::shard_loads(int model) const { return model_at(model).shard_loads(); }
 
 }  // namespace hydra::engine

@@ -159,7 +159,9 @@ class DeviceEngine {
   friend class ResidentModel;
   friend class SpilledModel;
   static int64_t key(int model, int shard) { return (static_cast<int64_t>(model) << 32) | shard; }
+  DeviceModel& model_at(int model) const;  // throws for a model never added
   DeviceModel& live(int model);         // throws for a released model
+  DeviceModel& live(int model, int shard);  // and for a shard it does not have
   SpilledModel* spilled(int model);     // null for a resident or released model
   c10::Stream compute_stream() const;
   Fence compute_point() const;  // everything issued so far on the compute stream

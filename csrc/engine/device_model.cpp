@@ -11,6 +11,11 @@ namespace hydra::engine {
 DeviceModel::DeviceModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store)
     : engine_(engine), id_(id), store_(std::move(store)), visits_(store_->num_shards()) {}
 
+void DeviceModel::check_shard(int shard) const {
+  TORCH_CHECK(shard >= 0 && shard < static_cast<int>(visits_.size()), "model ", id_, " has ", visits_.size(),
+              " shards: no shard ", shard);
+}
+
 void DeviceModel::acquire(int shard, bool with_grads) {
   Visit& visit = visits_.at(shard);
   // A resident shard's state is always in place: two units of the model may hold it (an evaluation's).

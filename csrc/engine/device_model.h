@@ -56,6 +56,8 @@ class DeviceModel {
   ShardStore& store() const { return *store_; }
   std::shared_ptr<ShardStore> store_ptr() const { return store_; }
   int pins(int shard) const { return visits_.at(shard).pins; }
+  // Throws c10::Error naming the model's shard count unless 0 <= shard < it.
+  void check_shard(int shard) const;
   bool released() const { return !store_; }
   // After free_device_memory: the engine no longer holds the store.
   void drop_store() { store_.reset(); }

@@ -222,6 +222,38 @@ TEST(DeviceEngine, BackwardDoneRequiresGradients) {
   engine.release(m, 1);
 }
 
+TEST(DeviceEngine, AShardOrModelThatDoesNotExistIsAClearErrorThatChangesNothing) {
+  auto store = equal_shards(2);
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  auto expect_error = [](const std::function<void()>& call, const std::string& says) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one saying '" << says << "'";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  for (const int shard : {-1, 2}) {
+    const std::string says = "model 0 has 2 shards: no shard " + std::to_string(shard);
+    expect_error([&] { engine.prefetch(m, shard); }, says);
+    expect_error([&] { engine.acquire(m, shard, true); }, says);
+    expect_error([&] { engine.release(m, shard); }, says);
+    expect_error([&] { engine.backward_done(m, shard, true); }, says);
+    expect_error([&] { engine.waits_for_step(m, shard); }, says);
+  }
+  for (const int model : {-1, 1}) {
+    const std::string says = "no model " + std::to_string(model) + " on this device (1 added)";
+    expect_error([&] { engine.prefetch(model, 0); }, says);
+    expect_error([&] { engine.acquire(model, 0, true); }, says);
+    expect_error([&] { engine.release(model, 0); }, says);
+    expect_error([&] { engine.backward_done(model, 0, true); }, says);
+  }
+  // Nothing was touched: the model trains as before.
+  engine.acquire(m, 1, /*with_grads=*/false);
+  engine.release(m, 1);
+}
+
 TEST(DeviceEngine, SpilledBFloat16BindsTheShadow) {
   auto store = make_store({linear_shard(0, 30), linear_shard(1, 30)}, /*bf16=*/true);
   DeviceEngine engine(kCpu, tight_budget(*store));
