@@ -1,7 +1,6 @@
 #include "engine/device_engine.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linalg_vector_norm.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
@@ -11,6 +10,7 @@
 #include <limits>
 
 #include "core/eviction.h"
+#include "engine/gradient_norm.h"
 #include "engine/resident_model.h"
 #include "engine/spilled_model.h"
 
@@ -290,10 +290,7 @@ double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) 
   DeviceModel& m = model_at(model);
   const int shards = m.store().num_shards();
   double sum_of_squares = 0.0;
-  for (int s = 0; s < shards; ++s) {
-    const double norm = at::linalg_vector_norm(m.pending_grad(s), 2, c10::nullopt, false, at::kFloat).item<double>();
-    sum_of_squares += norm * norm;
-  }
+  for (int s = 0; s < shards; ++s) sum_of_squares += squared_norm(m.pending_grad(s));
   const double total = std::sqrt(sum_of_squares);
   if (!std::isfinite(total)) {
     discard_grads(model);

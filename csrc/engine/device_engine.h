@@ -128,7 +128,8 @@ class DeviceEngine {
   // once the backward is issued.
   std::shared_ptr<LossGate> watch_loss(int model, const at::Tensor& loss);
   // Global-norm clipping: after backward_done(step=false) on every shard, scales all gradients so their
-  // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_), steps every shard, returns the norm.
+  // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_), steps every shard, returns the norm. Host
+  // gradients' squares are summed in double (engine/gradient_norm.h), the same on any machine.
   double clip_and_step(int model, double max_norm, double lr_scale = 1.0);
   // Forgets the gradients accumulated since the last step (a failed micro-batch must not leak into one).
   void discard_grads(int model);
