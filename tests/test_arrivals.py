@@ -4,7 +4,6 @@ import warnings
 import threading
 
 import pytest
-import torch
 
 import hydra_torch as ht
 from hydra_torch import task_rng
