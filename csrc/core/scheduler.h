@@ -56,8 +56,8 @@ class Scheduler {
   // took any: the order its shards are needed in, for prefetching and eviction. peek() is its first unit.
   // Policies with state of their own (round_robin, random) plan their next choice only; later ones may differ.
   // It follows the device's committed plan first, as far as that still holds, and leaves out tasks that
-  // another device's committed plan holds. It holds no more of the tasks any device may run than the device's
-  // share of them (plan_share), and ends where those and its pinned tasks are planned to their end.
+  // another device's committed plan holds. LRTF's holds no more of the tasks any device may run than the
+  // device's share of them (plan_share), and ends where those and its pinned tasks are planned to their end.
   std::vector<Unit> plan(int device, int count) const;
   // plan(), kept: until the next commit_plan, next() and try_next() give `device` the first of these units
   // while it is still its task's next unit and the task is ready (the task may have failed, or moved); at the

@@ -81,7 +81,8 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     if (p.index < task.total_units) planned.push_back(p);
   }
   const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
-  const int share = plan_share(device);
+  // Only LRTF's plan is a forecast shaped for the devices as a whole; the others' is their order of choice.
+  const int share = needs_estimates ? plan_share(device) : num_tasks();
   // The tasks any device may run planned so far, at most `share` of them: first the one running here, which
   // usually continues here.
   std::vector<int> in_plan;

@@ -125,6 +125,13 @@ TEST(PlanShare, ADeviceThatFoundNothingReadyWaitsForWork) {
   EXPECT_EQ(tasks_of(scheduler.plan(0, 20)).size(), 2u) << "device 1 runs now";
 }
 
+TEST(PlanShare, OnlyLrtfPlansByShare) {
+  // fifo's plan is its order of choice, as if no other device took any: the starved device 1 changes nothing.
+  Scheduler scheduler(std::vector<TaskSpec>(3, TaskSpec{2, 2, std::nullopt}), 2, PolicyKind::kFifo);
+  ASSERT_TRUE(scheduler.try_next(0).has_value());
+  EXPECT_EQ(tasks_of(scheduler.plan(0, 17)).size(), 3u);
+}
+
 TEST(PlanShare, WithEveryDeviceBusyAPlanHoldsItsPartOfTheTasks) {
   // Five equal tasks, both devices running one: device 0's plan holds ceil(5 / 2) = 3 tasks to their end (its own
   // and two of the three waiting), where LRTF alone would go on to the third.
