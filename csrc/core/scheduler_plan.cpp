@@ -80,6 +80,8 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     }
     if (p.index < task.total_units) planned.push_back(p);
   }
+  // A task pinned to this device is in its plan whatever the share: no other device may run it.
+  auto pinned = [&](int t) { return tasks_[static_cast<size_t>(t)].spec.device.has_value(); };
   const bool needs_estimates = policy_.kind() == PolicyKind::kLrtf;
   // Only LRTF's plan is a forecast shaped for the devices as a whole; the others' is their order of choice.
   const int share = needs_estimates ? plan_share(device) : num_tasks();
@@ -88,7 +90,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
   std::vector<int> in_plan;
   for (const Planned& p : planned) {
     const TaskState& task = tasks_[static_cast<size_t>(p.task)];
-    if (task.state == State::kRunning && !task.spec.device) in_plan.push_back(p.task);
+    if (task.state == State::kRunning && !pinned(p.task)) in_plan.push_back(p.task);
   }
   std::vector<Candidate> candidates;
   // The committed plan first, as far as it still holds (see commit_plan), then the policy.
@@ -105,7 +107,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
       // Its share of the tasks any device may run planned, it plans the rest of those only (and the tasks only it
       // may run). A held task comes after the others (it is released meanwhile, or nothing else is left).
       auto eligible = [&](const Planned& p) {
-        return tasks_[static_cast<size_t>(p.task)].spec.device || static_cast<int>(in_plan.size()) < share ||
+        return pinned(p.task) || static_cast<int>(in_plan.size()) < share ||
                std::ranges::find(in_plan, p.task) != in_plan.end();
       };
       const bool all_held = std::ranges::all_of(planned, [&](const Planned& p) { return p.held || !eligible(p); });
@@ -122,7 +124,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
       chosen = positions[policy_.choose(device, candidates)];
     }
     Planned& p = planned[chosen];
-    if (!tasks_[static_cast<size_t>(p.task)].spec.device && std::ranges::find(in_plan, p.task) == in_plan.end())
+    if (!pinned(p.task) && std::ranges::find(in_plan, p.task) == in_plan.end())
       in_plan.push_back(p.task);
     units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index));
     for (Planned& other : planned) other.ran_last_here = false;

@@ -12,30 +12,14 @@
 #endif
 
 #include "ops/kernels/fused_optimizers.h"
+#include "ops/kernels/multiversion.h"
 #include "ops/kernels/optimizer_scalars.h"
 
 #include <cmath>
 #include <utility>
 
-// One binary, best vector ISA at run time. x86-64-v3/v4 rather than plain "avx2"/"avx512f" because those
-// alone do not enable FMA, and ATen's AVX2/AVX-512 kernels (which we must agree with) use FMA.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HYDRA_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define HYDRA_MULTIVERSION
-#endif
-
-#if defined(__GNUC__)
-#define HYDRA_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define HYDRA_ALWAYS_INLINE inline
-#endif
-
 namespace hydra::kernels {
 namespace {
-
-HYDRA_ALWAYS_INLINE float load_grad(const float* grad, int64_t i) { return grad[i]; }
-HYDRA_ALWAYS_INLINE float load_grad(const uint16_t* grad, int64_t i) { return bf16_to_float(grad[i]); }
 
 // Loop-invariant choices are template parameters, one loop per combination: GCC will not vectorise a
 // select whose condition is a scalar bool, and an unvectorised loop is several times slower.
@@ -52,7 +36,7 @@ HYDRA_ALWAYS_INLINE void adam_loop(float* __restrict param, const Grad* __restri
   constexpr bool kL2 = kVariant & adam_variant::kL2;
   constexpr bool kLerpWeightSmall = kVariant & adam_variant::kLerpWeightSmall;
   for (int64_t i = begin; i < end; ++i) {
-    float g = load_grad(grad, i) * s.grad_scale;
+    float g = as_float(grad[i]) * s.grad_scale;
     float p = param[i] * s.decay;
     if constexpr (kL2) g = __builtin_fmaf(p, s.l2, g);
     const float m_old = exp_avg[i];
@@ -95,7 +79,7 @@ HYDRA_ALWAYS_INLINE void sgd_loop(float* __restrict param, const Grad* __restric
   constexpr bool kNesterov = kVariant & sgd_variant::kNesterov;
   constexpr unsigned kMomentum = kVariant >> sgd_variant::kMomentumShift;
   for (int64_t i = begin; i < end; ++i) {
-    const float g = load_grad(grad, i) * s.grad_scale;
+    const float g = as_float(grad[i]) * s.grad_scale;
     float p = param[i];
     // torch skips a zero decay term: adding 0 * p would turn an infinite p into NaN.
     float d = kWeightDecay ? __builtin_fmaf(p, s.weight_decay, g) : g;

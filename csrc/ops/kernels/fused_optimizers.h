@@ -6,8 +6,9 @@
 // vectorised sqrt in MKL builds is off by one ulp for some inputs, so results agree to a few ulps.
 #pragma once
 
-#include <bit>
 #include <cstdint>
+
+#include "ops/kernels/bfloat16.h"
 
 namespace hydra::kernels {
 
@@ -31,19 +32,6 @@ struct SgdHyper {
   bool first_step;  // the momentum buffer is uninitialised and is set to the gradient, as torch does
   double grad_scale;
 };
-
-// The same rounding as c10::BFloat16's float constructor: round to nearest, ties to even; every NaN
-// becomes the canonical quiet NaN 0x7FC0 (torch's scalar conversion does this too).
-inline uint16_t float_to_bf16_rne(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  const uint32_t rounding_bias = ((bits >> 16) & 1u) + 0x7FFFu;
-  const auto rounded = static_cast<uint16_t>((bits + rounding_bias) >> 16);
-  return value != value ? uint16_t{0x7FC0} : rounded;
-}
-
-inline float bf16_to_float(uint16_t value) {
-  return std::bit_cast<float>(static_cast<uint32_t>(value) << 16);
-}
 
 // grad is float32 or bfloat16 (raw bits). shadow, when not null, receives bf16(param) after the update.
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, uint16_t* shadow_bf16,

@@ -1,19 +1,10 @@
 #include "ops/kernels/sum_of_squares.h"
 
-#include "ops/kernels/fused_optimizers.h"  // bf16_to_float
-
-// One binary, best vector ISA at run time (see fused_optimizers.cpp).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HYDRA_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define HYDRA_MULTIVERSION
-#endif
+#include "ops/kernels/bfloat16.h"
+#include "ops/kernels/multiversion.h"
 
 namespace hydra::kernels {
 namespace {
-
-inline double widen(float value) { return value; }
-inline double widen(uint16_t value) { return bf16_to_float(value); }
 
 template <typename T>
 inline double sum_of_squares_in_lanes(const T* __restrict values, int64_t n) {
@@ -23,11 +14,11 @@ inline double sum_of_squares_in_lanes(const T* __restrict values, int64_t n) {
   const int64_t whole = n - n % kLanes;
   for (int64_t i = 0; i < whole; i += kLanes)
     for (int j = 0; j < kLanes; ++j) {
-      const double v = widen(values[i + j]);
+      const double v = as_float(values[i + j]);
       lanes[j] += v * v;
     }
   for (int64_t i = whole; i < n; ++i) {
-    const double v = widen(values[i]);
+    const double v = as_float(values[i]);
     lanes[i - whole] += v * v;
   }
   double total = 0.0;

@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "ops/kernels/fused_optimizers.h"
+#include "ops/kernels/bfloat16.h"
 #include "ops/kernels/sum_of_squares.h"
 
 namespace {
