@@ -8,10 +8,10 @@ from hydra_torch import optim  # noqa: E402
 from hydra_torch.api import train  # noqa: E402
 from hydra_torch.planner import Plan, plan  # noqa: E402
 from hydra_torch.results import Results, TaskResult  # noqa: E402
-from hydra_torch.runner import NonFiniteLossError  # noqa: E402
+from hydra_torch.runner import NonFiniteGradNormError, NonFiniteLossError  # noqa: E402
 from hydra_torch.selection import SuccessiveHalving  # noqa: E402
 from hydra_torch.task import ModelTask  # noqa: E402
 
 __all__ = ["ModelTask", "train", "plan", "Plan", "optim", "ops", "Results", "TaskResult", "NonFiniteLossError",
-           "SuccessiveHalving"]
+           "NonFiniteGradNormError", "SuccessiveHalving"]
 __version__ = "0.1.0"

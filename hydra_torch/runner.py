@@ -33,6 +33,10 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+class NonFiniteGradNormError(RuntimeError):
+    """A clipped step's global gradient norm was not finite (the loss was): no shard stepped."""
+
+
 @dataclass
 class _MicroBatch:
     batch: object
@@ -80,6 +84,7 @@ class TaskRunner:
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
         self._mb: _MicroBatch | None = None
         self._stepped: list[int] = []         # shards whose part of the current step has been applied
+        self._clipped = None                  # (norm reading, micro-batches) of a clipped step not yet settled
         self._step_rng, self._step_buffers = None, []  # at the current step's start (see rewind_step)
         self.replans: list[str] = []          # how it was re-cut after running out of device memory
         self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, len(step_sizes(task)))
@@ -156,7 +161,8 @@ class TaskRunner:
 
     def at_step_boundary(self) -> bool:
         """No step in progress: every shard has had the same number of steps applied."""
-        return self._mb is None and self._eval is None and (self._group is None or self._position == len(self._group))
+        return self._mb is None and self._eval is None and self._clipped is None and \
+            (self._group is None or self._position == len(self._group))
 
     def note_partial_step(self, error: BaseException):
         """After a failure inside a step's backward: says which shards that step had already reached."""
@@ -205,12 +211,43 @@ class TaskRunner:
             return
         self._stepped = []
         if self.task.clip_grad_norm is not None:
+            # The norm is summed and every shard stepped behind the gradients' host jobs, while the device goes on
+            # with other work; the step counts once its norm is read (settle_step), before the task goes on.
             self._stepped = list(range(self.n))  # from here on the step may be applied in part
-            slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm), self._lr_scale)
-            self._stepped = []
+            norm = slot.engine.clip_and_step(self.model_ids[slot.index], float(self.task.clip_grad_norm),
+                                             self._lr_scale)
+            self._clipped = (norm, mb.count)
+            return
+        self._step_done(mb.count)
+
+    def settle_step(self):
+        """Before anything else of the task runs: waits for the norm of its queued clipped step and counts the
+        step. A non-finite norm raises NonFiniteGradNormError: no shard stepped, the weights are the last
+        completed step's."""
+        if self._clipped is None:
+            return
+        norm, count = self._clipped
+        value = norm.value()
+        try:
+            if not math.isfinite(value):
+                raise NonFiniteGradNormError(f"task {self.task.name!r}: the gradient norm is {value} at step "
+                                             f"{self.steps}; training stopped and the weights of the last completed "
+                                             "step were kept")
+            self._step_done(count)
+        finally:
+            self._clipped, self._stepped = None, []
+
+    def settle_at_end(self):
+        """At the task's end (its last unit run, or the run stopped): settle_step, its error kept in self.error."""
+        try:
+            self.settle_step()
+        except Exception as error:
+            self.error = self.error or error
+
+    def _step_done(self, count: int):
         self.steps += 1
         self.task.steps_done = self.steps
-        self.losses.append(self._loss_sum / mb.count)
+        self.losses.append(self._loss_sum / count)
         if self._epoch_end:
             self.epochs_done = self._epoch + 1
         if self.on_step is not None:

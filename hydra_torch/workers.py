@@ -81,6 +81,8 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
             unit = _next_unit(slot)
             if unit is None:
                 return
+            if not _settle(slot, unit, lock):
+                continue
             if _stop_asked(slot, slot.runners[unit.task]) and _cut_short(slot, unit):
                 continue
             _checkpoint_if_due(slot, slot.runners[unit.task])
@@ -91,6 +93,26 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
                 clock.poll(wait=True)
         finally:
             slot.inbox.close()
+
+
+def _settle(slot: DeviceSlot, unit, lock: threading.Lock) -> bool:
+    """Before the task's next unit: its clipped step queued last is counted once its norm is read (see
+    TaskRunner.settle_step), so a stop, a checkpoint or a selection rule sees it. If the norm was not finite, or a
+    selection rule stops the task at this step, the task ends here without running `unit`; returns False then."""
+    runner = slot.runners[unit.task]
+    failed = False
+    try:
+        runner.settle_step()
+    except Exception as error:
+        with lock:
+            runner.error = error
+        failed = True
+    if not failed and runner.stopped is None:
+        return True
+    slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
+    slot.scheduler.complete(slot.index, unit, None)
+    _leave_if_ended(slot, unit, runner)
+    return False
 
 
 def _checkpoint_if_due(slot: DeviceSlot, runner):
@@ -135,6 +157,7 @@ def _cut_short(slot: DeviceSlot, unit) -> bool:
 
 def _leave_if_ended(slot: DeviceSlot, unit, runner):
     if slot.scheduler.finished(unit.task):
+        runner.settle_at_end()  # its last step, if clipped
         runner.task.ended.set()
         if slot.open_run is not None:
             slot.open_run.ended(runner)

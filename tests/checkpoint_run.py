@@ -1,10 +1,10 @@
 """One training run of test_checkpoint.py's, in a process of its own so it can be killed part-way.
 
-    python checkpoint_run.py CHECKPOINT_DIR OUT [--signal KILL|TERM --at N] [--resident]
+    python checkpoint_run.py CHECKPOINT_DIR OUT [--signal KILL|TERM --at N] [--resident] [--clip]
 
 Trains two dropout models with shuffled loaders on two virtual CPU devices, a checkpoint every 2 steps; with
 --signal, sends it to itself at the N-th loss of the first model; saves weights and losses to OUT. Spilled, or
-with --resident each model resident on one of the devices.
+with --resident each model resident on one of the devices; --clip clips the first model's gradients.
 """
 import argparse
 import os
@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--signal", choices=["KILL", "TERM"])
     parser.add_argument("--at", type=int, default=0)
     parser.add_argument("--resident", action="store_true")
+    parser.add_argument("--clip", action="store_true")
     args = parser.parse_args()
     calls = [0]
 
@@ -41,6 +42,7 @@ def main():
         samples = [(x[0], y[0]) for x, y in token_batches(20, batch=1, seed=i + 1)]
         tasks.append(ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=3e-3, weight_decay=0.1), epochs=2,
                                   loss_fn=loss_fn if i == 0 else lm_loss, name=f"model {i}",
+                                  clip_grad_norm=0.5 if args.clip and i == 0 else None,
                                   data=DataLoader(samples, batch_size=4, shuffle=True)))
         models.append(model)
     torch.manual_seed(5)

@@ -1,6 +1,5 @@
 """Bad input fails with a clear error before any state changes, and nothing is lost."""
 import math
-import warnings
 
 import pytest
 import torch
@@ -178,6 +177,55 @@ def test_nan_loss_keeps_the_last_good_weights(budget_fraction, accumulate, devic
     assert f"step {bad_step}" in str(result.error)
     assert result.steps == bad_step
     for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+class _NonFiniteGradient(torch.autograd.Function):
+    """The identity, whose backward hands down a non-finite gradient: the loss stays finite."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.inf
+
+
+@pytest.mark.parametrize("budget_fraction", [0.5, 100.0])
+@pytest.mark.parametrize("devices, precision, accumulate", [("cpu", None, 1), (["cpu", "cpu"], "bf16", 2)])
+def test_a_non_finite_gradient_norm_keeps_the_last_good_weights(budget_fraction, devices, precision, accumulate):
+    # A clipped step's norm is summed after the device has gone on: the task ends at its next unit, with no shard
+    # stepped, its gradients forgotten, and a model that trains alongside it unaffected.
+    bad_step = 3
+    data = token_batches(5 * accumulate)
+    calls = {"n": 0}
+
+    def loss_fn(out, batch):
+        calls["n"] += 1
+        bad = calls["n"] == bad_step * accumulate  # the last micro-batch of step `bad_step`
+        return lm_loss(_NonFiniteGradient.apply(out) if bad else out, batch)
+
+    def make_task(model, loss_fn, data, name):
+        return ht.ModelTask(model, loss_fn=loss_fn, data=data, accumulate=accumulate, precision=precision,
+                            clip_grad_norm=1.0, name=name)
+
+    reference, other_reference = tied_transformer(), tied_transformer()
+    budget = int(budget_fraction * model_bytes(reference))
+    ht.train([make_task(reference, lm_loss, data[:(bad_step - 1) * accumulate], "bad"),
+              make_task(other_reference, lm_loss, data, "good")], devices=devices, memory_budget=budget)
+
+    model, other = tied_transformer(), tied_transformer()
+    with pytest.warns(RuntimeWarning, match="gradient norm"):
+        bad, good = ht.train([make_task(model, loss_fn, data, "bad"), make_task(other, lm_loss, data, "good")],
+                             devices=devices, memory_budget=budget)
+    assert isinstance(bad.error, ht.NonFiniteGradNormError), bad.error
+    assert f"at step {bad_step - 1}" in str(bad.error)
+    assert bad.steps == bad_step - 1 and len(bad.losses) == bad_step - 1
+    assert good.error is None and good.steps == 5
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(other.parameters(), other_reference.parameters()):
         assert torch.equal(a, b)
 
 

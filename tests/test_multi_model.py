@@ -177,12 +177,13 @@ def check_home(models):
             pointers.add(p.data_ptr())
 
 
-def test_ctrl_c_stops_every_task_at_a_step_boundary_and_returns_the_results():
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_ctrl_c_stops_every_task_at_a_step_boundary_and_returns_the_results(clip):
     """Mid-step when Ctrl-C comes, each task finishes its step on every shard; each ends as if trained alone
-    for the steps it took."""
+    for the steps it took (clipped: counting the step whose norm was still being summed)."""
     data = token_batches(40)
     budget = int(0.45 * model_bytes(tied_transformer()))
-    tasks, models = make_tasks(data, accumulate=2)
+    tasks, models = make_tasks(data, accumulate=2, clip_grad_norm=clip)
     tasks[0].loss_fn = ctrl_c_at_call(5)  # step 3's first micro-batch: the step must still complete
     before = threading.active_count()
     with pytest.warns(RuntimeWarning, match="stopped by Ctrl-C at step boundaries; 4 of 4 tasks cut short"):
@@ -194,7 +195,7 @@ def test_ctrl_c_stops_every_task_at_a_step_boundary_and_returns_the_results():
     for i, (model, result) in enumerate(zip(models, results)):
         assert result.ok and result.cut_short == "Ctrl-C" and result.steps < 20
         assert len(result.losses) == result.steps
-        alone, alone_result = train_alone(data, i, budget, accumulate=2, max_steps=result.steps)
+        alone, alone_result = train_alone(data, i, budget, accumulate=2, max_steps=result.steps, clip_grad_norm=clip)
         assert result.losses == alone_result.losses
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alone.parameters())), \
             f"task {i} is not where {result.steps} whole steps take it"

@@ -34,10 +34,10 @@ class Watch:
         return lm_loss(output, batch)
 
 
-def tasks(root, stop_at=None):
+def tasks(root, stop_at=None, clip=None):
     stopper = StopAt(stop_at) if stop_at else lm_loss
     a = ht.ModelTask(tied_transformer(seed=0, blocks=2), optimizer=ht.optim.AdamW(lr=3e-3), loss_fn=stopper,
-                     data=token_batches(10), name="a")
+                     data=token_batches(10), name="a", clip_grad_norm=clip)
     if stop_at:
         stopper.task = a
     watch = Watch(root, "a")
@@ -69,9 +69,19 @@ def test_a_task_asked_to_stop_ends_at_its_step_boundary_checkpointed_and_resumes
     assert max_relative_error(again.model, whole.model) == 0.0
 
 
-def test_without_checkpoints_it_just_stops():
-    a, b, _ = tasks("unused", stop_at=3)
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("budget_fraction", [None, 1.5])
+def test_without_checkpoints_it_just_stops(clip, budget_fraction):
+    # Clipped, the step is counted once its norm is read, before the task's next unit: the stop comes after it.
+    a, b, _ = tasks("unused", stop_at=3, clip=clip)
     torch.manual_seed(SEED)
-    results = ht.train([a, b], devices="cpu", progress=False)
+    budget = budget_fraction and int(budget_fraction * model_bytes(b.model))
+    results = ht.train([a, b], devices="cpu", memory_budget=budget, progress=False)
     assert results["a"].steps == 3 and results["a"].cut_short == "enough of this one"
+    assert len(results["a"].losses) == 3
     assert results["b"].steps == 20 and results["b"].ok
+    whole = ht.ModelTask(tied_transformer(seed=0, blocks=2), optimizer=ht.optim.AdamW(lr=3e-3), loss_fn=lm_loss,
+                         data=token_batches(10), name="a", clip_grad_norm=clip, max_steps=3)
+    torch.manual_seed(SEED)
+    ht.train([whole], devices="cpu", memory_budget=budget, progress=False)
+    assert max_relative_error(a.model, whole.model) == 0.0

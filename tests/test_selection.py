@@ -9,9 +9,9 @@ from models import lm_loss, max_relative_error, tied_transformer, token_batches,
 LRS = [3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5]
 
 
-def tasks_for(lrs, data, eval_data=None, blocks=1):
+def tasks_for(lrs, data, eval_data=None, blocks=1, **options):
     return [ht.ModelTask(tied_transformer(seed=0, blocks=blocks), optimizer=ht.optim.AdamW(lr=lr), loss_fn=lm_loss,
-                         data=data, eval_data=eval_data, name=f"lr{lr:g}") for lr in lrs]
+                         data=data, eval_data=eval_data, name=f"lr{lr:g}", **options) for lr in lrs]
 
 
 @pytest.mark.parametrize("devices", ["cpu", ["cpu", "cpu"]])
@@ -57,11 +57,14 @@ def test_a_stopped_task_keeps_exactly_the_weights_of_its_last_step():
     assert loser.losses == pytest.approx(reference_losses, rel=1e-5)
 
 
-def test_training_loss_metric_needs_no_validation_data():
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_training_loss_metric_needs_no_validation_data(clip):
     data = token_batches(8)
     # FIFO: the order in which tasks reach a rung, and so which of them an asynchronous rung stops, does not
-    # depend on unit timings (under LRTF a run on a busy machine could let every task through).
-    results = ht.train(tasks_for([3e-3, 1e-3, 1e-5, 1e-6], data), devices="cpu", progress=False, schedule="fifo",
+    # depend on unit timings (under LRTF a run on a busy machine could let every task through). Clipped, a step
+    # is judged once its norm is read, before the task's next unit: a stopped task still stops at its rung.
+    results = ht.train(tasks_for([3e-3, 1e-3, 1e-5, 1e-6], data, clip_grad_norm=clip), devices="cpu", progress=False,
+                       schedule="fifo",
                        selection=ht.SuccessiveHalving(min_steps=2, reduction_factor=2, metric="train_loss"))
     stopped = [r for r in results if r.stopped]
     assert stopped and all("mean training loss since the last rung" in r.stopped for r in stopped)

@@ -13,6 +13,7 @@
 
 namespace py = pybind11;
 using hydra::engine::BackwardDone;
+using hydra::engine::ClipNorm;
 using hydra::engine::DeviceEngine;
 using hydra::engine::DeviceLoop;
 using hydra::engine::EngineStats;
@@ -104,6 +105,12 @@ PYBIND11_MODULE(_C, m) {
   // A micro-batch's loss on its way to the host (see LossGate): value() waits for its copy only.
   py::class_<LossGate, std::shared_ptr<LossGate>>(m, "LossReading")
       .def("value", &LossGate::value, release_gil());
+
+  // A clipped step's global gradient norm (see ClipNorm): value() waits until it is computed; a non-finite
+  // one means no shard stepped.
+  py::class_<ClipNorm, std::shared_ptr<ClipNorm>>(m, "GradientNormReading")
+      .def("value", &ClipNorm::value, release_gil())
+      .def("ready", &ClipNorm::ready);
 
   py::class_<DeviceEngine>(m, "DeviceEngine")
       .def(py::init([](const std::string& device, int64_t budget, std::shared_ptr<HostWorker> host_steps,

@@ -10,7 +10,6 @@
 #include <limits>
 
 #include "core/eviction.h"
-#include "engine/gradient_norm.h"
 #include "engine/resident_model.h"
 #include "engine/spilled_model.h"
 
@@ -284,21 +283,10 @@ void DeviceEngine::backward_done(int model, int shard, bool step, double lr_scal
   live(model, shard).backward_done(shard, step, lr_scale, keep);
 }
 
-double DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) {
+std::shared_ptr<ClipNorm> DeviceEngine::clip_and_step(int model, double max_norm, double lr_scale) {
+  TORCH_CHECK(max_norm > 0, "clip_and_step: max_norm must be positive, got ", max_norm);
   // Not gated by the loss: the caller reads it first (the runner's _end_micro_batch raises on a non-finite one).
-  synchronize(model);
-  DeviceModel& m = model_at(model);
-  const int shards = m.store().num_shards();
-  double sum_of_squares = 0.0;
-  for (int s = 0; s < shards; ++s) sum_of_squares += squared_norm(m.pending_grad(s));
-  const double total = std::sqrt(sum_of_squares);
-  if (!std::isfinite(total)) {
-    discard_grads(model);
-    TORCH_CHECK(false, "the gradient norm is not finite (", total, "); the step was skipped, weights unchanged");
-  }
-  const double scale = std::min(1.0, max_norm / (total + 1e-6));
-  for (int s = shards - 1; s >= 0; --s) m.step(s, scale, lr_scale);
-  return total;
+  return live(model).clip_and_step(max_norm, lr_scale);
 }
 
 void DeviceEngine::discard_grads(int model) {

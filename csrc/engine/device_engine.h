@@ -31,6 +31,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/clip_norm.h"
 #include "engine/copy_lane.h"
 #include "engine/device_pool.h"
 #include "engine/host_worker.h"
@@ -128,9 +129,12 @@ class DeviceEngine {
   // once the backward is issued.
   std::shared_ptr<LossGate> watch_loss(int model, const at::Tensor& loss);
   // Global-norm clipping: after backward_done(step=false) on every shard, scales all gradients so their
-  // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_), steps every shard, returns the norm. Host
-  // gradients' squares are summed in double (engine/gradient_norm.h), the same on any machine.
-  double clip_and_step(int model, double max_norm, double lr_scale = 1.0);
+  // norm is at most max_norm (as torch.nn.utils.clip_grad_norm_) and steps every shard. Returns the norm (see
+  // ClipNorm): a spilled model's is summed by a host job once its gradients have landed, and this returns at
+  // once; a resident model's is known on return. Where it is not finite no shard steps, the gradients are
+  // forgotten and the weights stay those of the last completed step. Host gradients' squares are summed in
+  // double (engine/gradient_norm.h), the same on any machine.
+  std::shared_ptr<ClipNorm> clip_and_step(int model, double max_norm, double lr_scale = 1.0);
   // Forgets the gradients accumulated since the last step (a failed micro-batch must not leak into one).
   void discard_grads(int model);
   // Waits for all of the model's queued host jobs, on every device (they form one chain), and the copies

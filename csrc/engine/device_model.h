@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/clip_norm.h"
 #include "engine/device_engine.h"
 
 namespace hydra::engine {
@@ -34,10 +35,8 @@ class DeviceModel {
   void release(int shard);
   // See DeviceEngine::backward_done.
   virtual void backward_done(int shard, bool step, double lr_scale, bool keep) = 0;
-  // The shard's optimizer step over the gradients accumulated so far, scaled by `grad_scale`, submitted now.
-  virtual void step(int shard, double grad_scale, double lr_scale) = 0;
-  // The gradients the shard's next step reads, its trainable parameters' part: what clipping's norm covers.
-  virtual at::Tensor pending_grad(int shard) = 0;
+  // See DeviceEngine::clip_and_step.
+  virtual std::shared_ptr<ClipNorm> clip_and_step(double max_norm, double lr_scale) = 0;
   // Forgets the gradients accumulated since the last step (after synchronize()).
   virtual void discard_grads() = 0;
   // Copies state that lives on the device into the store (after synchronize()); nothing for a spilled model.

@@ -2,24 +2,22 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/stack.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "ops/kernels/sum_of_squares.h"
 
 namespace hydra::engine {
 
-double squared_norm(const at::Tensor& grad) {
-  const bool host_kernel = grad.device().is_cpu() && grad.is_contiguous() &&
-                           (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16);
-  if (!host_kernel) {
-    // Reduced precision accumulates in float32; float32 and double in their own type.
-    const bool reduced = grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf;
-    const auto accumulate = reduced ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt;
-    const double norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, accumulate).item<double>();
-    return norm * norm;
-  }
+namespace {
+
+bool summed_by_host_kernel(const at::Tensor& grad) {
+  return grad.device().is_cpu() && grad.is_contiguous() &&
+         (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16);
+}
+
+double host_squared_norm(const at::Tensor& grad) {
   // Chunks of a fixed size, summed in their order: threads only decide who computes which chunk.
   constexpr int64_t kChunk = int64_t{1} << 20;
   const int64_t n = grad.numel();
@@ -36,6 +34,38 @@ double squared_norm(const at::Tensor& grad) {
   });
   double total = 0.0;
   for (const double p : partial) total += p;
+  return total;
+}
+
+}  // namespace
+
+double squared_norm(const std::vector<at::Tensor>& grads) {
+  double total = 0.0;
+  std::vector<at::Tensor> norms;  // of the buffers ATen reduces, one element each, where the buffers are
+  for (const at::Tensor& grad : grads) {
+    if (summed_by_host_kernel(grad)) {
+      total += host_squared_norm(grad);
+      continue;
+    }
+    // Reduced precision accumulates in float32; float32 and double in their own type.
+    const bool reduced = grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf;
+    const auto accumulate = reduced ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt;
+    norms.push_back(at::linalg_vector_norm(grad, 2, c10::nullopt, false, accumulate).to(at::kDouble));
+  }
+  if (!norms.empty()) {
+    // Grouped by device: one read of each device's sum.
+    std::vector<at::Tensor> same_device;
+    while (!norms.empty()) {
+      const c10::Device device = norms.front().device();
+      same_device.clear();
+      std::erase_if(norms, [&](const at::Tensor& t) {
+        if (t.device() != device) return false;
+        same_device.push_back(t);
+        return true;
+      });
+      total += at::stack(same_device).square().sum().item<double>();
+    }
+  }
   return total;
 }
 

@@ -3,6 +3,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+
+#include "engine/gradient_norm.h"
 #include "engine/optimizer_step.h"
 
 namespace hydra::engine {
@@ -82,8 +85,20 @@ void ResidentModel::step(int shard, double grad_scale, double lr_scale) {
   grads.zero_();
 }
 
-at::Tensor ResidentModel::pending_grad(int shard) {
-  return view(shard, homes_.at(shard).grads, store().compute_dtype()).narrow(0, 0, store().trainable_numel(shard));
+std::shared_ptr<ClipNorm> ResidentModel::clip_and_step(double max_norm, double lr_scale) {
+  synchronize();  // nothing of the model's in flight on the host either
+  const int shards = store().num_shards();
+  std::vector<at::Tensor> grads;
+  for (int s = 0; s < shards; ++s)
+    grads.push_back(view(s, homes_[s].grads, store().compute_dtype()).narrow(0, 0, store().trainable_numel(s)));
+  auto norm = std::make_shared<ClipNorm>(max_norm);
+  norm->set(std::sqrt(squared_norm(grads)));
+  if (!norm->finite()) {  // no shard steps: the weights stay those of the last completed step
+    discard_grads();
+    return norm;
+  }
+  for (int s = shards - 1; s >= 0; --s) step(s, norm->scale(), lr_scale);
+  return norm;
 }
 
 void ResidentModel::discard_grads() {

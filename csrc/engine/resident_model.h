@@ -16,8 +16,7 @@ class ResidentModel final : public DeviceModel {
   // this throws, none: the next first use tries again.
   void upload();
   void backward_done(int shard, bool step, double lr_scale, bool keep) override;
-  void step(int shard, double grad_scale, double lr_scale) override;
-  at::Tensor pending_grad(int shard) override;
+  std::shared_ptr<ClipNorm> clip_and_step(double max_norm, double lr_scale) override;
   void discard_grads() override;
   void copy_home() override;
   void free_device_memory(const Fence& issued) override;
@@ -31,6 +30,8 @@ class ResidentModel final : public DeviceModel {
     std::vector<Region> states;
   };
   at::Tensor view(int shard, const Region& region, at::ScalarType dtype) const;
+  // The shard's optimizer step over its gradients, scaled by `grad_scale`, queued on the compute stream.
+  void step(int shard, double grad_scale, double lr_scale);
   // Gives the valid regions of `homes` back to the pool, once `issued` is done, and empties it.
   void free_regions(std::vector<Home>& homes, const Fence& issued);
   std::vector<Home> homes_;

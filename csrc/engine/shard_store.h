@@ -112,9 +112,9 @@ class ShardStore {
   // and keeps its step count, as torch.optim leaves it. When every trainable parameter received one (the usual
   // case) the step is one range over all of them. Resets the notes for the next step.
   std::vector<StepRange> take_step(int shard);
-  // Takes back the counts of a step taken with take_step that was then skipped (its loss gate closed): the
-  // shard's and its parameters' step counts are as before it. From the host job that skipped it; the issuing
-  // thread takes no step of the model after a closed gate (the task stops).
+  // Takes back the counts of a step taken with take_step that was then skipped (its loss gate closed, or its
+  // clipped step's norm was not finite): the shard's and its parameters' step counts are as before it. From the
+  // host job that skipped it; the issuing thread takes no step of the model after that (the task stops).
   void undo_step(int shard, const std::vector<StepRange>& ranges);
 
   // The gate of the step in progress: the loss of its latest micro-batch (see LossGate). Set by the thread

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
+#include "engine/gradient_norm.h"
 #include "engine/optimizer_step.h"
 
 namespace hydra::engine {
@@ -256,15 +258,48 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
   }
 }
 
-void SpilledModel::step(int shard, double grad_scale, double lr_scale) {
+std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr_scale) {
+  auto norm = std::make_shared<ClipNorm>(max_norm);
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  // After every gradient job of the step (the model's jobs run in their order), on a host-step thread.
+  submit([owner, norm]() -> DeviceEvent {
+    try {
+      std::vector<at::Tensor> grads;
+      for (int s = 0; s < owner->num_shards(); ++s)
+        grads.push_back(owner->pending_grad(s).narrow(0, 0, owner->trainable_numel(s)));
+      norm->set(std::sqrt(squared_norm(grads)));
+    } catch (...) {
+      norm->fail(std::current_exception());  // every step reads it: none applies
+      throw;
+    }
+    return nullptr;
+  });
+  for (int s = store().num_shards() - 1; s >= 0; --s) step(s, norm, lr_scale);
+  return norm;
+}
+
+void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double lr_scale) {
   std::shared_ptr<ShardStore> owner = store_ptr();
   const std::vector<Fence> readers = owner->readers(shard);
   const std::vector<StepRange> ranges = owner->take_step(shard);
   DeviceEngine& engine = engine_;
   const Fence done = submit([=, &engine]() -> DeviceEvent {
+    const bool finite = [&] {
+      try {
+        return norm->finite();
+      } catch (...) {
+        owner->undo_step(shard, ranges);
+        throw;
+      }
+    }();
+    if (!finite) {  // skipped, as every shard's step: its gradients are forgotten, its step count as before
+      owner->undo_step(shard, ranges);
+      if (owner->has_grad(shard)) owner->grad(shard).zero_();
+      return nullptr;
+    }
     for (const Fence& copy : readers) copy.wait_done();
     const int64_t start = now_ns();
-    step_host(*owner, shard, ranges, grad_scale, lr_scale, at::Tensor());
+    step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor());
     ++engine.host_steps_done_;
     engine.host_step_ns_ += now_ns() - start;
     return nullptr;
@@ -272,10 +307,6 @@ void SpilledModel::step(int shard, double grad_scale, double lr_scale) {
   owner->set_last_step(shard, done);
   owner->bump_version(shard);
   if (cached(shard) && !pinned(shard)) evict(shard);
-}
-
-at::Tensor SpilledModel::pending_grad(int shard) {
-  return store().pending_grad(shard).narrow(0, 0, store().trainable_numel(shard));
 }
 
 void SpilledModel::discard_grads() {

@@ -16,8 +16,7 @@ class SpilledModel final : public DeviceModel {
   using DeviceModel::DeviceModel;
   bool resident() const override { return false; }
   void backward_done(int shard, bool step, double lr_scale, bool keep) override;
-  void step(int shard, double grad_scale, double lr_scale) override;
-  at::Tensor pending_grad(int shard) override;
+  std::shared_ptr<ClipNorm> clip_and_step(double max_norm, double lr_scale) override;
   void discard_grads() override;
   void free_device_memory(const Fence& issued) override;
 
@@ -50,6 +49,9 @@ class SpilledModel final : public DeviceModel {
     int64_t version = 0;  // of the store's shards it was copied from
   };
   void allocate_grads(int shard);
+  // The shard's optimizer step over its accumulated (or kept) gradients, queued on the model's host jobs after
+  // `norm`: scaled by it, or skipped where it is not finite.
+  void step(int shard, std::shared_ptr<const ClipNorm> norm, double lr_scale);
   int64_t input_version(int shard) const;  // of what a copy of the shard reads
   std::vector<Fence> pending_steps(int shard) const;
   at::Tensor grad_view(int shard) const;

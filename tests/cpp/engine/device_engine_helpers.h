@@ -149,4 +149,32 @@ struct TiedModel {
   std::vector<std::vector<at::Tensor>> shards() const { return {{e, f, a}, {h, z}, {g, e, z}}; }
 };
 
+// A model's host training state after some steps, to compare two ways of reaching it.
+struct Trained {
+  std::vector<at::Tensor> master, states;
+  std::vector<int64_t> steps, param_steps;
+};
+
+// Brings the model's state up to date in its store (snapshot), copies it, and finishes the model.
+inline Trained finish_and_copy(DeviceEngine& engine, int model, ShardStore& store) {
+  engine.snapshot(model);
+  Trained out;
+  for (int s = 0; s < store.num_shards(); ++s) {
+    out.master.push_back(store.master(s).clone());
+    for (int k = 0; k < store.optimizer().num_states(); ++k) out.states.push_back(store.state(s, k).clone());
+    out.steps.push_back(store.steps_taken(s));
+  }
+  for (const auto& p : store.param_states()) out.param_steps.push_back(p.steps);
+  engine.finish(model);
+  return out;
+}
+
+inline void expect_same(const Trained& a, const Trained& b) {
+  ASSERT_EQ(a.master.size(), b.master.size());
+  for (size_t s = 0; s < a.master.size(); ++s) EXPECT_TRUE(at::equal(a.master[s], b.master[s])) << "shard " << s;
+  for (size_t k = 0; k < a.states.size(); ++k) EXPECT_TRUE(at::equal(a.states[k], b.states[k])) << "state " << k;
+  EXPECT_EQ(a.steps, b.steps);
+  EXPECT_EQ(a.param_steps, b.param_steps);
+}
+
 }  // namespace engine_test

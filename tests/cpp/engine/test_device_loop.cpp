@@ -147,8 +147,9 @@ TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
       };
       if (last && !clipped) close_the_gate();
       run_unit(scheduler, loop, *first, unit, clipped);
-      // As the runner: the norm of the gradients kept, then every shard's step. Ungated (clip_and_step waits
-      // for the host threads first): the task is held from its last backward until its next begin at least.
+      // As the runner: the norm of the gradients kept, then every shard's step, queued behind the gradient jobs
+      // (ungated by the loss: the runner reads it first). The task is held from its last backward until its next
+      // begin at least.
       if (last && clipped) engine.clip_and_step(0, /*max_norm=*/1.0, 1.0);
       if (last) break;
     }

@@ -268,7 +268,7 @@ TEST(DeviceEngine, ClippedBf16StepsReadTheKeptGradientsAsTheAccumulatorsWould) {
     const int m = engine.add_model(*store);
     for (int step = 0; step < 3; ++step) {
       run_step(engine, m, **store, 1, /*check_values=*/false, /*step=*/false, 1.0, /*keep=*/*store == kept);
-      norms.push_back(engine.clip_and_step(m, /*max_norm=*/0.75));
+      norms.push_back(engine.clip_and_step(m, /*max_norm=*/0.75)->value());
     }
     engine.synchronize(m);
   }

@@ -7,11 +7,6 @@
 namespace engine_test {
 namespace {
 
-struct Trained {
-  std::vector<at::Tensor> master, states;
-  std::vector<int64_t> steps, param_steps;
-};
-
 // Spilled: the tied model (a borrowed parameter, frozen ones); resident: three linear shards (run_step's
 // gradients overwrite, so a tied weight's one resident gradient buffer would not hold its sum).
 std::shared_ptr<ShardStore> model(bool resident) {
@@ -33,24 +28,7 @@ Trained train(bool resident, const std::vector<double>& losses, int micro_batche
     run_step(engine, m, *store, micro_batches, /*check_values=*/false, /*step=*/true);
     if (!std::isfinite(loss)) engine.discard_grads(m);
   }
-  engine.snapshot(m);
-  Trained out;
-  for (int s = 0; s < store->num_shards(); ++s) {
-    out.master.push_back(store->master(s).clone());
-    for (int k = 0; k < 2; ++k) out.states.push_back(store->state(s, k).clone());
-    out.steps.push_back(store->steps_taken(s));
-  }
-  for (const auto& p : store->param_states()) out.param_steps.push_back(p.steps);
-  engine.finish(m);
-  return out;
-}
-
-void expect_same(const Trained& a, const Trained& b) {
-  ASSERT_EQ(a.master.size(), b.master.size());
-  for (size_t s = 0; s < a.master.size(); ++s) EXPECT_TRUE(at::equal(a.master[s], b.master[s])) << "shard " << s;
-  for (size_t k = 0; k < a.states.size(); ++k) EXPECT_TRUE(at::equal(a.states[k], b.states[k])) << "state " << k;
-  EXPECT_EQ(a.steps, b.steps);
-  EXPECT_EQ(a.param_steps, b.param_steps);
+  return finish_and_copy(engine, m, *store);
 }
 
 TEST(LossGate, AClosedGateSkipsTheStepOnEveryShardAndTakesItsCountsBack) {
