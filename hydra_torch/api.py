@@ -204,6 +204,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             open_run.workers_gone()
         torch.set_num_threads(threads_before)
         wall = time.perf_counter() - start
+        for runner in runners:  # a clipped step queued before the run stopped is counted while the bars are open
+            runner.settle_at_end()
         bars.close(runners)
         results = _finish(runners, engines, trace, start, resolved, wall, checkpoints)
         results.interrupted = stop.name

@@ -48,7 +48,6 @@ def bring_home(runner, engines, checkpoints=None):
     if not runner.model_ids:  # no engine holds it: a re-plan failed after its weights came home
         runner.restore_buffers()
         return
-    runner.settle_at_end()  # a clipped step the run stopped before it was counted (its norm is known by now)
     home = home_slot(runner)
     try:
         if runner.error is not None:

@@ -227,15 +227,18 @@ class TaskRunner:
         if self._clipped is None:
             return
         norm, count = self._clipped
-        value = norm.value()
         try:
-            if not math.isfinite(value):
-                raise NonFiniteGradNormError(f"task {self.task.name!r}: the gradient norm is {value} at step "
-                                             f"{self.steps}; training stopped and the weights of the last completed "
-                                             "step were kept")
-            self._step_done(count)
-        finally:
+            value = norm.value()
+        except Exception:  # the norm could not be taken (a host job failed): no shard stepped either
             self._clipped, self._stepped = None, []
+            raise
+        # Cleared before counting: a Ctrl-C during on_step must not let the step be counted twice.
+        self._clipped, self._stepped = None, []
+        if not math.isfinite(value):
+            raise NonFiniteGradNormError(f"task {self.task.name!r}: the gradient norm is {value} at step "
+                                         f"{self.steps}; training stopped and the weights of the last completed "
+                                         "step were kept")
+        self._step_done(count)
 
     def settle_at_end(self):
         """At the task's end (its last unit run, or the run stopped): settle_step, its error kept in self.error."""
@@ -356,10 +359,11 @@ class TaskRunner:
     def _backward_report(self):
         """What the loop's end tells the engine of the shard's backward: whether the step follows (the
         micro-batch's last, unless clipping steps every shard at once), at the schedule's rate; with clipping
-        and one micro-batch a step, the gradient waits for the norm as it landed (bf16: 2 bytes)."""
+        and one micro-batch a step, the gradient waits for the norm as it landed (bf16: 2 bytes); with clipping,
+        whether clip_and_step follows (the step's last micro-batch)."""
         clipped = self.task.clip_grad_norm is not None
         return _C.BackwardDone(step=self._mb.last and not clipped, lr_scale=self._lr_scale,
-                               keep=clipped and self._mb.count == 1)
+                               keep=clipped and self._mb.count == 1, clip_follows=clipped and self._mb.last)
 
     def _evaluate(self, unit, slot):
         """E(s) of validation batch unit.micro_batch (see hydra_torch.evaluation)."""

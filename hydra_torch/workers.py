@@ -105,7 +105,7 @@ def _settle(slot: DeviceSlot, unit, lock: threading.Lock) -> bool:
         runner.settle_step()
     except Exception as error:
         with lock:
-            runner.error = error
+            runner.error = runner.error or error  # a device error of its last unit may have come first
         failed = True
     if not failed and runner.stopped is None:
         return True

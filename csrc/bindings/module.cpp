@@ -157,11 +157,14 @@ PYBIND11_MODULE(_C, m) {
 
   // What DeviceLoop.end reports of a unit that ran a backward (DeviceEngine.backward_done's arguments).
   py::class_<BackwardDone>(m, "BackwardDone")
-      .def(py::init([](bool step, double lr_scale, bool keep) { return BackwardDone{step, lr_scale, keep}; }),
-           py::arg("step"), py::arg("lr_scale") = 1.0, py::arg("keep") = false)
+      .def(py::init([](bool step, double lr_scale, bool keep, bool clip_follows) {
+             return BackwardDone{step, lr_scale, keep, clip_follows};
+           }),
+           py::arg("step"), py::arg("lr_scale") = 1.0, py::arg("keep") = false, py::arg("clip_follows") = false)
       .def_readonly("step", &BackwardDone::step)
       .def_readonly("lr_scale", &BackwardDone::lr_scale)
-      .def_readonly("keep", &BackwardDone::keep);
+      .def_readonly("keep", &BackwardDone::keep)
+      .def_readonly("clip_follows", &BackwardDone::clip_follows);
 
   // A device worker's per-unit seam (engine/device_loop.h); it keeps the scheduler and the engine alive.
   py::class_<DeviceLoop>(m, "DeviceLoop")

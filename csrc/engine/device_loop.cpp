@@ -71,10 +71,10 @@ int64_t DeviceLoop::end(const core::Unit& unit, const std::optional<BackwardDone
     throw;
   }
   engine_.release(visit.model, visit.shard);
-  // Shard 0's step is queued now, or with clipping (keep) by clip_and_step right after this end: either way
-  // the task's next forward would wait for it.
+  // Shard 0's step is queued now, or with clipping by clip_and_step right after this end: either way the task's
+  // next forward would wait for it.
   if (backward && visit.shard == 0 && options_.hold_for_steps && !engine_.resident(visit.model) &&
-      (backward->keep || (backward->step && engine_.waits_for_step(visit.model, 0)))) {
+      (backward->clip_follows || (backward->step && engine_.waits_for_step(visit.model, 0)))) {
     scheduler_.hold(unit.task, true);
     held_.emplace_back(unit.task, visit.model);
   }

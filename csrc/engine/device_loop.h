@@ -33,11 +33,13 @@ struct LoopOptions {
   bool hold_for_steps = true;
 };
 
-// What end() reports of a unit that ran a backward: as DeviceEngine::backward_done's arguments.
+// What end() reports of a unit that ran a backward: as DeviceEngine::backward_done's arguments, and
+// `clip_follows`: the backward ends a clipped step, whose steps clip_and_step queues right after this end.
 struct BackwardDone {
   bool step = false;
   double lr_scale = 1.0;
   bool keep = false;
+  bool clip_follows = false;
 };
 
 class DeviceLoop {

@@ -74,13 +74,18 @@ Fence DeviceModel::submit(std::function<DeviceEvent()> job) {
   {
     std::lock_guard<std::mutex> lock(order);
     std::shared_future<void> previous = store_->exchange_last_job(done->get_future().share());
-    fence = engine_.host_steps_->submit([previous, done, job = std::move(job)]() -> DeviceEvent {
+    fence = engine_.host_steps_->submit([previous, done, store = store_, job = std::move(job)]() -> DeviceEvent {
       if (previous.valid()) previous.wait();
       struct Signal {  // completes the chain however the job ends; its error travels in its own Fence
         std::shared_ptr<std::promise<void>> promise;
         ~Signal() { promise->set_value(); }
       } signal{done};
-      return job();
+      try {
+        return job();
+      } catch (...) {
+        store->note_failed_job(std::current_exception());  // before the chain goes on (signal's destructor)
+        throw;
+      }
     });
   }
   return track(fence);

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
+#include <exception>
 #include <future>
 #include <mutex>
 #include <vector>
@@ -114,7 +115,9 @@ class ShardStore {
   std::vector<StepRange> take_step(int shard);
   // Takes back the counts of a step taken with take_step that was then skipped (its loss gate closed, or its
   // clipped step's norm was not finite): the shard's and its parameters' step counts are as before it. From the
-  // host job that skipped it; the issuing thread takes no step of the model after that (the task stops).
+  // host job that skipped it; the issuing thread takes no step of the model after that (the task stops), but
+  // may still be taking this step for lower shards (clip_and_step queues them one by one): each touches only
+  // its own shard's counts.
   void undo_step(int shard, const std::vector<StepRange>& ranges);
 
   // The gate of the step in progress: the loss of its latest micro-batch (see LossGate). Set by the thread
@@ -157,6 +160,17 @@ class ShardStore {
   std::shared_future<void> exchange_last_job(std::shared_future<void> next) {
     std::swap(last_job_, next);
     return next;
+  }
+  // The first error among the model's host jobs, kept for the jobs after it: a clipped step's norm must not be
+  // taken over gradients that a failed job left incomplete (the chain goes on after a failure, see
+  // DeviceModel::submit). Null while none has failed.
+  void note_failed_job(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(step_mutex_);
+    if (!failed_job_) failed_job_ = std::move(error);
+  }
+  std::exception_ptr failed_job() const {
+    std::lock_guard<std::mutex> lock(step_mutex_);
+    return failed_job_;
   }
 
   // Adds a shard's device-layout gradient (host-visible, compute dtype) into the master gradients:
@@ -218,6 +232,7 @@ class ShardStore {
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_ptr<const LossGate> loss_gate_;
   std::shared_future<void> last_job_;
+  std::exception_ptr failed_job_;
   mutable std::mutex step_mutex_;
   std::vector<Fence> last_steps_;
   std::vector<std::vector<Fence>> readers_;

@@ -264,6 +264,8 @@ std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr
   // After every gradient job of the step (the model's jobs run in their order), on a host-step thread.
   submit([owner, norm]() -> DeviceEvent {
     try {
+      // A failed job may have left a gradient out: no step is taken over what is left.
+      if (const std::exception_ptr failed = owner->failed_job()) std::rethrow_exception(failed);
       std::vector<at::Tensor> grads;
       for (int s = 0; s < owner->num_shards(); ++s)
         grads.push_back(owner->pending_grad(s).narrow(0, 0, owner->trainable_numel(s)));

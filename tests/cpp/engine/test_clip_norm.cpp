@@ -108,6 +108,31 @@ TEST(ClipNorm, ANonFiniteNormSkipsEveryShardsStepAsIfItHadNeverBeenTaken) {
   }
 }
 
+TEST(ClipNorm, AfterAFailedHostJobOfTheModelNoNormIsTakenAndNoShardSteps) {
+  // Shard 1's host job fails (its step: the op rejects a negative learning rate), so its gradient may be
+  // incomplete; the norm would be finite, and shard 0 would step, if the failure were not seen.
+  OptimizerSpec bad;
+  bad.lr = -1.0;
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30)}, /*bf16=*/false, bad);
+  DeviceEngine engine(kCpu, tight_budget(*store));
+  const int m = engine.add_model(store);
+  engine.plan(m, {1, 0});
+  engine.acquire(m, 1, true);
+  write_grads(*store, 1);
+  engine.backward_done(m, 1, /*step=*/true);  // a job that throws
+  engine.release(m, 1);
+  engine.acquire(m, 0, true);
+  write_grads(*store, 0);
+  engine.backward_done(m, 0, /*step=*/false);
+  engine.release(m, 0);
+  const at::Tensor before = store->master(0).clone();
+  const std::shared_ptr<ClipNorm> norm = engine.clip_and_step(m, /*max_norm=*/1.0);
+  EXPECT_THROW(norm->value(), c10::Error);
+  EXPECT_THROW(engine.synchronize(m), c10::Error);
+  EXPECT_TRUE(at::equal(store->master(0), before)) << "shard 0 stepped after its model's failed job";
+  EXPECT_EQ(store->steps_taken(0), 0);
+}
+
 TEST(ClipNorm, AMaxNormThatIsNotPositiveIsAnErrorThatChangesNothing) {
   auto store = model(/*resident=*/false);
   DeviceEngine engine(kCpu, tight_budget(*store));

@@ -28,15 +28,22 @@ constexpr int kShards = 4;
 
 bool is_backward(const Unit& unit) { return unit.phase == Phase::kForwardBackward || unit.phase == Phase::kBackward; }
 
+// How a backward's step is taken: at the backward, or by clip_and_step after the last one, the gradients kept
+// as they landed (one micro-batch a step) or summed (several).
+enum class Clipping { kNone, kKept, kSummed };
+
 // Runs `unit` through the loop, its parameters bound to the master values, writing a backward's gradients as
-// run_step does and stepping (`clipped`: keeping them for clip_and_step instead); then completes it.
-void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit, bool clipped = false) {
+// run_step does and stepping (clipped: leaving the step to clip_and_step); then completes it.
+void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit,
+              Clipping clipping = Clipping::kNone) {
   loop.begin(unit);
   expect_bound_to_master(store, unit.shard);
   std::optional<BackwardDone> backward;
   if (is_backward(unit)) {
     write_grads(store, unit.shard);
-    backward = BackwardDone{/*step=*/!clipped, /*lr_scale=*/1.0, /*keep=*/clipped};
+    const bool clipped = clipping != Clipping::kNone;
+    backward = BackwardDone{/*step=*/!clipped, /*lr_scale=*/1.0, /*keep=*/clipping == Clipping::kKept,
+                            /*clip_follows=*/clipped};
   }
   loop.end(unit, backward);
   scheduler.complete(0, unit, 0.01);
@@ -117,11 +124,16 @@ TEST(DeviceLoop, BeginPlansAndPrefetchesTheNextPlannedShard) {
 
 // A spilled task whose step was just queued cannot start its next forward before the step is done: the loop
 // holds it, and the device runs another task meanwhile. Once the step is done the task is released.
-// Stepping at its last backward or, clipped, at clip_and_step right after it.
+// Stepping at its last backward or, clipped, at clip_and_step right after it, whether its gradients were kept
+// as they landed or summed.
 TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
   if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
-  for (const auto [hold, clipped] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
-    SCOPED_TRACE(testing::Message() << (hold ? "holding" : "not holding") << (clipped ? ", clipped" : ""));
+  for (const bool hold : {false, true})
+  for (const Clipping clipping : {Clipping::kNone, Clipping::kKept, Clipping::kSummed}) {
+    const bool clipped = clipping != Clipping::kNone;
+    SCOPED_TRACE(testing::Message() << (hold ? "holding" : "not holding")
+                                    << (clipped ? (clipping == Clipping::kKept ? ", clipped, kept" : ", clipped, summed")
+                                                : ""));
     auto first = equal_shards(kShards), second = equal_shards(kShards, 20);
     auto host_steps = std::make_shared<HostWorker>(1);
     DeviceEngine engine(kCpu, 1 << 20, host_steps);
@@ -146,7 +158,7 @@ TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
         });
       };
       if (last && !clipped) close_the_gate();
-      run_unit(scheduler, loop, *first, unit, clipped);
+      run_unit(scheduler, loop, *first, unit, clipping);
       // As the runner: the norm of the gradients kept, then every shard's step, queued behind the gradient jobs
       // (ungated by the loss: the runner reads it first). The task is held from its last backward until its next
       // begin at least.
