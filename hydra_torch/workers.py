@@ -109,10 +109,15 @@ def _settle(slot: DeviceSlot, unit, lock: threading.Lock) -> bool:
         failed = True
     if not failed and runner.stopped is None:
         return True
+    _end_without(slot, unit, runner)
+    return False
+
+
+def _end_without(slot: DeviceSlot, unit, runner):
+    """Ends the task here, without running `unit`."""
     slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
     slot.scheduler.complete(slot.index, unit, None)
     _leave_if_ended(slot, unit, runner)
-    return False
 
 
 def _checkpoint_if_due(slot: DeviceSlot, runner):
@@ -149,9 +154,7 @@ def _cut_short(slot: DeviceSlot, unit) -> bool:
             slot.checkpoints.wait(runner)  # an earlier write may still read the store the snapshot rewrites
             _checkpoint(slot, runner)
             slot.checkpoints.wait(runner)
-    slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
-    slot.scheduler.complete(slot.index, unit, None)
-    _leave_if_ended(slot, unit, runner)
+    _end_without(slot, unit, runner)
     return True
 
 

@@ -109,8 +109,7 @@ PYBIND11_MODULE(_C, m) {
   // A clipped step's global gradient norm (see ClipNorm): value() waits until it is computed; a non-finite
   // one means no shard stepped.
   py::class_<ClipNorm, std::shared_ptr<ClipNorm>>(m, "GradientNormReading")
-      .def("value", &ClipNorm::value, release_gil())
-      .def("ready", &ClipNorm::ready);
+      .def("value", &ClipNorm::value, release_gil());
 
   py::class_<DeviceEngine>(m, "DeviceEngine")
       .def(py::init([](const std::string& device, int64_t budget, std::shared_ptr<HostWorker> host_steps,

@@ -52,20 +52,8 @@ double squared_norm(const std::vector<at::Tensor>& grads) {
     const auto accumulate = reduced ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt;
     norms.push_back(at::linalg_vector_norm(grad, 2, c10::nullopt, false, accumulate).to(at::kDouble));
   }
-  if (!norms.empty()) {
-    // Grouped by device: one read of each device's sum.
-    std::vector<at::Tensor> same_device;
-    while (!norms.empty()) {
-      const c10::Device device = norms.front().device();
-      same_device.clear();
-      std::erase_if(norms, [&](const at::Tensor& t) {
-        if (t.device() != device) return false;
-        same_device.push_back(t);
-        return true;
-      });
-      total += at::stack(same_device).square().sum().item<double>();
-    }
-  }
+  // One read: a model's buffers are all on one device (a resident model's) or on the host.
+  if (!norms.empty()) total += at::stack(norms).square().sum().item<double>();
   return total;
 }
 

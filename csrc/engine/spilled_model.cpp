@@ -286,14 +286,13 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
   const std::vector<StepRange> ranges = owner->take_step(shard);
   DeviceEngine& engine = engine_;
   const Fence done = submit([=, &engine]() -> DeviceEvent {
-    const bool finite = [&] {
-      try {
-        return norm->finite();
-      } catch (...) {
-        owner->undo_step(shard, ranges);
-        throw;
-      }
-    }();
+    bool finite = false;
+    try {
+      finite = norm->finite();
+    } catch (...) {  // the norm could not be taken: no shard steps
+      owner->undo_step(shard, ranges);
+      throw;
+    }
     if (!finite) {  // skipped, as every shard's step: its gradients are forgotten, its step count as before
       owner->undo_step(shard, ranges);
       if (owner->has_grad(shard)) owner->grad(shard).zero_();
