@@ -68,6 +68,26 @@ def _host_step_threads(host_threads) -> int:
     return host_threads
 
 
+def _check_seed(seed):
+    # The random policy's generator takes 64 unsigned bits: outside them the native call would fail with its
+    # signature instead of the argument's name.
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+
+
+def _check_checkpoint_dir(checkpoint_dir):
+    if checkpoint_dir is None:
+        return
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a path (a str or os.PathLike), got {type(checkpoint_dir).__name__}")
+    if not os.fspath(checkpoint_dir):
+        raise ValueError("checkpoint_dir is an empty path: name a directory (e.g. 'checkpoints')")
+
+
+_ONE_CALL = threading.Lock()
+_running_in: str | None = None  # the thread whose call holds _ONE_CALL, for the error a second call gets
+
+
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
           progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
           checkpoint_every=None, selection=None, arrivals=None) -> Results:
@@ -88,6 +108,11 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     checkpoint_dir: a directory for each task's checkpoints (weights, optimizer state, data position, random
         states, losses). A task with a checkpoint there continues from it: the same call after a crash resumes
         every task, and ends as the uninterrupted run would have. Also written when a task ends or is stopped.
+        A checkpoint of another model, optimizer, learning rate, lr_schedule or warmup_steps (a callable
+        lr_schedule is told only from a named one), or of more steps than the task now takes, is refused. The
+        call holds each task's directory (a lock file in it) until it returns, however it ends: another run of
+        the same task, in another process or this one, is refused with the holder's pid and host; a process
+        that dies (even by SIGKILL) lets go, so its tasks resume.
     checkpoint_every: steps (an int) or a duration ("10min", "30s") between a task's checkpoints; default
         "10min". Only with checkpoint_dir.
     selection: a rule that stops the worse tasks early, such as ht.SuccessiveHalving(min_steps=20); the devices
@@ -104,7 +129,27 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     marked (`TaskResult.cut_short`); SIGTERM is then passed on to the handler that was there before. A second
     Ctrl-C stops at once: the weights still come home, steps in progress are left half-applied, and
     KeyboardInterrupt propagates.
+
+    One call at a time in a process: every call's tasks draw from the process's one CPU random generator, so
+    a second call while one runs (from another thread, or a callback) raises RuntimeError before it touches
+    anything. Several calls' tasks train together when passed to one call.
     """
+    global _running_in
+    if not _ONE_CALL.acquire(blocking=False):
+        raise RuntimeError(f"another ht.train call is running in this process (in thread {_running_in!r}): its "
+                           "tasks and this call's would draw from the one CPU random generator of the process. "
+                           "Pass all the tasks to one call, or make this call after it returns")
+    _running_in = threading.current_thread().name
+    try:
+        return _train(tasks, devices, memory_budget, schedule, pin_memory, progress, seed, host_threads,
+                      checkpoint_dir, checkpoint_every, selection, arrivals)
+    finally:
+        _running_in = None
+        _ONE_CALL.release()
+
+
+def _train(tasks, devices, memory_budget, schedule, pin_memory, progress, seed, host_threads, checkpoint_dir,
+           checkpoint_every, selection, arrivals) -> Results:
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
     tasks = list(tasks)
@@ -113,6 +158,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     if len({t.name for t in tasks}) != len(tasks):
         raise ValueError("task names must be unique")
     check_own_models(tasks)
+    for task in tasks:
+        task.check_unchanged()
     if selection is not None:
         if not isinstance(selection, Selection):
             raise TypeError(f"selection must be a hydra_torch.SuccessiveHalving(...), got {type(selection).__name__}")
@@ -127,12 +174,14 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         _C.parse_policy(schedule)
     except ValueError as error:
         raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
+    _check_seed(seed)
+    _check_checkpoint_dir(checkpoint_dir)
     resolved = resolve_devices(devices)
+    # Virtual CPU devices share one memory: a fraction of it (or the default) is split between them.
+    budgets = [parse_budget(memory_budget, d, sharing=resolved.count(d) if d.type == "cpu" else 1) for d in resolved]
     loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
     memory.check_host_memory(tasks)
     host_steps = _C.HostSteps(_host_step_threads(host_threads))
-    # Virtual CPU devices share one memory: a fraction of it (or the default) is split between them.
-    budgets = [parse_budget(memory_budget, d, sharing=resolved.count(d) if d.type == "cpu" else 1) for d in resolved]
     pin = _pin(pin_memory, resolved)
 
     for task in tasks:
@@ -153,13 +202,14 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             checkpoint.restore(state, runner)
     del loaded
     selection_run = selection.start(runners) if selection is not None else None
-    checkpoints = checkpoint.Checkpointer(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
-    for runner in runners if checkpoints is not None else ():
-        checkpoints.started(runner)
     # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
     specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
     scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
     stop = interrupts.StopRequest()
+    # It holds the tasks' checkpoint directories until _finish closes it: made as late as can be, so that little
+    # can fail between here and the workers' try.
+    checkpoints = (checkpoint.Checkpointer(checkpoint_dir, checkpoint_every, runners) if checkpoint_dir is not None
+                   else None)
     slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints, Inbox(), loop=make_loop(scheduler, e, i))
              for i, (d, e) in enumerate(zip(resolved, engines))]
     for slot in slots:
@@ -217,7 +267,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     if stop.is_set():
         cut = [r.name for r in results if r.cut_short]
         warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
-                      f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=2)
+                      f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=3)
         if stop.signal != signal.SIGINT:
             if checkpoints is not None:
                 sys.stderr.write(f"{stop.name}: every task stopped at a step boundary and was checkpointed in "
@@ -228,9 +278,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         if result.replans:
             warnings.warn(f"task {result.name!r} ran out of device memory and was re-planned "
                           f"{len(result.replans)} time(s), last at {result.replans[-1]}; give it smaller shards or "
-                          "more memory to spare the retries", RuntimeWarning, stacklevel=2)
+                          "more memory to spare the retries", RuntimeWarning, stacklevel=3)
         if result.error is not None:
-            warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=3)
     return results
 
 
@@ -242,20 +292,25 @@ def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
             raise ValueError("checkpoint_every needs checkpoint_dir: where to keep the checkpoints")
         return [None] * len(tasks)
     checkpoint.parse_every(checkpoint_every)
+    for task in tasks:  # a name that cannot name a directory is refused before checkpoint_dir is made
+        checkpoint.check_name(task.name)
     checkpoint.prepare_directory(checkpoint_dir)
     return [checkpoint.load(checkpoint_dir, task) for task in tasks]
 
 
 def _finish(runners, engines, trace, start, devices, wall, checkpoints=None) -> Results:
     results = []
-    for runner in runners:
-        if runner.result is None:  # else it left the run when it ended (see arrivals)
-            lifecycle.bring_home(runner, engines, checkpoints)
-            runner.result = lifecycle.task_result(runner, engines, trace, start)
-        results.append(runner.result)
-    if checkpoints is not None:
-        checkpoints.close()
+    try:
+        for runner in runners:
+            if runner.result is None:  # else it left the run when it ended (see arrivals)
+                lifecycle.bring_home(runner, engines, checkpoints)
+                runner.result = lifecycle.task_result(runner, engines, trace, start)
+            results.append(runner.result)
+    finally:  # the tasks' checkpoint directories are let go however this ends
+        if checkpoints is not None:
+            checkpoints.close()
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]
-    return Results(results, names, [e.stats() for e in engines], sorted(trace, key=lambda e: e.start), wall)
+    return Results(results, names, [e.stats() for e in engines], sorted(trace, key=lambda e: e.start), wall,
+                   checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)

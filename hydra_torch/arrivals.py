@@ -7,12 +7,14 @@ workers wait for work instead of ending; `close()` lets the run end once the tas
 
 A task that ends (finished, failed, stopped by a selection rule or cut short) leaves at once: each device's
 worker releases what its engine holds for it, the one holding its state writes the weights back into the
-model, and the driver's `on_ended(result)` hears of it, on that worker's thread. A task that arrives is spilled:
-the device arenas were sized when training started.
+model, and the driver's `on_ended(result)` hears of it, on a thread of the run's own (see Arrivals). A task that
+arrives is spilled: the device arenas were sized when training started.
 """
 from __future__ import annotations
 
+import queue
 import threading
+import warnings
 
 from hydra_torch.inbox import on_devices
 
@@ -22,8 +24,16 @@ class RunClosedError(RuntimeError):
 
 
 class Arrivals:
+    """The driver's handle on a run open to arrivals.
+
+    `on_ended(result)` is called with each task's TaskResult once it has left the run, one call at a time in the
+    order the tasks ended, on a thread of the run's own: not a device's worker, so it may take its time, add
+    the next task (keeping K tasks running that way) or close the run. One that raises is a RuntimeWarning
+    naming the task and the error; the task's result stays as it trained, and the run and the other callbacks
+    go on. ht.train returns once every ended task's callback has returned."""
+
     def __init__(self, on_ended=None):
-        self.on_ended = on_ended  # on_ended(TaskResult), from a worker thread: keep it short
+        self.on_ended = on_ended
         self._run = None
         self._attached = threading.Event()
 
@@ -64,7 +74,7 @@ class OpenRun:
         self.devices, self.budgets, self.pin, self.start_rng = devices, budgets, pin, start_rng
         self.trace, self.trace_lock, self.start, self.stop = trace, trace_lock, start, stop
         self.selection = selection          # the run's selection (its per-run object), told of each newcomer
-        self.on_ended = on_ended
+        self._callbacks = _Callbacks(on_ended) if on_ended is not None else None
         self._lock = threading.Lock()       # one arrival at a time
         self._closed = False
         self._workers_gone = threading.Event()
@@ -83,6 +93,7 @@ class OpenRun:
             if any(r.task.name == task.name for r in self.runners):
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
+            task.check_unchanged()
             memory.check_host_memory([task])
             planner.plan_for_devices(task, self.devices, self.budgets)
             task.stopped_on_request = False
@@ -153,8 +164,8 @@ class OpenRun:
                 trace = list(self.trace)
             runner.result = lifecycle.task_result(runner, [s.engine for s in self.slots], trace, self.start)
             runner.store = None  # its host state: freed now, not when the run ends
-            if self.on_ended is not None:
-                self.on_ended(runner.result)
+            if self._callbacks is not None:
+                self._callbacks.put(runner.result)
         if not holding:  # no engine holds it (a re-plan that failed): its weights are home already
             gone()
         for slot in holding:  # where that device's worker has ended, its engine is this thread's
@@ -167,3 +178,33 @@ class OpenRun:
             self._closed = True
             for slot in self.slots:
                 slot.inbox.drain()
+        if self._callbacks is not None:  # not under _lock: a callback adding a task takes it, to be refused
+            self._callbacks.close()
+
+
+class _Callbacks:
+    """Calls on_ended(result) for each task that ends, in turn, on a thread of its own. On a worker's thread a
+    callback that adds a task would wait for that same worker to register it, and one that raises would end
+    the worker and the run."""
+
+    def __init__(self, on_ended):
+        self._on_ended = on_ended
+        self._results = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._call, name="hydra-on-ended", daemon=True)
+        self._thread.start()
+
+    def put(self, result):
+        self._results.put(result)
+
+    def close(self):
+        """Every task has ended: returns once each one's callback has."""
+        self._results.put(None)
+        self._thread.join()
+
+    def _call(self):
+        while (result := self._results.get()) is not None:
+            try:
+                self._on_ended(result)
+            except BaseException as error:  # here any error would only end this thread, and later callbacks with it
+                warnings.warn(f"on_ended raised for task {result.name!r}: {error!r}; its result stands as it trained",
+                              RuntimeWarning, stacklevel=1)

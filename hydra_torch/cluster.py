@@ -73,6 +73,8 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"task names must be unique, got {names}")
+    for name in names:  # each names a directory of checkpoint_dir, on every node
+        checkpoint.check_name(name)
     _check_directory(checkpoint_dir)
     if not ray.is_initialized():
         ray.init()

@@ -151,7 +151,8 @@ def main(argv=None):
               f"{speed:>9.0f}{stopped}")
     best = results.best
     if best is None:
-        print("every configuration failed")
+        print("every configuration failed" if all(r.error is not None for r in results)
+              else "no configuration reached a finite loss")
         return 1
     total = sum(r.steps for r in results if r.error is None) * tokens
     print(f"\nbest configuration: {best.name} (validation loss {best.final_eval_loss:.4f}, "

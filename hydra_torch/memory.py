@@ -42,10 +42,10 @@ def parse_budget(budget, device: torch.device, sharing: int = 1) -> int:
     if isinstance(budget, numbers.Integral):
         return _bytes(int(budget), budget)
     if not isinstance(budget, str):
-        return _real(float(budget), device, budget) // sharing
+        return _real(float(budget), device, budget, sharing)
     text = budget.strip()
     if text.endswith("%"):
-        return _fraction(_number(text[:-1], budget) / 100.0, device, budget) // sharing
+        return _fraction(_number(text[:-1], budget) / 100.0, device, budget, sharing)
     match = _PATTERN.match(text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read memory_budget {budget!r}: {_HOW}")
@@ -54,7 +54,7 @@ def parse_budget(budget, device: torch.device, sharing: int = 1) -> int:
         try:
             return _bytes(int(number), budget)
         except ValueError:
-            return _real(_number(number, budget), device, budget) // sharing
+            return _real(_number(number, budget), device, budget, sharing)
     value = _number(number, budget) * _UNITS[unit]
     if unit == "b" and value != int(value):
         raise ValueError(f"memory_budget {budget!r} is a fractional number of bytes")
@@ -71,11 +71,12 @@ def _number(text: str, budget) -> float:
     return value
 
 
-def _real(value: float, device: torch.device, budget) -> int:
-    """A number that is not an integer literal: a fraction when at most 1, else whole bytes ("8e9")."""
+def _real(value: float, device: torch.device, budget, sharing: int) -> int:
+    """A number that is not an integer literal: a fraction when at most 1, else whole bytes ("8e9"), which,
+    as bytes written as an integer, are not split between devices."""
     if math.isfinite(value) and value > 1 and value == int(value):
         return _bytes(int(value), budget)
-    return _fraction(value, device, budget)
+    return _fraction(value, device, budget, sharing)
 
 
 def _bytes(n: int, budget) -> int:
@@ -86,11 +87,16 @@ def _bytes(n: int, budget) -> int:
     return n
 
 
-def _fraction(fraction: float, device: torch.device, budget) -> int:
+def _fraction(fraction: float, device: torch.device, budget, sharing: int) -> int:
+    """`sharing` devices' share each of `fraction` of the free memory."""
     if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
         raise ValueError(f"memory_budget {budget!r}: a fraction of free memory must be in (0, 1] (write bytes as an "
                          "integer or with a unit, e.g. '8GiB')")
-    return int(fraction * free_bytes(device))
+    share = int(fraction * free_bytes(device)) // sharing
+    if share < 1:
+        raise ValueError(f"memory_budget {budget!r} is {fraction:g} of the free memory, less than one byte for each "
+                         "device: write bytes as an integer or with a unit, e.g. '8GiB'")
+    return share
 
 
 def available_host_bytes() -> int:

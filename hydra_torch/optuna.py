@@ -15,8 +15,8 @@ pruner says so at one of its evaluations, and a new trial starts as soon as one 
 
 Each trial's value is its task's final validation loss (its final training loss when it has no eval_data), to
 be minimised; it is reported to the trial at every evaluation (every step without eval_data). Pruned trials
-are told PRUNED, trials whose task failed or could not be built FAIL, with a warning. Optuna is optional:
-`pip install optuna`.
+are told PRUNED, trials whose task failed or could not be built FAIL, with a warning; whatever stops
+`optimize`, no trial it asked is left RUNNING. Optuna is optional: `pip install optuna`.
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def optimize(study, build_task, n_trials: int, concurrent: int = 2, *, devices="
     ht.Results of every trial's task. `build_task(trial)` returns the trial's ModelTask (its suggestions
     made through `trial`); tasks after the first `concurrent` join the running call as others end. The
     other keywords are ht.train's. Raises the sampler's error, after the running trials have ended and been
-    told, if it fails."""
+    told, if it fails; likewise, as it is, an error of build_task's that is not an Exception (KeyboardInterrupt,
+    say). Every trial asked is told COMPLETE, PRUNED or FAIL, also when this raises."""
     optuna = _optuna()
     for label, value in (("n_trials", n_trials), ("concurrent", concurrent)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -58,38 +59,53 @@ def optimize(study, build_task, n_trials: int, concurrent: int = 2, *, devices="
     if not callable(build_task):
         raise TypeError("build_task must be callable as build_task(trial) -> ModelTask")
     driver = _Driver(optuna, study, build_task, n_trials)
-    initial = [task for task in (driver.new_task() for _ in range(min(concurrent, n_trials))) if task is not None]
-    if not initial:
-        raise ValueError(f"no trial's task could be built: {driver.build_errors[-1]!r}") from driver.build_errors[-1]
-    arrivals = Arrivals(on_ended=driver.events.put)
-    thread = threading.Thread(target=driver.drive, args=(arrivals, len(initial)), name="hydra-optuna", daemon=True)
-    thread.start()
+    options = dict(devices=devices, memory_budget=memory_budget, schedule=schedule, progress=progress, seed=seed,
+                   host_threads=host_threads)
     try:
-        results = api.train(initial, devices=devices, memory_budget=memory_budget, schedule=schedule,
-                            progress=progress, seed=seed, host_threads=host_threads, selection=_Pruning(driver),
-                            arrivals=arrivals)
-    finally:
-        if not arrivals.attached:
-            arrivals.attach(None)  # train() raised before training: the driver must not wait for it
-        driver.events.put(_STOP)  # the run is over: trials still counted as running never will end
-        thread.join()
+        results = _train(driver, concurrent, options)
+    except BaseException as error:  # train raised (before training, say), or Ctrl-C came while a task was built
+        driver.settle((), error)
+        raise
+    driver.settle(results, driver.crash)
+    if driver.crash is not None:
+        raise driver.crash
     if driver.error is not None:
         raise RuntimeError(f"the study's sampler failed after {driver.asked} trials; the trials that ran were told "
                            f"their results: {driver.error!r}") from driver.error
     return results
 
 
+def _train(driver, concurrent, options):
+    """Builds the first `concurrent` trials' tasks and trains them, the driver adding the others as they end."""
+    initial = [task for task in (driver.new_task() for _ in range(min(concurrent, driver.n_trials)))
+               if task is not None]
+    if not initial:
+        raise ValueError(f"no trial's task could be built: {driver.build_errors[-1]!r}") from driver.build_errors[-1]
+    arrivals = Arrivals(on_ended=driver.events.put)
+    thread = threading.Thread(target=driver.drive, args=(arrivals, len(initial)), name="hydra-optuna", daemon=True)
+    thread.start()
+    try:
+        return api.train(initial, selection=_Pruning(driver), arrivals=arrivals, **options)
+    finally:
+        if not arrivals.attached:
+            arrivals.attach(None)  # train() raised before training: the driver must not wait for it
+        driver.events.put(_STOP)  # the run is over: trials still counted as running never will end
+        thread.join()
+
+
 class _Driver:
     """Asks the study for trials, builds their tasks, and tells it each result. Its own thread (drive) runs
-    while the devices train; the workers hand it ended tasks through `events`."""
+    while the devices train; the run's on_ended hands it ended tasks through `events`."""
 
     def __init__(self, optuna, study, build_task, n_trials):
         self.optuna, self.study, self.build_task, self.n_trials = optuna, study, build_task, n_trials
         self.events = queue.SimpleQueue()
         self.trials = {}                 # task name -> trial
+        self.untold = {}                 # trial number -> trial asked and not told yet how it ended
         self.asked = 0
         self.build_errors: list[BaseException] = []
         self.error: BaseException | None = None  # the sampler's
+        self.crash: BaseException | None = None  # what ended drive() while tasks trained: optimize re-raises it
 
     def new_task(self) -> ModelTask | None:
         """The next trial's task; None once n_trials have been asked. A trial whose task cannot be built is told
@@ -97,6 +113,7 @@ class _Driver:
         while self.asked < self.n_trials:
             trial = self.study.ask()
             self.asked += 1
+            self.untold[trial.number] = trial
             try:
                 with task_rng.exclusive():  # building a model draws from the generator the workers share
                     task = self.build_task(trial)
@@ -115,7 +132,11 @@ class _Driver:
 
     def _fail(self, trial, error, what):
         warnings.warn(f"trial {trial.number} failed: {what}: {error!r}", RuntimeWarning, stacklevel=3)
-        self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        self._tell(trial, state=self.optuna.trial.TrialState.FAIL)
+
+    def _tell(self, trial, value=None, state=None):
+        self.study.tell(trial, value, state=state)
+        del self.untold[trial.number]
 
     def tell(self, result):
         trial = self.trials[result.name]
@@ -123,12 +144,20 @@ class _Driver:
         if result.error is not None:
             self._fail(trial, result.error, "its task failed")
         elif result.stopped is not None:
-            self.study.tell(trial, state=states.PRUNED)
+            self._tell(trial, state=states.PRUNED)
         elif result.cut_short is not None or not result.losses:
             self._fail(trial, RuntimeError(f"training was cut short by {result.cut_short}"), "it did not finish")
         else:
-            value = result.final_eval_loss if result.eval_losses else result.final_loss
-            self.study.tell(trial, value)
+            self._tell(trial, result.final_eval_loss if result.eval_losses else result.final_loss)
+
+    def settle(self, results, error):
+        """Once the run is over, however it ended: each trial not told yet is told its task's result where its
+        task ran (a driver that crashed never heard of it), else FAIL with `error`."""
+        for result in results:
+            if self.trials[result.name].number in self.untold:
+                self.tell(result)
+        for trial in list(self.untold.values()):
+            self._fail(trial, error, "optimize stopped before it ended")
 
     def drive(self, arrivals, running: int):
         adding = True
@@ -157,6 +186,11 @@ class _Driver:
                         adding = False
                     except (ValueError, TypeError) as error:  # it cannot join (too large, say): the next one may
                         self._fail(self.trials[task.name], error, "its task cannot join the run")
+        except BaseException as error:  # build_task's KeyboardInterrupt, say: it would end this thread alone
+            if hasattr(error, "add_note"):
+                error.add_note(f"raised on hydra_torch.optuna's driver thread after {self.asked} trials were asked; "
+                               "optimize re-raised it once the run had ended and every trial was told")
+            self.crash = error
         finally:
             arrivals.close()
 

@@ -1,6 +1,7 @@
 """What ht.train returns: a result per task, the schedule trace, and memory and copy statistics."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -23,6 +24,7 @@ class TaskResult:
     replans: list[str] = field(default_factory=list)  # each re-plan after running out of device memory
     moves: list[str] = field(default_factory=list)  # on a cluster: each move to another node, and why
     node: str | None = None      # on a cluster: the node that trained it last
+    total_steps: int = 0         # the steps it was to take: all its epochs' steps, or max_steps if fewer
 
     @property
     def ok(self) -> bool:
@@ -36,9 +38,28 @@ class TaskResult:
     def final_eval_loss(self) -> float:
         return self.eval_losses[-1][1] if self.eval_losses else float("nan")
 
+    @property
+    def unfinished(self) -> str | None:
+        """How it ended before its last step without an error (cut short, or stopped by a selection rule), or
+        None."""
+        if self.stopped is not None:
+            return f"stopped: {self.stopped}"
+        if self.cut_short is not None:
+            return f"cut short at step {self.steps} of {self.total_steps}"
+        return None
 
-def _nan_last(value: float) -> float:
-    return float("inf") if value != value else value
+
+def _tier(task: TaskResult) -> int:
+    """Where Results.best looks for it: 0 finished, 1 cut short, 2 stopped by a selection rule."""
+    return 2 if task.stopped is not None else 1 if task.cut_short is not None else 0
+
+
+def _lowest(tasks: list[TaskResult]) -> TaskResult | None:
+    """The task with the lowest finite final validation loss when every one was evaluated, else the lowest
+    finite final training loss; None if none is finite."""
+    evaluated = all(t.eval_losses for t in tasks)
+    metric = (lambda t: t.final_eval_loss) if evaluated else (lambda t: t.final_loss)
+    return min((t for t in tasks if math.isfinite(metric(t))), key=metric, default=None)
 
 
 @dataclass
@@ -63,6 +84,7 @@ class Results:
     wall_time: float = 0.0
     interrupted: str | None = None  # the signal that stopped every task at a step boundary ("Ctrl-C", "SIGTERM")
     models: dict = field(default_factory=dict)  # on a cluster: name -> the driver's model, holding the trained weights
+    checkpoint_failures: int = 0  # checkpoints that could not be written (a full disk, say); training went on
 
     def __iter__(self):
         return iter(self.tasks)
@@ -80,15 +102,23 @@ class Results:
 
     @property
     def best(self) -> TaskResult | None:
-        """Among the tasks that ran without error and were not stopped by a selection rule, the one with the
-        lowest final validation loss when every one of them was evaluated, else the lowest final training loss."""
-        finished = [t for t in self.tasks if t.ok and t.losses]
-        finished = [t for t in finished if t.stopped is None] or finished
-        if not finished:
-            return None
-        if all(t.eval_losses for t in finished):
-            return min(finished, key=lambda t: _nan_last(t.final_eval_loss))
-        return min(finished, key=lambda t: _nan_last(t.final_loss))
+        """The task with the lowest final validation loss, or the lowest final training loss where not every
+        task compared was evaluated; a loss that is not finite never counts, and a task that failed is never best.
+
+        The tasks that finished come first: one cut short (by request_stop or a signal) is compared only if none
+        of them has a finite loss, since its loss is that of fewer steps. Last come the tasks a selection rule
+        stopped: it judged them worse than the others at a rung, so any task that ran on ranks before them,
+        finished or cut short. None if no task has a finite loss. Results.summary says when the best did not
+        finish."""
+        for tier in range(3):
+            best = _lowest(self._ranked(tier))
+            if best is not None:
+                return best
+        return None
+
+    def _ranked(self, tier: int) -> list[TaskResult]:
+        """The tasks Results.best compares in `tier` (see _tier)."""
+        return [t for t in self.tasks if t.ok and t.losses and _tier(t) == tier]
 
     def utilisation(self) -> dict[str, float]:
         """Per device, the fraction of the run's wall time it spent running units."""
@@ -114,11 +144,15 @@ class Results:
                          f"{t.wall_time:>8.1f}  {status}")
         for device, share in self.utilisation().items():
             lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s")
+        if self.checkpoint_failures:
+            lines.append(f"{self.checkpoint_failures} checkpoints could not be written (see the warnings)")
         best = self.best
         if best is not None:
-            measure = (f"validation loss {best.final_eval_loss:.4f}" if best.eval_losses
-                       else f"final loss {best.final_loss:.4f}")
-            lines.append(f"best: {best.name} ({measure})")
+            # The loss it was chosen by: validation only where every task of its tier was evaluated.
+            measure = (f"validation loss {best.final_eval_loss:.4f}"
+                       if all(t.eval_losses for t in self._ranked(_tier(best))) else f"final loss {best.final_loss:.4f}")
+            unfinished = f"; {best.unfinished}" if best.unfinished else ""
+            lines.append(f"best: {best.name} ({measure}{unfinished})")
         return "\n".join(lines)
 
     def plot_curves(self, path=None):

@@ -78,6 +78,7 @@ class TaskRunner:
         self.eval_at = eval_steps(task)
         self._eval: EvalPass | None = None
         self.micro_batches = count_micro_batches(task)
+        self.total_steps = len(step_sizes(task))  # the steps it is to take: all its epochs', or max_steps if fewer
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
         self._groups = step_groups(task, self._epoch_began)
@@ -87,7 +88,7 @@ class TaskRunner:
         self._clipped = None                  # (norm reading, micro-batches) of a clipped step not yet settled
         self._step_rng, self._step_buffers = None, []  # at the current step's start (see rewind_step)
         self.replans: list[str] = []          # how it was re-cut after running out of device memory
-        self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, len(step_sizes(task)))
+        self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, self.total_steps)
         self._lr_scale = 1.0                  # the schedule's multiplier for the current step
         # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
         self._rng = TaskRng(*start_rng.snapshot())
@@ -241,11 +242,20 @@ class TaskRunner:
         self._step_done(count)
 
     def settle_at_end(self):
-        """At the task's end (its last unit run, or the run stopped): settle_step, its error kept in self.error."""
+        """At the task's end (its last unit run, or the run stopped): settle_step, then, if it took its last step,
+        the check that its last epoch had no batch beyond len(data); their error kept in self.error."""
         try:
             self.settle_step()
+            self._check_data_ended()
         except Exception as error:
             self.error = self.error or error
+
+    def _check_data_ended(self):
+        # step_groups checks an epoch's length as it is resumed after the epoch's last step: after the task's
+        # last step no step resumes it, so its end does.
+        if self._epoch_end and self.steps == self.total_steps:
+            with self._rng.cpu_section(None):  # as every read of its data
+                next(self._groups, None)
 
     def _step_done(self, count: int):
         self.steps += 1

@@ -13,15 +13,13 @@ def root_module(model, pieces) -> nn.Module:
 
 
 def model_pieces(model) -> list[nn.Module]:
-    """The ordered layers of `model`: an nn.Sequential's children, or a list of modules."""
-    if isinstance(model, nn.Sequential):
-        pieces = list(model.children())
-    elif isinstance(model, (list, tuple, nn.ModuleList)):
-        pieces = list(model)
-    else:
+    """The ordered layers of `model`: an nn.Sequential's, or a list of modules. A module used at several places
+    is a layer at each, as the model's forward runs it (its parameters then train as one tied weight)."""
+    if not isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)):
         raise TypeError(
             f"cannot cut a {type(model).__name__} into shards: pass an nn.Sequential, a list of modules, "
             "or explicit shards=[[module, ...], ...]")
+    pieces = list(model)  # not model.children(), which lists a reused module once
     for i, piece in enumerate(pieces):
         if not isinstance(piece, nn.Module):
             raise TypeError(f"layer {i} of the model is a {type(piece).__name__}, not an nn.Module")

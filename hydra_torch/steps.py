@@ -15,7 +15,9 @@ class DataLengthError(ValueError):
 def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch.Tensor | None = None):
     """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each. Batches are read
     as the steps need them (one step's worth is held at a time), and each epoch must yield exactly len(data)
-    batches: the scheduler planned the task from that length.
+    batches: the scheduler planned the task from that length. An epoch is found longer only once its last step
+    has trained, when the generator is resumed after it (for the next step, or at the task's end): every step
+    len(data) promised is kept.
 
     Called where the CPU generator holds the task's state. `on_epoch(state)` learns the generator's state as
     each epoch begins (what a shuffled loader draws its order from). Resuming after `start` steps in the middle
@@ -25,7 +27,10 @@ def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch
     per_epoch = _epoch_step_sizes(expected, task.accumulate)
     steps = start
     first_epoch, skip = divmod(start, len(per_epoch))
-    for epoch in range(first_epoch, task.epochs):
+    # Up to the epoch of the last step: resumed after that step (the end's length check), the generator must not
+    # begin another epoch, reading data and drawing a shuffled order, where max_steps ends the run at an epoch's end.
+    epochs = -(-len(step_sizes(task)) // len(per_epoch))
+    for epoch in range(first_epoch, epochs):
         replay = epoch == first_epoch and skip > 0
         if replay:
             current = torch.get_rng_state()
@@ -49,12 +54,11 @@ def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch
                 if i == skip - 1:
                     torch.set_rng_state(current)
                 continue
-            last = i == len(per_epoch) - 1
-            if last and next(batches, END) is not END:  # checked before the epoch's last step trains
-                raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
-                                      f"{expected} batches")
             steps += 1
-            yield epoch, group, last
+            yield epoch, group, i == len(per_epoch) - 1
+        if next(batches, END) is not END:
+            raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
+                                  f"{expected} batches; training stopped once it had trained those {expected}")
 
 
 END = object()

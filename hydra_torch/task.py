@@ -43,6 +43,18 @@ def _precision(params, precision: str | None) -> str:
     return _DTYPE_PRECISION[dtypes.pop()]
 
 
+def _sized(data) -> bool:
+    """Whether `data` is an iterable whose len() answers: a DataLoader over an IterableDataset has __len__, and
+    it raises TypeError."""
+    if not hasattr(data, "__iter__"):
+        return False
+    try:
+        len(data)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_evaluation(eval_data, eval_every):
     if eval_data is None:
         if eval_every is not None:
@@ -51,7 +63,7 @@ def _check_evaluation(eval_data, eval_every):
     if isinstance(eval_data, collections.abc.Iterator):
         raise ValueError(f"eval_data is a one-shot iterator ({type(eval_data).__name__}), spent after one "
                          "evaluation: pass a list or a DataLoader")
-    if not hasattr(eval_data, "__iter__") or not hasattr(eval_data, "__len__"):
+    if not _sized(eval_data):
         raise TypeError("eval_data must be a sized iterable of batches (a list or a DataLoader)")
     if len(eval_data) == 0:
         raise ValueError("eval_data is empty: an evaluation needs at least one batch")
@@ -70,12 +82,33 @@ def check_own_models(tasks):
                                  "each task needs a model of its own (copy.deepcopy it)")
 
 
+def _first_change(kind: str, built: dict[str, tuple], now: dict[str, tuple]) -> str | None:
+    """How `now` differs from what the task was `built` from, or None. Both map a name to (the object, what
+    else must stay as it was): the object must be the same one."""
+    for name, (thing, *was) in built.items():
+        if name not in now:
+            return f"its {kind} {name!r} was removed"
+        other, *is_ = now[name]
+        if other is not thing:
+            return f"its {kind} {name!r} was replaced by another"
+        if is_ != was:
+            return f"its {kind} {name!r} is now {_described(*is_)}, was {_described(*was)}"
+    added = next((name for name in now if name not in built), None)
+    return None if added is None else f"a {kind} {added!r} was added"
+
+
+def _described(shape, dtype, device) -> str:
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')} on {device}"
+
+
 class ModelTask:
     """A model, its optimizer, loss and data.
 
     model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
     explicit ``shards=[[m, ...], ...]``. ``shards="auto"`` lets ht.train measure the pieces on its device and
-    choose balanced shards that fit its budget (see ht.plan).
+    choose balanced shards that fit its budget (see ht.plan). A module used at several places of the model is a
+    layer at each, its parameters trained as one tied weight. A model changed after its task was built is
+    refused by ht.train (see check_unchanged): build the task again.
     loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
@@ -114,6 +147,11 @@ class ModelTask:
                             f"{type(optimizer).__name__}: hydra-torch steps shards natively")
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        if name in ("", ".", ".."):  # a checkpoint directory is named after its task: this one would be another's
+            raise ValueError(f"task name {name!r} cannot name a checkpoint directory of its own: give the task "
+                             "another name")
         adapter = adapt(model)
         loss_fn = loss_fn if loss_fn is not None else (adapter.loss_fn if adapter else None)
         if not callable(loss_fn):
@@ -129,7 +167,7 @@ class ModelTask:
             raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
         schedules.check(lr_schedule, warmup_steps)
         _check_evaluation(eval_data, eval_every)
-        if data is None or not hasattr(data, "__iter__") or not hasattr(data, "__len__"):
+        if not _sized(data):
             raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
                             "plans each task's remaining work from its length")
 
@@ -198,6 +236,7 @@ class ModelTask:
         self.stopped_on_request = False
         self.ended = threading.Event()  # set once the task runs no more units in the current ht.train call
         self.steps_done = 0  # optimizer steps taken, as the ht.train call training it goes (for other threads)
+        self._built_from = self._layout()  # what check_unchanged compares the model with
 
     def request_stop(self, reason: str = "stopped on request"):
         """Stops the task at its next step boundary in the ht.train call training it; callable from any thread.
@@ -205,6 +244,28 @@ class ModelTask:
         keeps checkpoints, the task's checkpoint of that step is on disk before it ends, so another call can
         continue it. `ended` is set once the task runs no more units (stopped so, or ended otherwise)."""
         self.stop_reason = reason
+
+    def check_unchanged(self):
+        """Raises ValueError, touching nothing, when the model changed after the task was built (a module replaced,
+        added or removed; a parameter replaced, or its data given another shape, dtype or device): the task would
+        train the modules and parameters it recorded, silently ignoring the edit. Training keeps all of these
+        (it rebinds the parameters' data and writes it back as it was), so a task trained before passes."""
+        modules, params = self._layout()
+        built_modules, built_params = self._built_from
+        change = _first_change("module", built_modules, modules) or _first_change("parameter", built_params, params)
+        if change is not None:
+            raise ValueError(f"task {self.name!r}: the model changed after its ModelTask was built ({change}), and "
+                             "the task would train it as it was: build the ModelTask again from the model as it is")
+
+    def _layout(self) -> tuple[dict[str, tuple], dict[str, tuple]]:
+        """The model's modules by name (a reused one under each of its names), and the pieces' parameters by name
+        with their shape, dtype and device: what check_unchanged compares."""
+        # A list is read as it is now: a layer put into it or taken out of it counts.
+        root = self.model if isinstance(self.model, nn.Module) else nn.ModuleList(sharding.model_pieces(self.model))
+        modules = root.named_modules(remove_duplicate=False)
+        params = nn.ModuleList(self.pieces).named_parameters()
+        return ({name: (module,) for name, module in modules if name},
+                {name: (p, p.shape, p.dtype, p.device) for name, p in params})
 
     @property
     def num_shards(self) -> int:

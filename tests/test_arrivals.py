@@ -1,5 +1,6 @@
 """Tasks joining a running ht.train call through Arrivals, and leaving it as soon as they end."""
 import queue
+import re
 import warnings
 import threading
 
@@ -59,3 +60,74 @@ def test_arrivals_are_refused_with_checkpoints_or_of_the_wrong_type(tmp_path):
         ht.train(task("t"), devices="cpu", arrivals=Arrivals(), checkpoint_dir=tmp_path, progress=False)
     with pytest.raises(TypeError, match="arrivals must be"):
         ht.train(task("t"), devices="cpu", arrivals=object(), progress=False)
+
+
+def train_or_hang(tasks, arrivals, devices, timeout=120):
+    """ht.train on a thread of its own: a run that hangs fails the test instead of holding up the suite."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["results"] = ht.train(tasks, devices=devices, progress=False, arrivals=arrivals)
+        except BaseException as error:
+            outcome["error"] = error
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the run hung for {timeout} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results"]
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_on_ended_adds_the_next_task_itself(devices):
+    names, ended = ["second", "third"], []
+
+    def on_ended(result):  # keeps one task running: each one's end brings the next
+        ended.append(result.name)
+        if names:
+            arrivals.add(task(names.pop(0), seed=len(ended)))
+        else:
+            arrivals.close()
+    arrivals = Arrivals(on_ended=on_ended)
+    results = train_or_hang([task("first")], arrivals, devices)
+    assert ended == ["first", "second", "third"]
+    assert [r.name for r in results] == ended and all(r.ok and r.steps == 4 for r in results)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("callback bug"), KeyboardInterrupt()], ids=["Exception", "Ctrl-C"])
+def test_an_on_ended_that_raises_is_a_warning_and_the_run_goes_on(error):
+    ended = []
+
+    def on_ended(result):
+        ended.append(result.name)
+        if len(ended) == 2:
+            arrivals.close()
+        if result.name == "a":
+            raise error
+    arrivals = Arrivals(on_ended=on_ended)
+    a, b = task("a"), task("b", seed=1)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"on_ended raised for task 'a': {error!r}")):
+        results = train_or_hang([a, b], arrivals, ["cpu", "cpu"])
+    assert sorted(ended) == ["a", "b"]
+    assert [r.name for r in results] == ["a", "b"] and all(r.ok and r.steps == 4 for r in results)
+    assert all(p.device.type == "cpu" and p.grad is None for p in a.model.parameters())  # weights are home
+
+
+def test_a_task_whose_model_changed_after_it_was_built_is_refused_on_arrival():
+    from torch import nn
+    changed, outcome = task("changed", seed=1), {}
+    changed.model[1] = nn.Identity()  # after the task recorded its layers
+
+    def on_ended(result):
+        try:
+            arrivals.add(changed)
+        except ValueError as error:
+            outcome["refused"] = str(error)
+        finally:
+            arrivals.close()
+    arrivals = Arrivals(on_ended=on_ended)
+    results = train_or_hang([task("first")], arrivals, ["cpu"])
+    assert "the model changed after its ModelTask was built" in outcome["refused"]
+    assert [r.name for r in results] == ["first"]

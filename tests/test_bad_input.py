@@ -276,3 +276,63 @@ def test_a_bf16_model_trains_in_bf16_and_fp16_is_refused():
     with pytest.raises(ValueError, match="mixes fp32 and bf16"):
         ht.ModelTask(mixed, loss_fn=lm_loss, data=data)
     assert ht.ModelTask(mixed, loss_fn=lm_loss, data=data, precision="fp32").precision == "fp32"
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, "7", True, None])
+def test_a_seed_outside_the_schedulers_range_is_refused(seed):
+    model = tied_transformer()
+    before = snapshot(model)
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))
+    with pytest.raises((ValueError, TypeError), match=r"seed must be an int in \[0, 2\*\*64\)"):
+        ht.train([task], devices="cpu", progress=False, seed=seed)
+    assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("budget", ["1e-300", 1e-300, "0.0000000000000000001%"])
+def test_a_fraction_of_free_memory_below_one_byte_is_refused(budget):
+    model = tied_transformer()
+    before = snapshot(model)
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))
+    with pytest.raises(ValueError, match=r"memory_budget .* less than one byte"):
+        ht.train([task], devices="cpu", progress=False, memory_budget=budget)
+    assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("where, error, message", [("", ValueError, "checkpoint_dir is an empty path"),
+                                                   (17, TypeError, "checkpoint_dir must be a path")])
+def test_a_checkpoint_dir_that_names_no_directory_is_refused(where, error, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = tied_transformer()
+    before = snapshot(model)
+    task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))
+    with pytest.raises(error, match=message):
+        ht.train([task], devices="cpu", progress=False, checkpoint_dir=where)
+    assert unchanged(model, before)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_concurrent_call_in_one_process_is_refused():
+    # Both calls' tasks would draw from the one CPU generator the process has: the second is refused, the
+    # first trains on as if alone.
+    import threading
+    first = ht.ModelTask(tied_transformer(seed=0), loss_fn=lm_loss, data=token_batches(4), epochs=500,
+                         name="first")
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("results", ht.train(
+        [first], devices="cpu", progress=False)))
+    thread.start()
+    try:
+        while first.steps_done < 1 and thread.is_alive():
+            thread.join(0.01)
+        model = tied_transformer(seed=1)
+        before = snapshot(model)
+        second = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1), name="second")
+        with pytest.raises(RuntimeError, match="another ht.train call is running in this process"):
+            ht.train([second], devices="cpu", progress=False)
+        assert unchanged(model, before)
+    finally:
+        first.request_stop("enough")
+        thread.join()
+    assert outcome["results"]["first"].cut_short
+    # Once the first call has returned, the next one runs.
+    assert ht.train([second], devices="cpu", progress=False)["second"].steps == 1

@@ -1,5 +1,7 @@
 """Optuna studies through one run: trials join as others end, pruners stop them at evaluations, the study is told
 every result; and what a broken sampler, pruner or task does."""
+import os
+import signal
 import warnings
 
 import pytest
@@ -146,11 +148,15 @@ def test_bad_arguments():
             optimize(study, lambda trial: "not a task", n_trials=2)
 
 
-def test_ctrl_c_stops_the_study_at_step_boundaries_and_returns_what_ran():
-    import os
-    import signal
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt, as in a terminal: a background job starts with it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with it ignored
+
+def test_ctrl_c_stops_the_study_at_step_boundaries_and_returns_what_ran(ctrl_c):
     calls = [0]
 
     def interrupting(trial):
@@ -165,12 +171,61 @@ def test_ctrl_c_stops_the_study_at_step_boundaries_and_returns_what_ran():
         return task
 
     study = optuna.create_study()
-    try:
-        with pytest.warns(RuntimeWarning, match="stopped by Ctrl-C"):
-            results = optimize(study, interrupting, n_trials=6, concurrent=2, devices="cpu")
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with pytest.warns(RuntimeWarning, match="stopped by Ctrl-C"):
+        results = optimize(study, interrupting, n_trials=6, concurrent=2, devices="cpu")
     assert results.interrupted == "Ctrl-C"
     assert len(study.trials) <= 3  # no trial was started after the stop (one may have been joining)
     assert all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)  # every trial was told
     assert any(r.cut_short == "Ctrl-C" for r in results)
+
+
+def test_ctrl_c_while_the_first_task_is_built_fails_its_trial(ctrl_c):
+    def interrupted(trial):
+        signal.raise_signal(signal.SIGINT)
+        return build(trial)
+
+    study = optuna.create_study()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(KeyboardInterrupt):
+            optimize(study, interrupted, n_trials=3, concurrent=2, devices="cpu")
+    assert [t.state.name for t in study.trials] == ["FAIL"]
+
+
+@pytest.mark.parametrize("cause", ["two trials share a model", "too big for the devices"])
+def test_trials_are_told_fail_when_the_run_cannot_start(cause):
+    shared = tied_transformer(seed=0, blocks=1)
+
+    def sharing(trial):
+        return ht.ModelTask(shared, optimizer=ht.optim.AdamW(lr=1e-3), loss_fn=lm_loss, data=DATA,
+                            name=f"trial{trial.number}")
+
+    study = optuna.create_study()
+    build_task, budget, error = ((sharing, None, "share a parameter") if cause == "two trials share a model"
+                                 else (build, 1000, "memory budget too small"))
+    with pytest.warns(RuntimeWarning, match="trial 1 failed: optimize stopped before it ended"):
+        with pytest.raises(ValueError, match=error):
+            optimize(study, build_task, n_trials=4, concurrent=2, devices="cpu", memory_budget=budget)
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
+
+
+class Abort(BaseException):
+    """Not an Exception: what a build_task may raise to stop everything."""
+
+
+@pytest.mark.parametrize("error", [Abort("stop the study"), KeyboardInterrupt()], ids=["BaseException", "Ctrl-C"])
+def test_a_build_task_that_kills_the_driver_makes_optimize_raise_once_every_trial_is_told(error):
+    def aborting(trial):
+        if trial.number == 2:  # asked on the driver's thread, once trial 0 or 1 has ended
+            raise error
+        return build(trial)
+
+    study = optuna.create_study()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(type(error)) as raised:
+            optimize(study, aborting, n_trials=5, concurrent=2, devices="cpu")
+    assert raised.value is error
+    # The trial still training when the driver died ran to its end and was told.
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE", "FAIL"]
+    assert all(len(t.intermediate_values) == 4 for t in study.trials[:2])
