@@ -1,7 +1,8 @@
 """Loads the native library, refusing a torch it was not built for.
 
 A library built against another torch fails in obscure ways (missing symbols, wrong dispatch keys), so the
-mismatch is reported up front, naming both versions.
+mismatch is reported up front, naming both versions. Every module takes the library from here
+(`from hydra_torch._loader import native as _C`), so it is checked before any of them uses it.
 """
 import torch
 
@@ -26,3 +27,6 @@ def load():
             "Rebuild it against this torch: pip install --no-build-isolation --force-reinstall ."
         )
     return _C
+
+
+native = load()

@@ -10,7 +10,8 @@ import warnings
 
 import torch
 
-from hydra_torch import _C, checkpoint, interrupts, lifecycle, memory, planner, sharding, task_rng, testing
+from hydra_torch import checkpoint, interrupts, lifecycle, memory, planner, sharding, task_rng, testing
+from hydra_torch._loader import native as _C
 from hydra_torch.memory import parse_budget
 from hydra_torch.progress import Progress
 from hydra_torch.results import Results

@@ -22,7 +22,8 @@ import itertools
 import time
 import warnings
 
-from hydra_torch import _C, checkpoint, cluster_results, placement
+from hydra_torch import checkpoint, cluster_results, placement
+from hydra_torch._loader import native as _C
 from hydra_torch.node_trainer import NodeTrainer, failed_result
 from hydra_torch.results import Results
 from hydra_torch.steps import step_sizes

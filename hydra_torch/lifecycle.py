@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from hydra_torch import _C
+from hydra_torch._loader import native as _C
 from hydra_torch.results import TaskResult
 
 

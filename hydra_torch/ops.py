@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from hydra_torch._loader import native  # noqa: F401  (defines the hydra ops the fakes below register for)
+
 
 def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, shadow: Optional[Tensor] = None, *,
               lr: float, step: int, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,

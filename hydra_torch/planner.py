@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hydra_torch import _C, sharding
+from hydra_torch import sharding
+from hydra_torch._loader import native as _C
 from hydra_torch.memory import format_bytes, parse_budget
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hydra_torch import _C, schedules, sharding
+from hydra_torch import schedules, sharding
+from hydra_torch._loader import native as _C
 from hydra_torch.compute import check_loss, floating, run_shard, to_device
 from hydra_torch.evaluation import EvalPass
 from hydra_torch.steps import count_micro_batches, eval_steps, step_groups, step_sizes

@@ -8,7 +8,7 @@ from device memory. Its result says when and why (`TaskResult.stopped`); its wei
 """
 from __future__ import annotations
 
-from hydra_torch import _C
+from hydra_torch._loader import native as _C
 
 METRICS = ("eval_loss", "train_loss")
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_torch import _C, replan, unit_clock
+from hydra_torch import replan, unit_clock
+from hydra_torch._loader import native as _C
 from hydra_torch.results import TraceEntry
 
 # How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), how many
