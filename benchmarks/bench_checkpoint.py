@@ -18,7 +18,8 @@ import time
 from transformers.utils import logging as hf_logging
 
 import hydra_torch as ht
-from hydra_torch import checkpoint, workers
+from hydra_torch.run import workers
+from hydra_torch.state import checkpoint
 
 from bench_multi_model import add_config_args, add_workload_args, configs, make_models, spilled_budget, token_batches
 

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import hydra_torch as ht
 from hydra_torch import _C
-from hydra_torch.runner import TaskRunner
+from hydra_torch.run.runner import TaskRunner
 
 
 def run(models: int, steps: int, precision: str, wait_at_once: bool) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from unittest import mock
 from transformers.utils import logging as hf_logging
 
 import bench_multi_model as workload
-from hydra_torch import workers
+from hydra_torch.run import workers
 
 
 def main():

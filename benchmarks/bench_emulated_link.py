@@ -28,7 +28,8 @@ from transformers.utils import logging as hf_logging
 
 import hydra_torch as ht
 from bench_multi_model import add_workload_args, token_batches
-from hydra_torch import testing, workers
+from hydra_torch import testing
+from hydra_torch.run import workers
 
 
 def make_tasks(args, data):

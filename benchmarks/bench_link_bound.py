@@ -21,7 +21,8 @@ from unittest import mock
 import torch
 import hydra_torch as ht
 from bench_emulated_link import make_tasks, parse_workload
-from hydra_torch import testing, workers
+from hydra_torch import testing
+from hydra_torch.run import workers
 
 
 def train(args, data, budget, bandwidth=None):

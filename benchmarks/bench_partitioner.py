@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hydra_torch as ht
-from hydra_torch import sharding
-from hydra_torch.memory import format_bytes
+from hydra_torch.models import sharding
+from hydra_torch.models.memory import format_bytes
 
 
 def mlp(hidden, width=256, seed=0):

@@ -12,7 +12,7 @@ import statistics
 
 from transformers.utils import logging as hf_logging
 
-from hydra_torch import task_rng
+from hydra_torch.state import task_rng
 
 from bench_multi_model import add_config_args, add_workload_args, hydra_seconds, spilled_budget, token_batches
 

@@ -20,7 +20,7 @@ import statistics
 import time
 
 import hydra_torch as ht
-from hydra_torch import demo
+from hydra_torch.demo import job as demo
 
 
 def parse_args():

@@ -82,7 +82,7 @@ def profile_hydra(template, w: Workload, data, device: torch.device, budget, ste
     """Trains a copy of `template` for `steps` steps (batches from `data`) and profiles the last one."""
     try:
         import hydra_torch as ht
-        from hydra_torch import workers
+        from hydra_torch.run import workers
 
         _reset(device)
         model = copy.deepcopy(template)

@@ -1,11 +1,12 @@
 """hydra-torch: train many large models at once on few GPUs."""
 from hydra_torch import ops  # registers the ops' fake kernels
-from hydra_torch import optim
+from hydra_torch.recipe import optim
 from hydra_torch.api import train
-from hydra_torch.planner import Plan, plan
-from hydra_torch.results import Results, TaskResult
-from hydra_torch.runner import NonFiniteGradNormError, NonFiniteLossError
-from hydra_torch.selection import SuccessiveHalving
+from hydra_torch.models import planner  # ht.planner.apply_plan
+from hydra_torch.models.planner import Plan, plan
+from hydra_torch.report.results import Results, TaskResult
+from hydra_torch.run.runner import NonFiniteGradNormError, NonFiniteLossError
+from hydra_torch.selection.rules import SuccessiveHalving
 from hydra_torch.task import ModelTask
 
 __all__ = ["ModelTask", "train", "plan", "Plan", "optim", "ops", "Results", "TaskResult", "NonFiniteLossError",

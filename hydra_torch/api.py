@@ -10,17 +10,20 @@ import warnings
 
 import torch
 
-from hydra_torch import checkpoint, interrupts, lifecycle, memory, planner, sharding, task_rng, testing
+from hydra_torch import testing
 from hydra_torch._loader import native as _C
-from hydra_torch.memory import parse_budget
-from hydra_torch.progress import Progress
-from hydra_torch.results import Results
-from hydra_torch.runner import TaskRunner
-from hydra_torch.arrivals import Arrivals, OpenRun
-from hydra_torch.inbox import Inbox
-from hydra_torch.selection import Selection
+from hydra_torch.models import memory, planner, sharding
+from hydra_torch.models.memory import parse_budget
+from hydra_torch.report.results import Results
+from hydra_torch.run import lifecycle
+from hydra_torch.run.inbox import Inbox
+from hydra_torch.run.progress import Progress
+from hydra_torch.run.runner import TaskRunner
+from hydra_torch.run.workers import DeviceSlot, device_worker, make_loop
+from hydra_torch.selection.arrivals import Arrivals, OpenRun
+from hydra_torch.selection.rules import Selection
+from hydra_torch.state import checkpoint, interrupts, task_rng
 from hydra_torch.task import ModelTask, check_own_models
-from hydra_torch.workers import DeviceSlot, device_worker, make_loop
 
 
 def resolve_devices(devices) -> list[torch.device]:

@@ -24,9 +24,10 @@ import queue
 import threading
 import warnings
 
-from hydra_torch import api, task_rng
-from hydra_torch.arrivals import Arrivals, RunClosedError
-from hydra_torch.selection import Selection
+from hydra_torch import api
+from hydra_torch.selection.arrivals import Arrivals, RunClosedError
+from hydra_torch.selection.rules import Selection
+from hydra_torch.state import task_rng
 from hydra_torch.task import ModelTask
 
 _STOP = object()

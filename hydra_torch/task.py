@@ -10,9 +10,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from hydra_torch import optim, schedules, sharding
-from hydra_torch import param_groups as param_groups_
-from hydra_torch.integrations import adapt
+from hydra_torch.models import sharding
+from hydra_torch.models.hf import adapt
+from hydra_torch.recipe import optim, schedules
+from hydra_torch.recipe import param_groups as param_groups_
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -120,7 +121,7 @@ class ModelTask:
     ("linear", "cosine", "constant_with_warmup", ...) with ``warmup_steps``, over the task's steps (epochs and
     max_steps counted), or a callable step -> multiplier (LambdaLR semantics: step 0 is the first step).
     param_groups: other learning rates and weight decays for some parameters, as torch.optim's param groups,
-    chosen by name pattern, module type or callable (see hydra_torch.param_groups); e.g.
+    chosen by name pattern, module type or callable (see hydra_torch.recipe.param_groups); e.g.
     ``[{"params": ht.optim.NO_WEIGHT_DECAY, "weight_decay": 0.0}]`` exempts biases and norms, as
     transformers.Trainer does.
     eval_data: validation batches (a sized iterable, like data): the mean of loss_fn over them is measured under

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import hydra_torch as ht
-from hydra_torch import task_rng
+from hydra_torch.state import task_rng
 from hydra_torch.arrivals import Arrivals, RunClosedError
 from models import lm_loss, tied_transformer, token_batches
 

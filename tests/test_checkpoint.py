@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from hydra_torch import checkpoint
+from hydra_torch.state import checkpoint
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches
 
 RUN = os.path.join(os.path.dirname(__file__), "checkpoint_run.py")

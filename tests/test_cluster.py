@@ -11,7 +11,7 @@ import torch
 
 import hydra_torch as ht
 from cluster_tasks import BuildsOnce, make_failing_task, make_task
-from hydra_torch import placement
+from hydra_torch.cluster import placement
 
 ray = pytest.importorskip("ray", reason="Ray is an optional dependency: pip install 'hydra-torch[ray]'")
 cluster_utils = pytest.importorskip("ray.cluster_utils", reason="this Ray has no ray.cluster_utils.Cluster")

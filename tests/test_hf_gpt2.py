@@ -114,7 +114,7 @@ def test_unsupported_hugging_face_model():
 def test_a_transformers_outside_the_tested_range_is_named(monkeypatch, installed):
     model = tiny_gpt2()
     before = [p.detach().clone() for p in model.parameters()]
-    from hydra_torch.integrations import adapter
+    from hydra_torch.models.hf import adapter
 
     monkeypatch.setattr(adapter, "installed_transformers", lambda: installed)
     with pytest.raises(ImportError, match=rf"need transformers >= 5\.17, < 6; transformers {installed} is installed"):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from hydra_torch import memory
-from hydra_torch.memory import format_bytes, parse_budget
+from hydra_torch.models import memory
+from hydra_torch.models.memory import format_bytes, parse_budget
 from models import lm_loss, model_bytes, tied_transformer, token_batches
 
 

@@ -270,7 +270,7 @@ def test_a_failure_inside_a_backward_says_which_shards_took_the_step():
 def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
     """Ctrl-C twice: the second arrives while the first model's weights are being written back. Every model
     must still come home: parameters on host storage of their own, no gradients bound, ties intact."""
-    from hydra_torch.runner import TaskRunner
+    from hydra_torch.run.runner import TaskRunner
     data = token_batches(40)
     restore = TaskRunner.restore_buffers
     second = []

@@ -326,7 +326,8 @@ def test_a_resident_bf16_task_spilled_trains_on_from_its_current_weights():
 def test_a_re_plan_that_cannot_be_made_fails_only_its_task(monkeypatch, where):
     """A re-cut refused for host memory, or a re-plan that raises half-way (its state already off the
     devices): the task stops with its out-of-memory error and a note, its weights home; the other finishes."""
-    from hydra_torch import lifecycle, memory
+    from hydra_torch.models import memory
+    from hydra_torch.run import lifecycle
 
     if where == "host memory":
         checks = []

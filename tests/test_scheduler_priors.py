@@ -5,7 +5,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hydra_torch as ht
-from hydra_torch import _C, sharding
+from hydra_torch import _C
+from hydra_torch.models import sharding
 
 
 def _gpt2(width, layers=2, vocab=256):

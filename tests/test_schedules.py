@@ -8,7 +8,7 @@ import torch
 from transformers import get_scheduler
 
 import hydra_torch as ht
-from hydra_torch import schedules
+from hydra_torch.recipe import schedules
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 
 STEPS, WARMUP = 9, 3

@@ -2,7 +2,7 @@
 end, in order, on the host's clock; waiting reports the rest."""
 import time
 
-from hydra_torch.unit_clock import EventClock, for_device
+from hydra_torch.run.unit_clock import EventClock, for_device
 
 
 class FakeDevice:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hydra_torch.integrations import causal_lm
+from hydra_torch.models.hf import causal_lm
 
 
 def supports(model) -> bool:
@@ -55,7 +55,7 @@ class Head(nn.Module):
 
 
 def adapter(model):
-    from hydra_torch.integrations.adapter import Adapter
+    from hydra_torch.models.hf.adapter import Adapter
 
     config = model.config
     rotary = model.model.rotary_emb

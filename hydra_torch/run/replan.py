@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from hydra_torch import interrupts, lifecycle, memory, sharding
-from hydra_torch.inbox import on_devices
+from hydra_torch.models import memory, sharding
+from hydra_torch.run import lifecycle
+from hydra_torch.run.inbox import on_devices
+from hydra_torch.state import interrupts
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -7,7 +7,7 @@ same RNG state (so dropout draws the same mask) and back-propagating the gradien
 shard above. Units of one task run in order, one at a time, but may run on different devices: boundary
 tensors follow the task. Memory and copies are the device engine's: one native call per shard visit.
 
-An evaluation pass, between two steps, is E(0)..E(n-1) per validation batch (see hydra_torch.evaluation).
+An evaluation pass, between two steps, is E(0)..E(n-1) per validation batch (see hydra_torch.run.evaluation).
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hydra_torch import schedules, sharding
 from hydra_torch._loader import native as _C
-from hydra_torch.compute import check_loss, floating, run_shard, to_device
-from hydra_torch.evaluation import EvalPass
-from hydra_torch.steps import count_micro_batches, eval_steps, step_groups, step_sizes
+from hydra_torch.models import sharding
+from hydra_torch.recipe import schedules
+from hydra_torch.run.compute import check_loss, floating, run_shard, to_device
+from hydra_torch.run.evaluation import EvalPass
+from hydra_torch.run.steps import count_micro_batches, eval_steps, step_groups, step_sizes
+from hydra_torch.state.task_rng import TaskRng
 from hydra_torch.task import ModelTask
-from hydra_torch.task_rng import TaskRng
 
 FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
 EVALUATE = _C.Phase.evaluate
@@ -72,7 +73,7 @@ class TaskRunner:
         self.epochs_done = 0
         self.error: BaseException | None = None
         self.cut_short: str | None = None     # why it stopped at a step boundary before its last step
-        self.stopped: str | None = None       # why a selection rule stopped it (see hydra_torch.selection)
+        self.stopped: str | None = None       # why a selection rule stopped it (see hydra_torch.selection.rules)
         self.selection = None                 # the run's selection rule, told of every step and evaluation
         self.eval_losses: list[tuple[int, float]] = []  # (steps taken, mean validation loss)
         self.rung_reports: list[tuple[int, float]] = []  # (rung, metric) the selection rule judged it on
@@ -377,7 +378,7 @@ class TaskRunner:
                                keep=clipped and self._mb.count == 1, clip_follows=clipped and self._mb.last)
 
     def _evaluate(self, unit, slot):
-        """E(s) of validation batch unit.micro_batch (see hydra_torch.evaluation)."""
+        """E(s) of validation batch unit.micro_batch (see hydra_torch.run.evaluation)."""
         if unit.shard == 0 and unit.micro_batch == 0:
             self._eval = EvalPass(self)
         mean = self._eval.run(self, unit, slot)

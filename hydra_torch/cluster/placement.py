@@ -2,7 +2,7 @@
 (longest processing time first, within 4/3 of the best possible makespan)."""
 from __future__ import annotations
 
-from hydra_torch.steps import count_micro_batches
+from hydra_torch.run.steps import count_micro_batches
 
 
 def estimated_work(task, after_steps: int = 0) -> float:

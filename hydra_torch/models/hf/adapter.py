@@ -26,7 +26,7 @@ def adapt(model) -> Adapter | None:
     if not isinstance(model, nn.Module) or not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return None
     check_transformers_version()
-    from hydra_torch.integrations import gpt2, llama
+    from hydra_torch.models.hf import gpt2, llama
 
     for family in (gpt2, llama):
         if family.supports(model):

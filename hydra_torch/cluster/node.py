@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from hydra_torch.results import TaskResult
+from hydra_torch.report.results import TaskResult
 
 
 class NodeTrainer:
@@ -47,13 +47,13 @@ class NodeTrainer:
     def run(self, jobs: list, options: dict) -> dict:
         """Trains the tasks `jobs` [(index, factory)] in one ht.train call with `options` (its keyword
         arguments, and "seed": the generator state every task's random streams start from)."""
-        import hydra_torch as ht
+        from hydra_torch.task import ModelTask
 
         tasks, failed = [], {}
         for index, factory in jobs:
             try:
                 task = factory()
-                if not isinstance(task, ht.ModelTask):
+                if not isinstance(task, ModelTask):
                     raise TypeError(f"a task factory must return a ModelTask, got {type(task).__name__}")
                 tasks.append((index, task))
             except Exception as error:  # that task fails; the node's others train
@@ -72,8 +72,8 @@ class NodeTrainer:
                 self._training = {}
 
     def _train(self, tasks, failed, options) -> dict:
-        import hydra_torch as ht
-        from hydra_torch.sharding import root_module
+        from hydra_torch import api
+        from hydra_torch.models.sharding import root_module
 
         out = {"results": {}, "weights": {}, "trace": [], "devices": [], "stats": [], "warnings": [],
                "failed": failed}
@@ -81,7 +81,7 @@ class NodeTrainer:
             return out
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            results = ht.train([task for _, task in tasks], progress=False, **options)
+            results = api.train([task for _, task in tasks], progress=False, **options)
         # perf_counter is per process: the trace goes home in wall-clock seconds.
         offset = time.time() - time.perf_counter()
         indices = [index for index, _ in tasks]

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 import torch
 
 import hydra_torch as ht
-from hydra_torch.corpus import lm_batches, local_text, train_tokenizer
+from hydra_torch.demo.corpus import lm_batches, local_text, train_tokenizer
 
 
 def parse_args(argv=None):
@@ -210,7 +209,3 @@ def search(args, task_for, devices) -> int:
         results.plot_curves(args.curves)
         print(f"loss curves: {args.curves}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -158,7 +158,7 @@ class Results:
     def plot_curves(self, path=None):
         """Training and validation loss against steps, one colour per task (a stopped task's curve ends where
         it stopped). Saved to `path` if given; returns the matplotlib figure."""
-        from hydra_torch.plotting import curves_figure
+        from hydra_torch.report.plotting import curves_figure
 
         figure = curves_figure(self)
         if path is not None:
@@ -168,7 +168,7 @@ class Results:
     def plot_schedule(self, path=None):
         """A Gantt chart of the trace: one row per device, one colour per task. Saved to `path` if given;
         returns the matplotlib figure."""
-        from hydra_torch.plotting import schedule_figure
+        from hydra_torch.report.plotting import schedule_figure
 
         figure = schedule_figure(self)
         if path is not None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hydra_torch import sharding
 from hydra_torch._loader import native as _C
-from hydra_torch.memory import format_bytes, parse_budget
+from hydra_torch.models import sharding
+from hydra_torch.models.memory import format_bytes, parse_budget
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Plan:
 
 def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int | None = None,
          repeats: int = 3) -> Plan:
-    """Shards for `task` on `device` under `budget` (what hydra_torch.memory.parse_budget accepts; None: 90%
+    """Shards for `task` on `device` under `budget` (what hydra_torch.models.memory.parse_budget accepts; None: 90%
     of free memory), measured on `sample_batch` (default: the task's first batch).
 
     Each piece of task.pieces runs forward + backward once to warm up, then `repeats` times; its time is the

@@ -22,11 +22,13 @@ import itertools
 import time
 import warnings
 
-from hydra_torch import checkpoint, cluster_results, placement
 from hydra_torch._loader import native as _C
-from hydra_torch.node_trainer import NodeTrainer, failed_result
-from hydra_torch.results import Results
-from hydra_torch.steps import step_sizes
+from hydra_torch.cluster import placement
+from hydra_torch.cluster import results as cluster_results
+from hydra_torch.cluster.node import NodeTrainer, failed_result
+from hydra_torch.report.results import Results
+from hydra_torch.run.steps import step_sizes
+from hydra_torch.state import checkpoint
 from hydra_torch.task import ModelTask
 
 BALANCE_SECONDS = 1.0  # how often the driver looks for a node with nothing to do, at most

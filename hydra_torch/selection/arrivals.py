@@ -16,7 +16,7 @@ import queue
 import threading
 import warnings
 
-from hydra_torch.inbox import on_devices
+from hydra_torch.run.inbox import on_devices
 
 
 class RunClosedError(RuntimeError):
@@ -41,7 +41,7 @@ class Arrivals:
     def add(self, task):
         """Adds a ModelTask to the running call; returns once every device can run it. Raises ValueError or
         TypeError for a task that cannot join (nothing changes then), RunClosedError once the run is closing.
-        Build the task's model inside `hydra_torch.task_rng.exclusive()`: model construction draws from the CPU
+        Build the task's model inside `hydra_torch.state.task_rng.exclusive()`: model construction draws from the CPU
         generator, which the workers share."""
         self._attached.wait()
         if self._run is None:
@@ -82,8 +82,9 @@ class OpenRun:
         self._leaving_lock = threading.Lock()  # not _lock: an arrival holds that while the workers register it
 
     def add(self, task):
-        from hydra_torch import lifecycle, memory, planner, sharding
-        from hydra_torch.runner import TaskRunner
+        from hydra_torch.models import memory, planner, sharding
+        from hydra_torch.run import lifecycle
+        from hydra_torch.run.runner import TaskRunner
         from hydra_torch.task import ModelTask, check_own_models
 
         if not isinstance(task, ModelTask):
@@ -132,7 +133,7 @@ class OpenRun:
     # -- called by the workers ---------------------------------------------------------------------------------
     def ended(self, runner):
         """The task will run no more: each device holding it lets it go between its own units."""
-        from hydra_torch import lifecycle
+        from hydra_torch.run import lifecycle
 
         with self._leaving_lock:
             if runner.index in self._leaving:

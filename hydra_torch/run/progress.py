@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from hydra_torch.steps import step_sizes
+from hydra_torch.run.steps import step_sizes
 
 
 class Progress:

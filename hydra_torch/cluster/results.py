@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from hydra_torch.results import Results, TraceEntry
-from hydra_torch.sharding import root_module
+from hydra_torch.models.sharding import root_module
+from hydra_torch.report.results import Results, TraceEntry
 
 _KEPT_MAX = ("budget_bytes", "capacity_bytes", "high_water_bytes", "staging_bytes")  # summed otherwise
 

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_map
 
-from hydra_torch.compute import floating, loss_value, run_shard, to_device
-from hydra_torch.steps import END, DataLengthError
+from hydra_torch.run.compute import floating, loss_value, run_shard, to_device
+from hydra_torch.run.steps import END, DataLengthError
 
 
 @contextmanager

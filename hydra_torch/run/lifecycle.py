@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 from hydra_torch._loader import native as _C
-from hydra_torch.results import TaskResult
+from hydra_torch.report.results import TaskResult
 
 
 def make_store(runner, pin: bool):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hydra_torch._loader import native as _C
-from hydra_torch.param_groups import NO_WEIGHT_DECAY  # noqa: F401  (ht.optim.NO_WEIGHT_DECAY)
+from hydra_torch.recipe.param_groups import NO_WEIGHT_DECAY  # noqa: F401  (ht.optim.NO_WEIGHT_DECAY)
 
 
 def _check(condition: bool, message: str) -> None:

@@ -78,7 +78,7 @@ class _SelectionRun:
                     self._judge_at(runner, rung)
 
     def _join(self, runner):
-        from hydra_torch.steps import step_sizes
+        from hydra_torch.run.steps import step_sizes
 
         self.rungs[runner.index] = list(self.native.rungs(len(step_sizes(runner.task))))
         runner.selection = self

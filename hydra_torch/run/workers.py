@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_torch import replan, unit_clock
 from hydra_torch._loader import native as _C
-from hydra_torch.results import TraceEntry
+from hydra_torch.report.results import TraceEntry
+from hydra_torch.run import replan, unit_clock
 
 # How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), how many
 # of them it commits to (Scheduler.commit_plan: it runs them in that order while they hold, so what it prefetched

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hydra_torch import sharding
-from hydra_torch.steps import step_sizes
+from hydra_torch.models import sharding
+from hydra_torch.run.steps import step_sizes
+from hydra_torch.state.task_rng import TaskRng
 from hydra_torch.task import PRECISIONS
-from hydra_torch.task_rng import TaskRng
 
 FORMAT = 1
 MANIFEST = "manifest.json"

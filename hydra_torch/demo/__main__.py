@@ -1,0 +1,5 @@
+import sys
+
+from hydra_torch.demo.job import main
+
+sys.exit(main())

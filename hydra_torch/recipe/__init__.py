@@ -1,0 +1,1 @@
+"""How a task trains: optimizers, parameter groups, learning-rate schedules."""

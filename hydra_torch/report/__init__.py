@@ -1,0 +1,1 @@
+"""What a run returns: results and trace, and their charts."""
