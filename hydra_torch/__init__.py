@@ -1,6 +1,7 @@
 """hydra-torch: train many large models at once on few GPUs."""
 from hydra_torch import ops  # registers the ops' fake kernels
-from hydra_torch.recipe import optim
+from hydra_torch import arrivals  # hydra_torch.arrivals.Arrivals after import hydra_torch
+from hydra_torch import optim  # ht.optim is hydra_torch.optim
 from hydra_torch.api import train
 from hydra_torch.models import planner  # ht.planner.apply_plan
 from hydra_torch.models.planner import Plan, plan
