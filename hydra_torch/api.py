@@ -1,6 +1,7 @@
 """ht.train: trains a list of tasks on one or more devices in one call."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -92,6 +93,22 @@ _ONE_CALL = threading.Lock()
 _running_in: str | None = None  # the thread whose call holds _ONE_CALL, for the error a second call gets
 
 
+@contextlib.contextmanager
+def _sole_call():
+    """The process's one ht.train call at a time (see train), or RuntimeError before anything is touched."""
+    global _running_in
+    if not _ONE_CALL.acquire(blocking=False):
+        raise RuntimeError(f"another ht.train call is running in this process (in thread {_running_in!r}): its "
+                           "tasks and this call's would draw from the one CPU random generator of the process. "
+                           "Pass all the tasks to one call, or make this call after it returns")
+    _running_in = threading.current_thread().name
+    try:
+        yield
+    finally:
+        _running_in = None
+        _ONE_CALL.release()
+
+
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
           progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
           checkpoint_every=None, selection=None, arrivals=None) -> Results:
@@ -138,22 +155,46 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     a second call while one runs (from another thread, or a callback) raises RuntimeError before it touches
     anything. Several calls' tasks train together when passed to one call.
     """
-    global _running_in
-    if not _ONE_CALL.acquire(blocking=False):
-        raise RuntimeError(f"another ht.train call is running in this process (in thread {_running_in!r}): its "
-                           "tasks and this call's would draw from the one CPU random generator of the process. "
-                           "Pass all the tasks to one call, or make this call after it returns")
-    _running_in = threading.current_thread().name
-    try:
-        return _train(tasks, devices, memory_budget, schedule, pin_memory, progress, seed, host_threads,
-                      checkpoint_dir, checkpoint_every, selection, arrivals)
-    finally:
-        _running_in = None
-        _ONE_CALL.release()
+    with _sole_call():
+        tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals)
+        threads = _host_step_threads(host_threads)
+        resolved = resolve_devices(devices)
+        budgets = _budgets(resolved, memory_budget)
+        loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
+        memory.check_host_memory(tasks)
+        host_steps, pin = _C.HostSteps(threads), _pin(pin_memory, resolved)
+        for task in tasks:
+            planner.plan_for_devices(task, resolved, budgets)
+        engines = _engines(resolved, budgets, host_steps, arrivals)
+        runners, start_rng = _runners(tasks, resolved)
+        lifecycle.place(runners, engines, pin)  # from train itself: the stack level of its warning counts on it
+        _restore_checkpoints(runners, loaded)
+        selection_run = selection.start(runners) if selection is not None else None
+        # The checkpointer holds the tasks' checkpoint directories until _bring_home closes it, or an error
+        # before the workers start does.
+        checkpoints = _checkpointer(runners, checkpoint_dir, checkpoint_every)
+        with _closed_on_error(checkpoints):
+            workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints)
+            open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run)
+            bars = Progress(runners, progress)
+        start = open_run.start if open_run is not None else time.perf_counter()
+        interrupted = workers.run()
+        # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
+        with interrupts.deferred():
+            workers.end(interrupted, open_run)
+            wall = time.perf_counter() - start
+            for runner in runners:  # a clipped step queued before the run stopped is counted while the bars are open
+                runner.settle_at_end()
+            bars.close(runners)
+            _bring_home(runners, engines, checkpoints)
+            results = _results(runners, engines, workers.trace, start, resolved, wall, workers.stop, checkpoints)
+        if interrupted is not None:
+            raise interrupted
+        _tell(results, workers.stop, checkpoints, checkpoint_dir)
+        return results
 
-
-def _train(tasks, devices, memory_budget, schedule, pin_memory, progress, seed, host_threads, checkpoint_dir,
-           checkpoint_every, selection, arrivals) -> Results:
+def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals) -> list[ModelTask]:
+    """The tasks as a list, once everything about the call that can be checked before any state exists is."""
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
     tasks = list(tasks)
@@ -180,94 +221,171 @@ def _train(tasks, devices, memory_budget, schedule, pin_memory, progress, seed, 
         raise ValueError(f"unknown schedule {schedule!r}: {error}") from None
     _check_seed(seed)
     _check_checkpoint_dir(checkpoint_dir)
-    resolved = resolve_devices(devices)
-    # Virtual CPU devices share one memory: a fraction of it (or the default) is split between them.
-    budgets = [parse_budget(memory_budget, d, sharing=resolved.count(d) if d.type == "cpu" else 1) for d in resolved]
-    loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
-    memory.check_host_memory(tasks)
-    host_steps = _C.HostSteps(_host_step_threads(host_threads))
-    pin = _pin(pin_memory, resolved)
+    return tasks
 
-    for task in tasks:
-        planner.plan_for_devices(task, resolved, budgets)
+
+def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
+    """Each task's checkpoint in `checkpoint_dir` (None where it has none), checked against the task before
+    anything is allocated."""
+    if checkpoint_dir is None:
+        if checkpoint_every is not None:
+            raise ValueError("checkpoint_every needs checkpoint_dir: where to keep the checkpoints")
+        return [None] * len(tasks)
+    checkpoint.parse_every(checkpoint_every)
+    for task in tasks:  # a name that cannot name a directory is refused before checkpoint_dir is made
+        checkpoint.check_name(task.name)
+    checkpoint.prepare_directory(checkpoint_dir)
+    return [checkpoint.load(checkpoint_dir, task) for task in tasks]
+
+
+def _budgets(devices, memory_budget) -> list[int]:
+    """Each device's budget in bytes. Virtual CPU devices share one memory: a fraction of it (or the default) is
+    split between them."""
+    return [parse_budget(memory_budget, d, sharing=devices.count(d) if d.type == "cpu" else 1) for d in devices]
+
+
+def _engines(devices, budgets, host_steps, arrivals) -> list:
+    """One native DeviceEngine per device; with arrivals, each arena takes its whole budget from the start."""
     link = testing.link_bytes_per_second()
-    engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(resolved, budgets)]
+    engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(devices, budgets)]
     for engine in engines if arrivals is not None else ():
         engine.expect_arrivals()
+    return engines
+
+
+def _runners(tasks, devices) -> tuple[list[TaskRunner], task_rng.TaskRng]:
+    """A runner per task, and the generators' state every task's own random streams start from."""
     task_rng.new_run()
     for task in tasks:
         task.stopped_on_request = False
         task.ended.clear()
-    start_rng = task_rng.TaskRng.current(resolved[0])
-    runners = [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)]
-    lifecycle.place(runners, engines, pin)
+    start_rng = task_rng.TaskRng.current(devices[0])
+    return [TaskRunner(task, i, start_rng) for i, task in enumerate(tasks)], start_rng
+
+
+def _restore_checkpoints(runners, loaded: list):
+    """Each placed task continues from its checkpoint, if it has one; the loaded copies are let go."""
     for runner, state in zip(runners, loaded):
         if state is not None:
             checkpoint.restore(state, runner)
-    del loaded
-    selection_run = selection.start(runners) if selection is not None else None
-    # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
-    specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
-    scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
-    stop = interrupts.StopRequest()
-    # It holds the tasks' checkpoint directories until _finish closes it: made as late as can be, so that little
-    # can fail between here and the workers' try.
-    checkpoints = (checkpoint.Checkpointer(checkpoint_dir, checkpoint_every, runners) if checkpoint_dir is not None
-                   else None)
-    slots = [DeviceSlot(i, d, e, scheduler, runners, stop, checkpoints, Inbox(), loop=make_loop(scheduler, e, i))
-             for i, (d, e) in enumerate(zip(resolved, engines))]
-    for slot in slots:
-        slot.peers = slots
+    loaded.clear()
 
-    trace, lock = [], threading.Lock()
-    open_run = None
-    if arrivals is not None:
-        open_run = OpenRun(slots=slots, scheduler=scheduler, runners=runners, devices=resolved, budgets=budgets,
-                           pin=pin, start_rng=start_rng, trace=trace, trace_lock=lock, start=time.perf_counter(),
-                           stop=stop, selection=selection_run, on_ended=arrivals.on_ended)
-        for slot in slots:
-            slot.open_run = open_run
-        scheduler.set_open(True)
-        arrivals.attach(open_run)
-    threads_per_device = 1 if len(resolved) > 1 and resolved[0].type == "cpu" else None
-    bars = Progress(runners, progress)
-    # Device 0's worker is this thread: a fresh thread gets a fresh OpenMP pool, which on a busy CPU fights
-    # the pool this thread already has (measured: up to 1.5x slower kernels). Other devices get threads.
-    threads = [threading.Thread(target=device_worker, args=(slot, trace, lock, threads_per_device),
-                                name=f"hydra-{slot.device}", daemon=True) for slot in slots[1:]]
-    threads_before = torch.get_num_threads()
-    start = open_run.start if open_run is not None else time.perf_counter()
-    interrupted = None
+
+def _checkpointer(runners, checkpoint_dir, checkpoint_every):
+    """The run's checkpoint writer, when it keeps checkpoints: it holds each task's directory (see Checkpointer)."""
+    if checkpoint_dir is None:
+        return None
+    return checkpoint.Checkpointer(checkpoint_dir, checkpoint_every, runners)
+
+
+@contextlib.contextmanager
+def _closed_on_error(checkpoints):
+    """Lets go of the tasks' checkpoint directories if the block raises."""
     try:
-        with interrupts.stop_requests(stop):
-            for thread in threads:
-                thread.start()
-            device_worker(slots[0], trace, lock, threads_per_device)
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.1)
-    except BaseException as interrupt:  # Ctrl-C, or a fatal error: stop the others, then write weights back
-        interrupted = interrupt
-    # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
-    with interrupts.deferred():
+        yield
+    except BaseException:
+        if checkpoints is not None:
+            checkpoints.close()
+        raise
+
+
+class _Workers:
+    """One worker per device over one native Scheduler: device 0's is the calling thread (a fresh thread gets a
+    fresh OpenMP pool, which on a busy CPU fights the pool this thread already has: measured, up to 1.5x slower
+    kernels), the other devices' get threads."""
+
+    def __init__(self, runners, devices, engines, schedule, seed, checkpoints):
+        # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
+        specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
+        self.scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
+        self.stop = interrupts.StopRequest()
+        self.slots = [DeviceSlot(i, d, e, self.scheduler, runners, self.stop, checkpoints, Inbox(),
+                                 loop=make_loop(self.scheduler, e, i))
+                      for i, (d, e) in enumerate(zip(devices, engines))]
+        for slot in self.slots:
+            slot.peers = self.slots
+        self.trace, self.lock = [], threading.Lock()
+        self.threads_per_device = 1 if len(devices) > 1 and devices[0].type == "cpu" else None
+        self.threads = [threading.Thread(target=device_worker, name=f"hydra-{slot.device}", daemon=True,
+                                         args=(slot, self.trace, self.lock, self.threads_per_device))
+                        for slot in self.slots[1:]]
+        self.threads_before = torch.get_num_threads()
+
+    def run(self) -> BaseException | None:
+        """Until every worker has ended. Returns what stopped them early, to be raised once the models are home:
+        a second Ctrl-C, or a fatal error."""
+        try:
+            with interrupts.stop_requests(self.stop):
+                for thread in self.threads:
+                    thread.start()
+                device_worker(self.slots[0], self.trace, self.lock, self.threads_per_device)
+                for thread in self.threads:
+                    while thread.is_alive():
+                        thread.join(0.1)
+        except BaseException as interrupt:  # Ctrl-C, or a fatal error: stop the others, then write weights back
+            return interrupt
+        return None
+
+    def end(self, interrupted, open_run):
+        """Every worker stopped (at once, when `interrupted`), what they left undone run, this thread's own
+        thread count back."""
         if interrupted is not None:
-            scheduler.cancel()
-            for thread in threads:
+            self.scheduler.cancel()
+            for thread in self.threads:
                 thread.join()
         if open_run is not None:
             open_run.workers_gone()
-        torch.set_num_threads(threads_before)
-        wall = time.perf_counter() - start
-        for runner in runners:  # a clipped step queued before the run stopped is counted while the bars are open
-            runner.settle_at_end()
-        bars.close(runners)
-        results = _finish(runners, engines, trace, start, resolved, wall, checkpoints)
-        results.interrupted = stop.name
+        torch.set_num_threads(self.threads_before)
+
+
+def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run):
+    """With arrivals, the running call's side of them, attached: tasks may join from now on."""
+    if arrivals is None:
+        return None
+    open_run = OpenRun(slots=workers.slots, scheduler=workers.scheduler, runners=runners, devices=devices,
+                       budgets=budgets, pin=pin, start_rng=start_rng, trace=workers.trace, trace_lock=workers.lock,
+                       start=time.perf_counter(), stop=workers.stop, selection=selection_run,
+                       on_ended=arrivals.on_ended)
+    for slot in workers.slots:
+        slot.open_run = open_run
+    workers.scheduler.set_open(True)
+    arrivals.attach(open_run)
+    return open_run
+
+
+def _bring_home(runners, engines, checkpoints):
+    """Every task still in the run (the others left when they ended) written back into its model, its final
+    checkpoint taken; every checkpoint written and the tasks' directories let go, however this ends."""
+    try:
         for runner in runners:
-            runner.task.stop_reason = None  # a request ends with the call
-            runner.task.ended.set()
-    if interrupted is not None:
-        raise interrupted
+            if runner.result is None:
+                lifecycle.bring_home(runner, engines, checkpoints)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()
+
+
+def _results(runners, engines, trace, start, devices, wall, stop, checkpoints) -> Results:
+    """What the call returns: every task's result, the trace and the engines' statistics. Each task's part in
+    the call is then over: a stop request ends with it, and `task.ended` is set."""
+    for runner in runners:
+        if runner.result is None:
+            runner.result = lifecycle.task_result(runner, engines, trace, start)
+    names = [str(d) for d in devices]
+    if len(set(names)) < len(names):  # virtual devices: number them
+        names = [f"{name}[{i}]" for i, name in enumerate(names)]
+    results = Results([r.result for r in runners], names, [e.stats() for e in engines],
+                      sorted(trace, key=lambda e: e.start), wall,
+                      checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
+    results.interrupted = stop.name
+    for runner in runners:
+        runner.task.stop_reason = None  # a request ends with the call
+        runner.task.ended.set()
+    return results
+
+
+def _tell(results, stop, checkpoints, checkpoint_dir):
+    """Warns of a stop at step boundaries (and passes SIGTERM on), of re-plans and of failed tasks."""
     if stop.is_set():
         cut = [r.name for r in results if r.cut_short]
         warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
@@ -285,36 +403,3 @@ def _train(tasks, devices, memory_budget, schedule, pin_memory, progress, seed, 
                           "more memory to spare the retries", RuntimeWarning, stacklevel=3)
         if result.error is not None:
             warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=3)
-    return results
-
-
-def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
-    """Each task's checkpoint in `checkpoint_dir` (None where it has none), checked against the task before
-    anything is allocated."""
-    if checkpoint_dir is None:
-        if checkpoint_every is not None:
-            raise ValueError("checkpoint_every needs checkpoint_dir: where to keep the checkpoints")
-        return [None] * len(tasks)
-    checkpoint.parse_every(checkpoint_every)
-    for task in tasks:  # a name that cannot name a directory is refused before checkpoint_dir is made
-        checkpoint.check_name(task.name)
-    checkpoint.prepare_directory(checkpoint_dir)
-    return [checkpoint.load(checkpoint_dir, task) for task in tasks]
-
-
-def _finish(runners, engines, trace, start, devices, wall, checkpoints=None) -> Results:
-    results = []
-    try:
-        for runner in runners:
-            if runner.result is None:  # else it left the run when it ended (see arrivals)
-                lifecycle.bring_home(runner, engines, checkpoints)
-                runner.result = lifecycle.task_result(runner, engines, trace, start)
-            results.append(runner.result)
-    finally:  # the tasks' checkpoint directories are let go however this ends
-        if checkpoints is not None:
-            checkpoints.close()
-    names = [str(d) for d in devices]
-    if len(set(names)) < len(names):  # virtual devices: number them
-        names = [f"{name}[{i}]" for i, name in enumerate(names)]
-    return Results(results, names, [e.stats() for e in engines], sorted(trace, key=lambda e: e.start), wall,
-                   checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
