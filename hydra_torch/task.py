@@ -269,6 +269,13 @@ class ModelTask:
                 {name: (p, p.shape, p.dtype, p.device) for name, p in params})
 
     @property
+    def total_steps(self) -> int:
+        """The optimizer steps it takes: every epoch's (len(data) / accumulate, a last short step included), or
+        max_steps if fewer. hydra_torch.run.steps.step_sizes lists them."""
+        steps = -(-len(self.data) // self.accumulate) * self.epochs
+        return steps if self.max_steps is None else min(steps, self.max_steps)
+
+    @property
     def num_shards(self) -> int:
         return len(self.modules)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from hydra_torch import checkpoint
+from hydra_torch.state import checkpoint
 from models import lm_loss
 from test_checkpoint import small_task
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import hydra_torch as ht
-from hydra_torch import checkpoint
+from hydra_torch.state import checkpoint
 from models import lm_loss, max_relative_error, train_plain
 from test_bad_input import snapshot, unchanged
 from test_equivalence import OPTIMIZERS, SEED, train_hydra

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from hydra_torch.steps import DataLengthError
+from hydra_torch.run.steps import DataLengthError
 from models import lm_loss, tied_transformer, token_batches
 from test_bad_input import LyingData
 from test_request_stop import StopAt

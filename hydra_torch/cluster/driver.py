@@ -27,7 +27,6 @@ from hydra_torch.cluster import placement
 from hydra_torch.cluster import results as cluster_results
 from hydra_torch.cluster.node import NodeTrainer, failed_result
 from hydra_torch.report.results import Results
-from hydra_torch.run.steps import step_sizes
 from hydra_torch.state import checkpoint
 from hydra_torch.task import ModelTask
 
@@ -140,7 +139,7 @@ class _ClusterRun:
                        for i in range(count)]
         self.start = time.time()
         self.work = [placement.estimated_work(t) for t in tasks]
-        self.total_steps = [len(step_sizes(t)) for t in tasks]
+        self.total_steps = [t.total_steps for t in tasks]
         self.outcomes: dict[int, tuple] = {}   # task index -> (node, result, weights)
         self.moves = [[] for _ in tasks]       # why and where each task moved
         self.deaths = [0] * len(tasks)         # how many of its nodes died under it

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import threading
 
-from hydra_torch.run.steps import step_sizes
-
 
 class Progress:
     def __init__(self, runners, enabled: bool):
@@ -15,7 +13,7 @@ class Progress:
             return
         from tqdm.auto import tqdm
 
-        steps = [len(step_sizes(r.task)) for r in runners]
+        steps = [r.task.total_steps for r in runners]
         self._total = tqdm(total=sum(steps), initial=sum(r.steps for r in runners), desc="all tasks", unit="step",
                            position=0, dynamic_ncols=True)
         for i, (runner, total) in enumerate(zip(runners, steps)):  # a resumed task starts where it was

@@ -80,7 +80,7 @@ class TaskRunner:
         self.eval_at = eval_steps(task)
         self._eval: EvalPass | None = None
         self.micro_batches = count_micro_batches(task)
-        self.total_steps = len(step_sizes(task))  # the steps it is to take: all its epochs', or max_steps if fewer
+        self.total_steps = task.total_steps
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
         self._groups = step_groups(task, self._epoch_began)

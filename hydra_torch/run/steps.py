@@ -29,7 +29,7 @@ def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch
     first_epoch, skip = divmod(start, len(per_epoch))
     # Up to the epoch of the last step: resumed after that step (the end's length check), the generator must not
     # begin another epoch, reading data and drawing a shuffled order, where max_steps ends the run at an epoch's end.
-    epochs = -(-len(step_sizes(task)) // len(per_epoch))
+    epochs = -(-task.total_steps // len(per_epoch))
     for epoch in range(first_epoch, epochs):
         replay = epoch == first_epoch and skip > 0
         if replay:
@@ -83,7 +83,7 @@ def eval_steps(task: ModelTask, extra=()) -> list[int]:
     selection rule) within the run."""
     if task.eval_data is None:
         return []
-    total = len(step_sizes(task))
+    total = task.total_steps
     steps = {total, *(s for s in extra if 0 < s <= total)}
     if task.eval_every is not None:
         steps.update(range(task.eval_every, total + 1, task.eval_every))

@@ -78,9 +78,7 @@ class _SelectionRun:
                     self._judge_at(runner, rung)
 
     def _join(self, runner):
-        from hydra_torch.run.steps import step_sizes
-
-        self.rungs[runner.index] = list(self.native.rungs(len(step_sizes(runner.task))))
+        self.rungs[runner.index] = list(self.native.rungs(runner.task.total_steps))
         runner.selection = self
         if self.rule.metric == "eval_loss":
             runner.eval_at = sorted({*runner.eval_at, *self.rungs[runner.index]})

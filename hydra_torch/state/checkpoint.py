@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from hydra_torch.models import sharding
-from hydra_torch.run.steps import step_sizes
 from hydra_torch.state.task_rng import TaskRng
 from hydra_torch.task import PRECISIONS
 
@@ -303,7 +302,7 @@ def _check_fits(manifest: dict, task, where: str):
         raise ValueError(f"{where} was taken with len(data) = {manifest['data_length']} and accumulate = "
                          f"{manifest['accumulate']}, now {len(task.data)} and {task.accumulate}: its position "
                          "in the data would mean something else")
-    total = len(step_sizes(task))
+    total = task.total_steps
     if manifest["steps"] > total:
         raise ValueError(f"{where} has taken {manifest['steps']} steps, more than the {total} the task now takes "
                          f"(max_steps={task.max_steps}, epochs={task.epochs}, len(data)={len(task.data)}, "
