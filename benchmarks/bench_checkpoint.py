@@ -20,6 +20,7 @@ from transformers.utils import logging as hf_logging
 import hydra_torch as ht
 from hydra_torch.run import workers
 from hydra_torch.state import checkpoint
+from hydra_torch.state.checkpoint_writer import Checkpointer
 
 from bench_multi_model import add_config_args, add_workload_args, configs, make_models, spilled_budget, token_batches
 
@@ -51,19 +52,19 @@ def run(args, data, budget, checkpoint_dir) -> tuple[float, int, float, float]:
     on_thread, writing, periodic = [0.0, 0], [0.0, 0], [0]
     real_write = _timed(checkpoint, "write", writing)
     real_due = _timed(workers, "_checkpoint_if_due", on_thread)
-    real_submit = checkpoint.Checkpointer.submit
+    real_submit = Checkpointer.submit
 
     def submit(self, runner, final=False, **k):
         periodic[0] += not final
         return real_submit(self, runner, final, **k)
-    checkpoint.Checkpointer.submit = submit
+    Checkpointer.submit = submit
     try:
         start = time.perf_counter()
         results = ht.train(tasks, devices=["cpu"], memory_budget=budget, progress=False, **options)
         seconds = time.perf_counter() - start
     finally:
         checkpoint.write, workers._checkpoint_if_due = real_write, real_due
-        checkpoint.Checkpointer.submit = real_submit
+        Checkpointer.submit = real_submit
     assert all(r.error is None for r in results)
     return seconds, writing[1], on_thread[0] / max(1, periodic[0]), writing[0]
 

@@ -23,7 +23,8 @@ from hydra_torch.run.runner import TaskRunner
 from hydra_torch.run.workers import DeviceSlot, device_worker, make_loop
 from hydra_torch.selection.arrivals import Arrivals, OpenRun
 from hydra_torch.selection.rules import Selection
-from hydra_torch.state import checkpoint, interrupts, task_rng
+from hydra_torch.state import checkpoint, checkpoint_dirs, interrupts, task_rng
+from hydra_torch.state.checkpoint_writer import Checkpointer
 from hydra_torch.task import ModelTask, check_own_models
 
 
@@ -233,8 +234,8 @@ def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
         return [None] * len(tasks)
     checkpoint.parse_every(checkpoint_every)
     for task in tasks:  # a name that cannot name a directory is refused before checkpoint_dir is made
-        checkpoint.check_name(task.name)
-    checkpoint.prepare_directory(checkpoint_dir)
+        checkpoint_dirs.check_name(task.name)
+    checkpoint_dirs.prepare_directory(checkpoint_dir)
     return [checkpoint.load(checkpoint_dir, task) for task in tasks]
 
 
@@ -275,7 +276,7 @@ def _checkpointer(runners, checkpoint_dir, checkpoint_every):
     """The run's checkpoint writer, when it keeps checkpoints: it holds each task's directory (see Checkpointer)."""
     if checkpoint_dir is None:
         return None
-    return checkpoint.Checkpointer(checkpoint_dir, checkpoint_every, runners)
+    return Checkpointer(checkpoint_dir, checkpoint_every, runners)
 
 
 @contextlib.contextmanager

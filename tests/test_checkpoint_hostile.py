@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from hydra_torch.state import checkpoint
+from hydra_torch.state import checkpoint, checkpoint_dirs
 from models import lm_loss
 from test_checkpoint import small_task
 
@@ -77,7 +77,7 @@ def test_a_second_run_on_a_task_another_process_trains_is_refused_until_that_pro
 
 def test_a_run_is_refused_while_this_process_holds_the_task(tmp_path):
     (tmp_path / "t").mkdir()
-    held = checkpoint.claim(tmp_path, "t")  # as another ht.train call of this process would
+    held = checkpoint_dirs.claim(tmp_path, "t")  # as another ht.train call of this process would
     with pytest.raises(ValueError, match="in use by another ht.train call in this process"):
         train(small_task()[0], tmp_path)
     held.release()
@@ -120,7 +120,7 @@ def test_every_exit_lets_go_of_the_tasks(tmp_path):
 def test_without_locks_a_run_warns_and_removes_only_the_files_it_wrote(tmp_path, monkeypatch):
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
-    monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)
+    monkeypatch.setattr(checkpoint_dirs.fcntl, "flock", no_locks)
     foreign = tmp_path / "t" / "state-00000009-1.safetensors"  # another run's, for all this one can tell
     foreign.parent.mkdir()
     foreign.write_bytes(b"not this run's")

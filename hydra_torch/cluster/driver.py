@@ -27,7 +27,7 @@ from hydra_torch.cluster import placement
 from hydra_torch.cluster import results as cluster_results
 from hydra_torch.cluster.node import NodeTrainer, failed_result
 from hydra_torch.report.results import Results
-from hydra_torch.state import checkpoint
+from hydra_torch.state import checkpoint, checkpoint_dirs
 from hydra_torch.task import ModelTask
 
 BALANCE_SECONDS = 1.0  # how often the driver looks for a node with nothing to do, at most
@@ -76,7 +76,7 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
     if len(set(names)) != len(names):
         raise ValueError(f"task names must be unique, got {names}")
     for name in names:  # each names a directory of checkpoint_dir, on every node
-        checkpoint.check_name(name)
+        checkpoint_dirs.check_name(name)
     _check_directory(checkpoint_dir)
     if not ray.is_initialized():
         ray.init()
@@ -113,7 +113,7 @@ def _check_directory(checkpoint_dir):
     if checkpoint_dir is None:
         raise ValueError("checkpoint_dir is required: a directory every node sees, through which a task moves "
                          "when its node dies")
-    checkpoint.prepare_directory(checkpoint_dir)
+    checkpoint_dirs.prepare_directory(checkpoint_dir)
 
 
 class _ClusterRun:

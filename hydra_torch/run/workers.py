@@ -41,7 +41,7 @@ class DeviceSlot:
     scheduler: object = None  # _C.Scheduler
     runners: list = None      # TaskRunner per task id
     stop: object = None       # interrupts.StopRequest: once set, tasks end at their next step boundary
-    checkpoints: object = None  # checkpoint.Checkpointer, when the run keeps checkpoints
+    checkpoints: object = None  # checkpoint_writer.Checkpointer, when the run keeps checkpoints
     inbox: object = None        # inbox.Inbox: engine work other threads ask of this one
     open_run: object = None     # arrivals.OpenRun: told of every task that ends, when tasks may join the run
     peers: list = None          # every device's slot, this one included
