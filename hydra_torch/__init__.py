@@ -6,7 +6,7 @@ from hydra_torch.api import train
 from hydra_torch.models import planner  # ht.planner.apply_plan
 from hydra_torch.models.planner import Plan, plan
 from hydra_torch.report.results import Results, TaskResult
-from hydra_torch.run.runner import NonFiniteGradNormError, NonFiniteLossError
+from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError
 from hydra_torch.selection.rules import SuccessiveHalving
 from hydra_torch.task import ModelTask
 

@@ -17,6 +17,7 @@ from hydra_torch.models import memory, planner, sharding
 from hydra_torch.models.memory import parse_budget
 from hydra_torch.report.results import Results
 from hydra_torch.run import lifecycle
+from hydra_torch.run.devices import host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
 from hydra_torch.run.runner import TaskRunner
@@ -26,52 +27,6 @@ from hydra_torch.selection.rules import Selection
 from hydra_torch.state import checkpoint, checkpoint_dirs, interrupts, task_rng
 from hydra_torch.state.checkpoint_writer import Checkpointer
 from hydra_torch.task import ModelTask, check_own_models
-
-
-def resolve_devices(devices) -> list[torch.device]:
-    """"auto" (the first GPU, else the CPU), a device, or a list of devices. Repeating "cpu" k times gives
-    k virtual CPU devices (one intra-op thread each)."""
-    if devices == "auto":
-        return [torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")]
-    if isinstance(devices, (str, torch.device)):
-        devices = [devices]
-    try:
-        resolved = [torch.device(d) for d in devices]
-    except (TypeError, RuntimeError) as error:
-        raise ValueError(f"cannot read devices={devices!r}: {error}") from None
-    if not resolved:
-        raise ValueError("devices is empty")
-    out = []
-    for device in resolved:
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {device} was asked for but CUDA is not available")
-            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-            if device.index >= torch.cuda.device_count():
-                raise ValueError(f"device {device} does not exist: {torch.cuda.device_count()} CUDA devices")
-            if device in out:
-                raise ValueError(f"device {device} is listed twice")
-        elif device.type != "cpu":
-            raise ValueError(f"unsupported device {device}: use CPU or CUDA devices")
-        out.append(device)
-    if any(d.type == "cpu" for d in out) and any(d.type == "cuda" for d in out):
-        raise ValueError("mixing CPU and CUDA devices in one call is not supported")
-    return out
-
-
-def _pin(pin_memory, devices) -> bool:
-    if pin_memory == "auto":
-        return any(d.type != "cpu" for d in devices)  # a CPU device copies host to host: pinning buys nothing
-    return bool(pin_memory)
-
-
-def _host_step_threads(host_threads) -> int:
-    if host_threads is None:
-        # Host steps stream through memory: a few threads saturate it, and the rest of the cores issue compute.
-        return max(1, min(4, (os.cpu_count() or 1) // 2))
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
-        raise ValueError(f"host_threads must be a positive int, got {host_threads!r}")
-    return host_threads
 
 
 def _check_seed(seed):
@@ -158,12 +113,12 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     """
     with _sole_call():
         tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals)
-        threads = _host_step_threads(host_threads)
+        threads = host_step_threads(host_threads)
         resolved = resolve_devices(devices)
         budgets = _budgets(resolved, memory_budget)
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
         memory.check_host_memory(tasks)
-        host_steps, pin = _C.HostSteps(threads), _pin(pin_memory, resolved)
+        host_steps, pin = _C.HostSteps(threads), pinned(pin_memory, resolved)
         for task in tasks:
             planner.plan_for_devices(task, resolved, budgets)
         engines = _engines(resolved, budgets, host_steps, arrivals)

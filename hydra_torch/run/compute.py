@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class NonFiniteGradNormError(RuntimeError):
+    """A clipped step's global gradient norm was not finite (the loss was): no shard stepped."""
 
 
 def run_shard(modules, x):
@@ -13,6 +21,17 @@ def run_shard(modules, x):
 
 def floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def requiring_grad(x):
+    """`x` cut from its graph, its floating tensors as leaves that take a gradient (a shard's input)."""
+    return tree_map(lambda t: t.detach().requires_grad_(True) if floating(t) else t, x)
+
+
+def input_grads(x_in) -> list:
+    """The gradients of a shard's input leaves (see requiring_grad), None for what is not floating."""
+    leaves, _ = tree_flatten(x_in)
+    return [t.grad if floating(t) else None for t in leaves]
 
 
 def to_device(tree, device):

@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hydra_torch._loader import native as _C
 from hydra_torch.models import sharding
 from hydra_torch.recipe import schedules
-from hydra_torch.run.compute import check_loss, floating, run_shard, to_device
+from hydra_torch.run.compute import (NonFiniteGradNormError, NonFiniteLossError, check_loss, floating, input_grads,
+                                     requiring_grad, run_shard, to_device)
 from hydra_torch.run.evaluation import EvalPass
 from hydra_torch.run.steps import count_micro_batches, eval_steps, step_groups, step_sizes
 from hydra_torch.state.task_rng import TaskRng
@@ -29,14 +30,6 @@ from hydra_torch.task import ModelTask
 
 FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
 EVALUATE = _C.Phase.evaluate
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
-
-
-class NonFiniteGradNormError(RuntimeError):
-    """A clipped step's global gradient norm was not finite (the loss was): no shard stepped."""
 
 
 @dataclass
@@ -314,7 +307,7 @@ class TaskRunner:
         mb, s = self._mb, unit.shard
         x = to_device(mb.x, slot.device)
         if self.keep_graphs and s > 0:
-            x = self._requires_grad(x)
+            x = requiring_grad(x)
         slot.loop.begin(unit)
         mb.rng[s] = self._rng.snapshot()
         with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs):
@@ -324,7 +317,7 @@ class TaskRunner:
 
     def _forward_backward(self, unit, slot):
         engine, mid, mb, s = slot.engine, self.model_ids[slot.index], self._mb, self.n - 1
-        x_in = self._requires_grad(to_device(mb.x, slot.device))
+        x_in = requiring_grad(to_device(mb.x, slot.device))
         mb.x = None
         slot.loop.begin(unit)
         # The task's streams go on from where this forward and loss leave them: a backward's recompute
@@ -338,7 +331,7 @@ class TaskRunner:
             # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
             mb.loss = engine.watch_loss(mid, loss)
         (loss / mb.count).backward()
-        mb.grad = self._input_grads(x_in)
+        mb.grad = input_grads(x_in)
 
     def _backward(self, unit, slot):
         mb, s = self._mb, unit.shard
@@ -350,7 +343,7 @@ class TaskRunner:
             if self.keep_graphs:
                 x_in, y = saved
             else:
-                x_in = self._requires_grad(to_device(saved, slot.device))
+                x_in = requiring_grad(to_device(saved, slot.device))
                 # The forward already updated running statistics (BatchNorm); re-running it must not. The
                 # recompute gets throw-away copies (not restored in place: autograd saved what it used).
                 originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
@@ -366,7 +359,7 @@ class TaskRunner:
             pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        mb.grad = self._input_grads(x_in) if s > 0 else None
+        mb.grad = input_grads(x_in) if s > 0 else None
 
     def _backward_report(self):
         """What the loop's end tells the engine of the shard's backward: whether the step follows (the
@@ -399,12 +392,3 @@ class TaskRunner:
         for shard in self._buffers:
             for module, name in shard:
                 module._buffers[name] = module._buffers[name].cpu()
-
-    @staticmethod
-    def _requires_grad(x):
-        return tree_map(lambda t: t.detach().requires_grad_(True) if floating(t) else t, x)
-
-    @staticmethod
-    def _input_grads(x_in):
-        leaves, _ = tree_flatten(x_in)
-        return [t.grad if floating(t) else None for t in leaves]
