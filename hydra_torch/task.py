@@ -154,7 +154,9 @@ class ModelTask:
             raise ValueError(f"task name {name!r} cannot name a checkpoint directory of its own: give the task "
                              "another name")
         adapter = adapt(model)
-        loss_fn = loss_fn if loss_fn is not None else (adapter.loss_fn if adapter else None)
+        if loss_fn is None and adapter is not None:
+            loss_fn = adapter.loss_fn
+            adapter.fuse_head()
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(output, batch)")
         if inputs is not None and not callable(inputs):

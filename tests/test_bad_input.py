@@ -317,6 +317,9 @@ def test_a_second_concurrent_call_in_one_process_is_refused():
     import threading
     first = ht.ModelTask(tied_transformer(seed=0), loss_fn=lm_loss, data=token_batches(4), epochs=500,
                          name="first")
+    model = tied_transformer(seed=1)  # built first: building it draws from the generator the run's tasks use
+    before = snapshot(model)
+    second = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1), name="second")
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("results", ht.train(
         [first], devices="cpu", progress=False)))
@@ -324,9 +327,6 @@ def test_a_second_concurrent_call_in_one_process_is_refused():
     try:
         while first.steps_done < 1 and thread.is_alive():
             thread.join(0.01)
-        model = tied_transformer(seed=1)
-        before = snapshot(model)
-        second = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1), name="second")
         with pytest.raises(RuntimeError, match="another ht.train call is running in this process"):
             ht.train([second], devices="cpu", progress=False)
         assert unchanged(model, before)

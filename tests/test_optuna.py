@@ -41,7 +41,10 @@ def test_trials_run_concurrently_are_pruned_and_told(pruner):
     assert len(trials) == 8 and len(results) == 8
     states = optuna.trial.TrialState
     assert all(t.state in (states.COMPLETE, states.PRUNED) for t in trials)
-    assert any(t.state == states.PRUNED for t in trials)
+    # Hyperband splits the 8 trials into brackets of a few each and prunes a trial only when a better one of its
+    # bracket reported at that rung before it, which the devices' interleaving decides: some runs prune none.
+    if not isinstance(pruner, optuna.pruners.HyperbandPruner):
+        assert any(t.state == states.PRUNED for t in trials)
     for trial in trials:
         result = results[f"trial{trial.number}"]
         assert trial.intermediate_values == dict(result.eval_losses)  # every evaluation reported, at its step

@@ -316,22 +316,27 @@ class TaskRunner:
         mb.x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y) if self.keep_graphs else y
 
     def _forward_backward(self, unit, slot):
-        engine, mid, mb, s = slot.engine, self.model_ids[slot.index], self._mb, self.n - 1
+        engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
         x_in = requiring_grad(to_device(mb.x, slot.device))
         mb.x = None
         slot.loop.begin(unit)
         # The task's streams go on from where this forward and loss leave them: a backward's recompute
         # replays a forward's draws and must not advance them.
         with self._random(("forward_backward",), slot.device), torch.enable_grad():
-            out = run_shard(self.task.modules[s], x_in)
-            if self.compute_dtype != torch.float32:
-                out = tree_map(lambda t: t.float() if floating(t) else t, out)
-            loss = self.task.loss_fn(out, to_device(mb.batch, slot.device))
+            loss = self._last_shard_loss(x_in, to_device(mb.batch, slot.device))
             check_loss(loss, self.task.name)
             # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
             mb.loss = engine.watch_loss(mid, loss)
         (loss / mb.count).backward()
         mb.grad = input_grads(x_in)
+
+    def _last_shard_loss(self, x_in, batch):
+        """The last shard's forward and the loss. Its output is dropped on return, before the backward: the
+        graph keeps only what it saved (the logits, cast to fp32 for a bf16 model, would stay alive otherwise)."""
+        out = run_shard(self.task.modules[self.n - 1], x_in)
+        if self.compute_dtype != torch.float32:
+            out = tree_map(lambda t: t.float() if floating(t) else t, out)
+        return self.task.loss_fn(out, batch)
 
     def _backward(self, unit, slot):
         mb, s = self._mb, unit.shard

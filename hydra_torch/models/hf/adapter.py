@@ -18,6 +18,9 @@ class Adapter:
     loss_fn: Callable[[Any, Any], Any]             # (last piece's output, batch) -> scalar loss
     check_batch: Callable[[Any], None]             # raises a clear error for a batch the model cannot take
     description: str
+    # Makes the last piece hand loss_fn what it computes the LM head from, chunk by chunk, instead of the logits
+    # (causal_lm.HeadOutput): for the default loss only, since a user's loss_fn takes the logits.
+    fuse_head: Callable[[], None]
 
 
 def adapt(model) -> Adapter | None:

@@ -3,15 +3,109 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 IGNORE_INDEX = -100
+# The fused loss holds one chunk of tokens' fp32 logits at a time, about this many bytes: at GPT-2's vocabulary
+# (50257) that is 333 tokens, so 8 x 1024 tokens take 25 chunks and the head's peak stays well under 1 GB
+# instead of several copies of all tokens' logits; a small model's batch is one chunk. Smaller chunks would only
+# add matmul launches and autograd nodes.
+CHUNK_BYTES = 64 << 20
 
 
-def causal_lm_loss(logits, batch):
-    """Hugging Face's causal-LM loss: predict token t+1 from tokens <= t, mean over labels != -100."""
-    labels = batch["labels"].to(logits.device)
-    return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+class HeadOutput:
+    """What the fused loss computes the logits from: the final norm's hidden states and the LM head's weight and
+    bias. Not a pytree node, so the runner's fp32 cast of a bf16 output passes it by (the loss casts each chunk's
+    logits itself)."""
+    __slots__ = ("hidden", "weight", "bias")
+
+    def __init__(self, hidden, weight, bias):
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+
+
+class LMHead(nn.Module):
+    """Final norm + LM head: the logits, or, once fused (a task with the default loss), a HeadOutput."""
+    fused = False
+
+    def final_norm(self, hidden):
+        raise NotImplementedError
+
+    def fuse(self):
+        self.fused = True
+
+    def forward(self, inputs):
+        hidden = self.final_norm(inputs[0])
+        if not self.fused:
+            return self.lm_head(hidden)
+        # Read at call time: the engine binds the parameters to their device copies for each visit.
+        return HeadOutput(hidden, self.lm_head.weight, self.lm_head.bias)
+
+
+def shifted_labels(labels):
+    """Each position's target is the next token; the last position has none (IGNORE_INDEX). Every position's
+    logits are then used as they are, none sliced off (which would copy them)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def causal_lm_loss(output, batch):
+    """Hugging Face's causal-LM loss: predict token t+1 from tokens <= t, mean over labels != -100. `output` is
+    the logits, or a fused head's HeadOutput (then computed chunk by chunk, the same loss)."""
+    if isinstance(output, HeadOutput):
+        return chunked_lm_loss(output, batch)
+    labels = shifted_labels(batch["labels"].to(output.device))
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX)
+
+
+def chunked_lm_loss(head: HeadOutput, batch):
+    """The causal-LM loss with the LM head computed chunk by chunk (see _ChunkedHeadLoss): the logits of all
+    tokens never exist at once."""
+    hidden = head.hidden.reshape(-1, head.hidden.shape[-1])
+    labels = shifted_labels(batch["labels"].to(hidden.device)).reshape(-1)
+    rows = max(1, CHUNK_BYTES // (4 * head.weight.shape[0]))
+    return _ChunkedHeadLoss.apply(hidden, head.weight, head.bias, labels, rows, torch.is_grad_enabled())
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """F.cross_entropy's mean of F.linear(hidden, weight, bias) against `labels`, `rows` tokens at a time.
+
+    The gradients are taken in the forward, chunk by chunk, while each chunk's logits exist (the loss is the
+    graph's end, so its gradient is only scaled by the backward's scalar): no logits are kept or recomputed.
+    Each chunk's are autograd's own through the same ops as the plain loss, so one chunk gives the plain
+    loss's gradients bit for bit. The head's weight and bias gradients are summed over the chunks in fp32,
+    scaled by the backward's scalar and only then rounded to their dtype, once, as one matmul over all tokens
+    would round them; summed by autograd in bf16, many chunks would round each."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, rows: int, with_grads: bool):
+        count = (labels != IGNORE_INDEX).sum()
+        # What the plain mean's backward hands each kept label; every label ignored: zero gradients, a nan loss.
+        per_label = 1.0 / count.clamp_min(1).float()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if with_grads else None
+        sums = [torch.zeros_like(p, dtype=torch.float32) for p in (weight, bias) if p is not None] if with_grads else []
+        for start in range(0, hidden.shape[0], rows):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(with_grads) for t in (hidden[start:start + rows], weight, bias)
+                          if t is not None]
+                chunk = F.nll_loss(torch.log_softmax(F.linear(*leaves).float(), dim=-1),
+                                   labels[start:start + rows], ignore_index=IGNORE_INDEX, reduction="sum")
+                if with_grads:
+                    grad, *head = torch.autograd.grad(chunk * per_label, leaves)
+                    grad_hidden[start:start + rows] = grad
+                    for into, g in zip(sums, head):
+                        into += g
+            total += chunk.detach()
+        if with_grads:
+            ctx.dtype = weight.dtype
+            ctx.save_for_backward(grad_hidden, *sums)
+        return total / count  # 0 / 0 = nan when every label is ignored, as F.cross_entropy's mean
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
+        head = [(g * grad_total).to(ctx.dtype) for g in (grad_weight, *grad_bias)]
+        return grad_hidden * grad_total.to(grad_hidden.dtype), head[0], head[1] if grad_bias else None, None, None, None
 
 
 def positions_and_mask(config, input_ids, embeds, attention_mask):

@@ -45,13 +45,13 @@ class Block(nn.Module):
         return self.block(hidden, None, mask, use_cache=False, position_ids=position_ids), mask, position_ids
 
 
-class Head(nn.Module):
+class Head(causal_lm.LMHead):
     def __init__(self, model):
         super().__init__()
         self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
 
-    def forward(self, inputs):
-        return self.lm_head(self.ln_f(inputs[0]))
+    def final_norm(self, hidden):
+        return self.ln_f(hidden)
 
 
 def adapter(model):
@@ -64,4 +64,5 @@ def adapter(model):
     pieces = [Embeddings(model), *[Block(b) for b in model.transformer.h], Head(model)]
     return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
                    causal_lm.batch_checker(config.vocab_size, config.n_positions),
-                   f"GPT-2: embeddings, {len(model.transformer.h)} blocks, final norm + LM head")
+                   f"GPT-2: embeddings, {len(model.transformer.h)} blocks, final norm + LM head",
+                   fuse_head=pieces[-1].fuse)

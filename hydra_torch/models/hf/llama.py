@@ -45,13 +45,13 @@ class Layer(nn.Module):
         return hidden, mask, position_ids
 
 
-class Head(nn.Module):
+class Head(causal_lm.LMHead):
     def __init__(self, model):
         super().__init__()
         self.norm, self.lm_head = model.model.norm, model.lm_head
 
-    def forward(self, inputs):
-        return self.lm_head(self.norm(inputs[0]))
+    def final_norm(self, hidden):
+        return self.norm(hidden)
 
 
 def adapter(model):
@@ -62,4 +62,5 @@ def adapter(model):
     pieces = [Embeddings(model), *[Layer(layer, rotary) for layer in model.model.layers], Head(model)]
     return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
                    causal_lm.batch_checker(config.vocab_size, getattr(config, "max_position_embeddings", None)),
-                   f"Llama: token embeddings, {len(model.model.layers)} decoder layers, final norm + LM head")
+                   f"Llama: token embeddings, {len(model.model.layers)} decoder layers, final norm + LM head",
+                   fuse_head=pieces[-1].fuse)
