@@ -24,15 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 from hydra_torch.models.hf import causal_lm
 
 
-class Head(causal_lm.LMHead):
-    def __init__(self, width, vocab):
-        super().__init__()
-        self.ln_f, self.lm_head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
-
-    def final_norm(self, hidden):
-        return self.ln_f(hidden)
-
-
 def plain(head, hidden, batch):
     logits = head((hidden,))
     loss = F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
@@ -55,7 +46,7 @@ def fused(head, hidden, batch):
 def peak_bytes(path, args) -> tuple[int, float, float]:
     """(peak bytes above the start, seconds, loss) of one forward + loss + backward."""
     torch.manual_seed(0)
-    head = Head(args.width, args.vocab)
+    head = causal_lm.LMHead(nn.LayerNorm(args.width), nn.Linear(args.width, args.vocab, bias=False))
     hidden = torch.randn(args.batch, args.seq, args.width, requires_grad=True)
     batch = {"labels": torch.randint(0, args.vocab, (args.batch, args.seq))}
     start = time.perf_counter()

@@ -24,17 +24,19 @@ class HeadOutput:
 
 
 class LMHead(nn.Module):
-    """Final norm + LM head: the logits, or, once fused (a task with the default loss), a HeadOutput."""
-    fused = False
+    """A decoder's last piece, its final norm and LM head: the logits, or, once fused (a task with the default
+    loss), a HeadOutput."""
 
-    def final_norm(self, hidden):
-        raise NotImplementedError
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        self.fused = False
 
     def fuse(self):
         self.fused = True
 
     def forward(self, inputs):
-        hidden = self.final_norm(inputs[0])
+        hidden = self.norm(inputs[0])
         if not self.fused:
             return self.lm_head(hidden)
         # Read at call time: the engine binds the parameters to their device copies for each visit.

@@ -45,15 +45,6 @@ class Block(nn.Module):
         return self.block(hidden, None, mask, use_cache=False, position_ids=position_ids), mask, position_ids
 
 
-class Head(causal_lm.LMHead):
-    def __init__(self, model):
-        super().__init__()
-        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
-
-    def final_norm(self, hidden):
-        return self.ln_f(hidden)
-
-
 def adapter(model):
     from hydra_torch.models.hf.adapter import Adapter
 
@@ -61,7 +52,8 @@ def adapter(model):
     if getattr(config, "add_cross_attention", False):
         raise TypeError("not supported: GPT2LMHeadModel with cross-attention (add_cross_attention=True)")
 
-    pieces = [Embeddings(model), *[Block(b) for b in model.transformer.h], Head(model)]
+    pieces = [Embeddings(model), *[Block(b) for b in model.transformer.h],
+              causal_lm.LMHead(model.transformer.ln_f, model.lm_head)]
     return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
                    causal_lm.batch_checker(config.vocab_size, config.n_positions),
                    f"GPT-2: embeddings, {len(model.transformer.h)} blocks, final norm + LM head",

@@ -45,21 +45,13 @@ class Layer(nn.Module):
         return hidden, mask, position_ids
 
 
-class Head(causal_lm.LMHead):
-    def __init__(self, model):
-        super().__init__()
-        self.norm, self.lm_head = model.model.norm, model.lm_head
-
-    def final_norm(self, hidden):
-        return self.norm(hidden)
-
-
 def adapter(model):
     from hydra_torch.models.hf.adapter import Adapter
 
     config = model.config
     rotary = model.model.rotary_emb
-    pieces = [Embeddings(model), *[Layer(layer, rotary) for layer in model.model.layers], Head(model)]
+    pieces = [Embeddings(model), *[Layer(layer, rotary) for layer in model.model.layers],
+              causal_lm.LMHead(model.model.norm, model.lm_head)]
     return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
                    causal_lm.batch_checker(config.vocab_size, getattr(config, "max_position_embeddings", None)),
                    f"Llama: token embeddings, {len(model.model.layers)} decoder layers, final norm + LM head",
