@@ -75,4 +75,4 @@ def task_result(runner, engines, trace, start: float) -> TaskResult:
                       (max(e.end for e in units) - start) if units else 0.0, runner.resident, loads, runner.error,
                       busy_time=sum(e.end - e.start for e in units), host_bytes=runner.store.host_bytes,
                       cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped,
-                      replans=list(runner.replans), total_steps=runner.total_steps)
+                      replans=list(runner.replans), total_steps=runner.task.total_steps)

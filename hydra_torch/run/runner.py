@@ -73,7 +73,6 @@ class TaskRunner:
         self.eval_at = eval_steps(task)
         self._eval: EvalPass | None = None
         self.micro_batches = count_micro_batches(task)
-        self.total_steps = task.total_steps
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
         self._groups = step_groups(task, self._epoch_began)
@@ -83,7 +82,7 @@ class TaskRunner:
         self._clipped = None                  # (norm reading, micro-batches) of a clipped step not yet settled
         self._step_rng, self._step_buffers = None, []  # at the current step's start (see rewind_step)
         self.replans: list[str] = []          # how it was re-cut after running out of device memory
-        self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, self.total_steps)
+        self._lr_at = schedules.multipliers(task.lr_schedule, task.warmup_steps, task.total_steps)
         self._lr_scale = 1.0                  # the schedule's multiplier for the current step
         # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
         self._rng = TaskRng(*start_rng.snapshot())
@@ -248,7 +247,7 @@ class TaskRunner:
     def _check_data_ended(self):
         # step_groups checks an epoch's length as it is resumed after the epoch's last step: after the task's
         # last step no step resumes it, so its end does.
-        if self._epoch_end and self.steps == self.total_steps:
+        if self._epoch_end and self.steps == self.task.total_steps:
             with self._rng.cpu_section(None):  # as every read of its data
                 next(self._groups, None)
 
