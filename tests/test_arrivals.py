@@ -1,6 +1,4 @@
 """Tasks joining a running ht.train call through Arrivals, and leaving it as soon as they end."""
-import gc
-import os
 import queue
 import re
 import warnings
@@ -64,13 +62,13 @@ def test_arrivals_are_refused_with_checkpoints_or_of_the_wrong_type(tmp_path):
         ht.train(task("t"), devices="cpu", arrivals=object(), progress=False)
 
 
-def train_or_hang(tasks, arrivals, devices, timeout=120, **options):
+def train_or_hang(tasks, arrivals, devices, timeout=120):
     """ht.train on a thread of its own: a run that hangs fails the test instead of holding up the suite."""
     outcome = {}
 
     def run():
         try:
-            outcome["results"] = ht.train(tasks, devices=devices, progress=False, arrivals=arrivals, **options)
+            outcome["results"] = ht.train(tasks, devices=devices, progress=False, arrivals=arrivals)
         except BaseException as error:
             outcome["error"] = error
     thread = threading.Thread(target=run, daemon=True)
@@ -133,29 +131,3 @@ def test_a_task_whose_model_changed_after_it_was_built_is_refused_on_arrival():
     results = train_or_hang([task("first")], arrivals, ["cpu"])
     assert "the model changed after its ModelTask was built" in outcome["refused"]
     assert [r.name for r in results] == ["first"]
-
-
-def _reserved_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the process's size from /proc")
-def test_the_runs_device_memory_is_let_go_when_it_returns_though_the_arrivals_handle_is_kept():
-    # With arrivals each arena takes its whole budget at the start: a handle kept after the run (and a reference
-    # cycle between the devices' slots) held it until the garbage collector ran, so a notebook or a test suite
-    # piled up the budgets of finished runs.
-    budget = 2**32
-    arrivals = Arrivals(on_ended=lambda result: arrivals.close())
-    gc.collect()
-    gc.disable()
-    try:
-        before = _reserved_bytes()
-        results = train_or_hang([task("first")], arrivals, ["cpu", "cpu"], memory_budget=budget)
-        after = _reserved_bytes()
-    finally:
-        gc.enable()
-    assert results["first"].ok
-    assert after - before < budget // 2, f"{(after - before) / 2**30:.1f} GiB still reserved after the run"
-    with pytest.raises(RunClosedError, match="the run has ended"):
-        arrivals.add(task("late"))
