@@ -138,6 +138,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
         with interrupts.deferred():
             workers.end(interrupted, open_run)
+            if arrivals is not None:
+                arrivals.let_go()
             wall = time.perf_counter() - start
             for runner in runners:  # a clipped step queued before the run stopped is counted while the bars are open
                 runner.settle_at_end()
@@ -292,6 +294,8 @@ class _Workers:
         if open_run is not None:
             open_run.workers_gone()
         torch.set_num_threads(self.threads_before)
+        for slot in self.slots:  # the slots' cycles would keep the engines, arenas and all, until a collection
+            slot.peers = slot.open_run = None
 
 
 def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run):

@@ -36,6 +36,7 @@ class Arrivals:
         self.on_ended = on_ended
         self._run = None
         self._attached = threading.Event()
+        self._gone = "the run ended before it started training"  # what add says once no run is attached
 
     # -- the driver's side -------------------------------------------------------------------------------------
     def add(self, task):
@@ -44,15 +45,17 @@ class Arrivals:
         Build the task's model inside `hydra_torch.state.task_rng.exclusive()`: model construction draws from the CPU
         generator, which the workers share."""
         self._attached.wait()
-        if self._run is None:
-            raise RunClosedError("the run ended before it started training")
-        return self._run.add(task)
+        run = self._run  # read once: the run lets go of this handle as it ends
+        if run is None:
+            raise RunClosedError(self._gone)
+        return run.add(task)
 
     def close(self):
         """No more tasks will come: the run ends when the tasks in it are done."""
         self._attached.wait()
-        if self._run is not None:
-            self._run.close()
+        run = self._run
+        if run is not None:
+            run.close()
 
     @property
     def attached(self) -> bool:
@@ -63,6 +66,12 @@ class Arrivals:
         """`run` None: the call ended without training (it raised first); the driver's calls return."""
         self._run = run
         self._attached.set()
+
+    def let_go(self):
+        """The run has ended: a handle the driver keeps must not keep its engines (arenas that took their whole
+        budgets) and models alive."""
+        self._gone = "the run has ended"
+        self._run = None
 
 
 class OpenRun:
