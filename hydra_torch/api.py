@@ -16,7 +16,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner, sharding
 from hydra_torch.models.memory import parse_budget
 from hydra_torch.report.results import Results
-from hydra_torch.run import lifecycle
+from hydra_torch.run import lifecycle, saved_bytes
 from hydra_torch.run.devices import host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
@@ -131,6 +131,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         checkpoints = _checkpointer(runners, checkpoint_dir, checkpoint_every)
         with _closed_on_error(checkpoints):
             workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints)
+            _share_budgets(workers, engines, budgets, tasks)
             open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run)
             bars = Progress(runners, progress)
         start = open_run.start if open_run is not None else time.perf_counter()
@@ -145,7 +146,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
                 runner.settle_at_end()
             bars.close(runners)
             _bring_home(runners, engines, checkpoints)
-            results = _results(runners, engines, workers.trace, start, resolved, wall, workers.stop, checkpoints)
+            results = _results(runners, engines, workers, start, resolved, wall, checkpoints)
         if interrupted is not None:
             raise interrupted
         _tell(results, workers.stop, checkpoints, checkpoint_dir)
@@ -298,6 +299,17 @@ class _Workers:
             slot.peers = slot.open_run = None
 
 
+def _share_budgets(workers, engines, budgets, tasks):
+    """Each device's budget split: the arena as placed, one unit's working set (the largest the planner measured),
+    and the rest for the saved activations of the micro-batches in flight, which the scheduler keeps within it."""
+    working_set = max((t.working_set_bytes for t in tasks), default=0)
+    for i, (engine, budget) in enumerate(zip(engines, budgets)):
+        share = saved_bytes.allowance(budget, engine.stats()["capacity_bytes"], working_set)
+        workers.scheduler.set_saved_allowance(i, share)
+        workers.slots[i].budget_split = {"budget_bytes": budget, "working_set_bytes": working_set,
+                                         "saved_allowance_bytes": share}
+
+
 def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run):
     """With arrivals, the running call's side of them, attached: tasks may join from now on."""
     if arrivals is None:
@@ -325,16 +337,17 @@ def _bring_home(runners, engines, checkpoints):
             checkpoints.close()
 
 
-def _results(runners, engines, trace, start, devices, wall, stop, checkpoints) -> Results:
+def _results(runners, engines, workers, start, devices, wall, checkpoints) -> Results:
     """What the call returns: every task's result, the trace and the engines' statistics. Each task's part in
     the call is then over: a stop request ends with it, and `task.ended` is set."""
+    trace, stop = workers.trace, workers.stop
     for runner in runners:
         if runner.result is None:
             runner.result = lifecycle.task_result(runner, engines, trace, start)
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]
-    results = Results([r.result for r in runners], names, [e.stats() for e in engines],
+    results = Results([r.result for r in runners], names, [_device_stats(e, slot) for e, slot in zip(engines, workers.slots)],
                       sorted(trace, key=lambda e: e.start), wall,
                       checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
     results.interrupted = stop.name
@@ -342,6 +355,11 @@ def _results(runners, engines, trace, start, devices, wall, stop, checkpoints) -
         runner.task.stop_reason = None  # a request ends with the call
         runner.task.ended.set()
     return results
+
+
+def _device_stats(engine, slot) -> dict:
+    """The engine's statistics, the budget's split and the most bytes the micro-batches in flight held there."""
+    return {**engine.stats(), **(slot.budget_split or {}), "saved_high_water_bytes": slot.saved.high_water}
 
 
 def _tell(results, stop, checkpoints, checkpoint_dir):

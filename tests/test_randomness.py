@@ -49,8 +49,13 @@ def train(indices, devices):
 
 def test_a_dropout_task_beside_others_on_two_devices_draws_as_if_alone():
     alone, (alone_model,), (alone_order,) = train([0], ["cpu"])
-    together, models, orders = train([0, 1, 2, 3], ["cpu", "cpu"])
-    assert len({e.device for e in together.trace if e.task == 0}) == 2, "task 0 ran on both devices"
+    # Which device takes which unit is the devices' timing: on a busy machine one may keep task 0 throughout, so
+    # the run is repeated (each as deterministic as the others) until task 0 has moved.
+    for _ in range(5):
+        together, models, orders = train([0, 1, 2, 3], ["cpu", "cpu"])
+        if len({e.device for e in together.trace if e.task == 0}) == 2:
+            break
+    assert len({e.device for e in together.trace if e.task == 0}) == 2, "task 0 never ran on both devices"
     assert together[0].losses == alone[0].losses
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), alone_model.parameters()))
     assert orders[0] == alone_order

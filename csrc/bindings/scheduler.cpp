@@ -94,6 +94,9 @@ void bind_scheduler(py::module_& m) {
       .def("add_task", [](Scheduler& self, const py::tuple& task) { return self.add_task(task_spec(task)); },
            py::arg("task"), "A task joining while the devices run (the constructor's tuple); returns its id")
       .def("set_open", &Scheduler::set_open, py::arg("open"))
+      .def("set_saved_allowance", &Scheduler::set_saved_allowance, py::arg("device"), py::arg("bytes"))
+      .def("set_saved_bytes", &Scheduler::set_saved_bytes, py::arg("task"), py::arg("bytes"))
+      .def("saved_in_flight", &Scheduler::saved_in_flight, py::arg("device"))
       .def("remaining_units", &Scheduler::remaining_units)
       .def("remaining_seconds", &Scheduler::remaining_seconds)
       .def("finished", &Scheduler::finished)

@@ -39,6 +39,7 @@ Scheduler::Scheduler(std::vector<TaskSpec> tasks, int num_devices, PolicyKind po
     : num_devices_(num_devices),
       cost_model_(validated(tasks, num_devices)),
       policy_(policy, static_cast<int>(tasks.size()), num_devices, seed),
+      saved_(static_cast<int>(tasks.size()), num_devices),
       committed_(static_cast<size_t>(num_devices)),
       starved_(static_cast<size_t>(num_devices), true) {
   tasks_.reserve(tasks.size());
@@ -81,7 +82,8 @@ std::optional<Unit> Scheduler::take_locked(int device) {
     const auto [t, index] = committed.front();
     committed.pop_front();
     const TaskState& task = tasks_[static_cast<size_t>(t)];
-    if (task.state == State::kIdle && !task.held && allowed(task, device) && task.next_index == index)
+    if (task.state == State::kIdle && !task.held && allowed(task, device) && task.next_index == index &&
+        saved_bytes_admit(t, device))
       return take_task(device, t);
     committed.clear();
   }
@@ -93,7 +95,7 @@ std::optional<Unit> Scheduler::take_locked(int device) {
   for (const int pass : {0, 1, 2}) {
     for (int t = 0; t < num_tasks(); ++t) {
       const TaskState& task = tasks_[static_cast<size_t>(t)];
-      if (task.state != State::kIdle || !allowed(task, device)) continue;
+      if (task.state != State::kIdle || !allowed(task, device) || !saved_bytes_admit(t, device)) continue;
       if (pass == 0 && reserved_elsewhere(t, device)) continue;
       if (pass < 2 && task.held) continue;
       const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
@@ -115,7 +117,19 @@ Unit Scheduler::take_task(int device, int chosen) {
   task.state = State::kRunning;
   task.running_device = device;
   task.last_device = device;
-  return unit_at(chosen, task.spec, task.next_index);
+  const Unit unit = unit_at(chosen, task.spec, task.next_index);
+  if (starts_micro_batch(unit)) saved_.start(chosen, device);
+  return unit;
+}
+
+bool Scheduler::saved_bytes_admit(int task, int device) const {
+  const TaskState& state = tasks_[static_cast<size_t>(task)];
+  return !starts_micro_batch(unit_at(task, state.spec, state.next_index)) ||
+         saved_.admits(saved_.load(device), task, device);
+}
+
+void Scheduler::settle(int task) {
+  if (tasks_[static_cast<size_t>(task)].state == State::kDone) saved_.end(task);
 }
 
 std::optional<Unit> Scheduler::next(int device) {
@@ -173,6 +187,8 @@ void Scheduler::complete(int device, const Unit& unit, std::optional<double> sec
     task.running_device = -1;
     task.ready_sequence = ++event_sequence_;
     task.state = (task.failed || task.next_index >= task.total_units) ? State::kDone : State::kIdle;
+    if (ends_micro_batch(unit)) saved_.end(unit.task);
+    settle(unit.task);
   }
   ready_.notify_all();
 }
@@ -199,6 +215,7 @@ void Scheduler::fail(int task) {
     TaskState& state = tasks_[static_cast<size_t>(task)];
     state.failed = true;
     if (state.state == State::kIdle) state.state = State::kDone;
+    settle(task);
   }
   // Workers whose only remaining task this was must wake to return nullopt.
   ready_.notify_all();
@@ -213,6 +230,7 @@ void Scheduler::restart(int device, const Unit& unit, const TaskSpec& spec) {
     check_spec(spec, static_cast<size_t>(unit.task), num_devices_);
     cost_model_.replace_task(unit.task, spec);
     task.spec = spec;
+    saved_.end(unit.task);  // its micro-batch starts over
     task.total_units = total_units(spec);
     task.next_index = 0;
     task.running_device = -1;
@@ -229,12 +247,37 @@ int Scheduler::add_task(const TaskSpec& spec) {
     check_spec(spec, tasks_.size(), num_devices_);
     id = cost_model_.add_task(spec);
     policy_.add_task();
+    saved_.add_task();
     tasks_.push_back(TaskState{spec, total_units(spec)});
     if (tasks_.back().total_units == 0) tasks_.back().state = State::kDone;
     tasks_.back().ready_sequence = ++event_sequence_;
   }
   ready_.notify_all();
   return id;
+}
+
+void Scheduler::set_saved_allowance(int device, int64_t bytes) {
+  check_device(device);
+  {
+    std::lock_guard lock(mutex_);
+    saved_.set_allowance(device, bytes);
+  }
+  ready_.notify_all();
+}
+
+void Scheduler::set_saved_bytes(int task, int64_t bytes) {
+  check_task(task);
+  {
+    std::lock_guard lock(mutex_);
+    saved_.set_saved_bytes(task, bytes);
+  }
+  ready_.notify_all();
+}
+
+int64_t Scheduler::saved_in_flight(int device) const {
+  check_device(device);
+  std::lock_guard lock(mutex_);
+  return saved_.load(device).bytes;
 }
 
 void Scheduler::set_open(bool open) {

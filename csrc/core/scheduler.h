@@ -21,6 +21,7 @@
 
 #include "core/cost_model.h"
 #include "core/policy.h"
+#include "core/saved_bytes_gate.h"
 #include "core/unit.h"
 
 namespace hydra::core {
@@ -97,6 +98,14 @@ class Scheduler {
   // every task is done. Closing wakes the workers, which end when nothing is left. Constructed closed.
   void set_open(bool open);
 
+  // Saved activations under a budget (see core/saved_bytes_gate.h): a new micro-batch starts on `device` only
+  // while those in flight there leave `bytes` room for it (< 0: no limit, the default).
+  void set_saved_allowance(int device, int64_t bytes);
+  // What one micro-batch of `task` holds on the device until its last unit, as measured (the largest so far).
+  void set_saved_bytes(int task, int64_t bytes);
+  // The known saved bytes of the micro-batches in flight that started on `device`.
+  int64_t saved_in_flight(int device) const;
+
   // Every current and future next() returns nullopt promptly (Ctrl-C). complete() is still accepted.
   void cancel();
 
@@ -135,6 +144,11 @@ class Scheduler {
   TaskState& running(int device, const Unit& unit, const char* caller);
   std::optional<Unit> take_locked(int device);
   Unit take_task(int device, int task);  // marks the task running on `device`; returns its next unit
+  // The task's next unit may run on `device` as far as saved activations go: it does not start a micro-batch,
+  // or the device has room for one more.
+  bool saved_bytes_admit(int task, int device) const;
+  // The task's state is done with (finished or failed): its micro-batch in flight, if any, gives its bytes back.
+  void settle(int task);
   // The task's next unit heads another device's committed plan: that device is copying its weights in.
   bool reserved_elsewhere(int task, int device) const;
   // A unit of the task still to run is in another device's committed plan: this device's plan leaves the
@@ -151,6 +165,7 @@ class Scheduler {
   int num_devices_;
   CostModel cost_model_;  // before policy_: its initialiser validates the specs, so errors name the task
   Policy policy_;
+  SavedBytesGate saved_;
   bool cancelled_ = false;
   bool open_ = false;
   uint64_t event_sequence_ = 0;

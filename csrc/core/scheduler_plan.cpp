@@ -92,6 +92,14 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     const TaskState& task = tasks_[static_cast<size_t>(p.task)];
     if (task.state == State::kRunning && !pinned(p.task)) in_plan.push_back(p.task);
   }
+  // Saved activations as the plan goes: micro-batches it starts here join those in flight, and those it ends that
+  // started here (in flight or planned) leave.
+  SavedBytesGate::Load load = saved_.load(device);
+  std::vector<int> started_here;
+  auto admitted = [&](const Planned& p) {
+    return !starts_micro_batch(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index)) ||
+           saved_.admits(load, p.task, device);
+  };
   std::vector<Candidate> candidates;
   // The committed plan first, as far as it still holds (see commit_plan), then the policy.
   const auto& committed = committed_[static_cast<size_t>(device)];
@@ -100,7 +108,9 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     size_t chosen = planned.size();
     if (kept != committed.end()) {
       for (size_t i = 0; i < planned.size(); ++i)
-        if (planned[i].task == kept->first && planned[i].index == kept->second && !planned[i].held) chosen = i;
+        if (planned[i].task == kept->first && planned[i].index == kept->second && !planned[i].held &&
+            admitted(planned[i]))
+          chosen = i;
       kept = chosen < planned.size() ? kept + 1 : committed.end();
     }
     if (chosen == planned.size()) {
@@ -115,7 +125,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
       std::vector<size_t> positions;
       for (size_t i = 0; i < planned.size(); ++i) {
         const Planned& p = planned[i];
-        if (!eligible(p) || (p.held && !all_held)) continue;
+        if (!eligible(p) || (p.held && !all_held) || !admitted(p)) continue;
         const double remaining = needs_estimates ? cost_model_.remaining_seconds(p.task, p.index) : 0.0;
         candidates.push_back(Candidate{p.task, remaining, p.ready, p.ran_last_here});
         positions.push_back(i);
@@ -126,7 +136,21 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
     Planned& p = planned[chosen];
     if (!pinned(p.task) && std::ranges::find(in_plan, p.task) == in_plan.end())
       in_plan.push_back(p.task);
-    units.push_back(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index));
+    const Unit unit = unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index);
+    units.push_back(unit);
+    if (starts_micro_batch(unit)) {
+      saved_.add(load, p.task);
+      started_here.push_back(p.task);
+    }
+    if (ends_micro_batch(unit)) {
+      auto here = std::ranges::find(started_here, p.task);
+      if (here != started_here.end()) {
+        saved_.remove(load, p.task);
+        started_here.erase(here);
+      } else if (saved_.reserved_on(p.task) == device) {
+        saved_.remove(load, p.task);
+      }
+    }
     for (Planned& other : planned) other.ran_last_here = false;
     ++p.index;
     p.ready = ++sequence;

@@ -42,6 +42,15 @@ struct TaskSpec {
   int64_t eval_batches = 0;
 };
 
+// A training micro-batch's first unit (F(0), or FB(0) with one shard) and last (B(0), or that FB(0)): between
+// them its saved shard inputs are held on the device (see SavedBytesGate).
+inline constexpr bool starts_micro_batch(const Unit& unit) {
+  return unit.shard == 0 && (unit.phase == Phase::kForward || unit.phase == Phase::kForwardBackward);
+}
+inline constexpr bool ends_micro_batch(const Unit& unit) {
+  return unit.shard == 0 && (unit.phase == Phase::kBackward || unit.phase == Phase::kForwardBackward);
+}
+
 inline constexpr int64_t units_per_micro_batch(int num_shards) { return 2 * int64_t{num_shards} - 1; }
 
 inline int64_t units_per_eval_pass(const TaskSpec& spec) { return spec.eval_batches * spec.num_shards; }

@@ -7,7 +7,8 @@ import time
 from hydra_torch.models.sharding import root_module
 from hydra_torch.report.results import Results, TraceEntry
 
-_KEPT_MAX = ("budget_bytes", "capacity_bytes", "high_water_bytes", "staging_bytes")  # summed otherwise
+_KEPT_MAX = ("budget_bytes", "capacity_bytes", "high_water_bytes", "staging_bytes", "working_set_bytes",
+             "saved_allowance_bytes", "saved_high_water_bytes")  # summed otherwise
 
 
 def assemble(tasks, outcomes: dict, moves: list, runs: list, start: float) -> Results:

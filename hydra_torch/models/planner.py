@@ -104,6 +104,7 @@ def apply_plan(task, plan_: Plan) -> None:
         raise ValueError(f"the plan covers {plan_.piece_ranges[-1][1]} pieces, the task has {len(task.pieces)}")
     task.modules = sharding.split(task.pieces, plan_.starts)
     task.shard_params = sharding.shard_parameters(task.modules)
+    task.working_set_bytes = max(plan_.shard_activation_bytes, default=0)
 
 
 def plan_for_devices(task, devices, budgets) -> None:

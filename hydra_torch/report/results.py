@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hydra_torch.models.memory import format_bytes
+
 
 @dataclass
 class TaskResult:
@@ -60,6 +62,15 @@ def _lowest(tasks: list[TaskResult]) -> TaskResult | None:
     evaluated = all(t.eval_losses for t in tasks)
     metric = (lambda t: t.final_eval_loss) if evaluated else (lambda t: t.final_loss)
     return min((t for t in tasks if math.isfinite(metric(t))), key=metric, default=None)
+
+
+def _budget_split(stats: dict) -> str:
+    """How a device's budget was shared out, and what the micro-batches in flight held at most."""
+    if "saved_allowance_bytes" not in stats:
+        return ""
+    return (f"; budget {format_bytes(stats['budget_bytes'])} = arena {format_bytes(stats['capacity_bytes'])} + "
+            f"a unit's working set {format_bytes(stats['working_set_bytes'])} + saved activations "
+            f"{format_bytes(stats['saved_allowance_bytes'])} (held at most {format_bytes(stats['saved_high_water_bytes'])})")
 
 
 @dataclass
@@ -142,8 +153,9 @@ class Results:
                 status += f" (moved {len(t.moves)}x between nodes)"
             lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
                          f"{t.wall_time:>8.1f}  {status}")
-        for device, share in self.utilisation().items():
-            lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s")
+        for i, (device, share) in enumerate(self.utilisation().items()):
+            split = _budget_split(self.stats[i]) if i < len(self.stats) else ""
+            lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s{split}")
         if self.checkpoint_failures:
             lines.append(f"{self.checkpoint_failures} checkpoints could not be written (see the warnings)")
         best = self.best

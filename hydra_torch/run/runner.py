@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -23,25 +22,16 @@ from hydra_torch.models import sharding
 from hydra_torch.recipe import schedules
 from hydra_torch.run.compute import (NonFiniteGradNormError, NonFiniteLossError, check_loss, floating, input_grads,
                                      requiring_grad, run_shard, to_device)
+from hydra_torch.run import saved_bytes
 from hydra_torch.run.evaluation import EvalPass
+from hydra_torch.run.micro_batch import MicroBatch
+from hydra_torch.run.saved_bytes import tensor_bytes
 from hydra_torch.run.steps import count_micro_batches, eval_steps, step_groups, step_sizes
 from hydra_torch.state.task_rng import TaskRng
 from hydra_torch.task import ModelTask
 
 FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
 EVALUATE = _C.Phase.evaluate
-
-
-@dataclass
-class _MicroBatch:
-    batch: object
-    x: object
-    count: int                       # micro-batches in this optimizer step
-    last: bool                       # the step's last micro-batch: its backward triggers the step
-    saved: dict = field(default_factory=dict)
-    rng: dict = field(default_factory=dict)   # shard -> the task's generator states its forward started from
-    grad: list | None = None
-    loss: object = None              # its _C.LossReading: the loss on its way to the host, read at its end
 
 
 class TaskRunner:
@@ -77,7 +67,7 @@ class TaskRunner:
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
         self._groups = step_groups(task, self._epoch_began)
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
-        self._mb: _MicroBatch | None = None
+        self._mb: MicroBatch | None = None
         self._stepped: list[int] = []         # shards whose part of the current step has been applied
         self._clipped = None                  # (norm reading, micro-batches) of a clipped step not yet settled
         self._step_rng, self._step_buffers = None, []  # at the current step's start (see rewind_step)
@@ -190,11 +180,12 @@ class TaskRunner:
             x = self.task.inputs(batch)
         if self.compute_dtype != torch.float32:
             x = tree_map(lambda t: t.to(self.compute_dtype) if floating(t) else t, x)
-        self._mb = _MicroBatch(batch, x, len(self._group), self._position == len(self._group))
+        self._mb = MicroBatch(batch, x, len(self._group), self._position == len(self._group))
 
     def _end_micro_batch(self, slot):
         mb = self._mb
         # Read only now, with the whole backward issued: the device never waited for the host to see the loss.
+        mb.let_go()
         value = mb.loss.value()
         if not math.isfinite(value):
             self._stepped = []  # every shard's step read the same gate and was skipped
@@ -278,6 +269,8 @@ class TaskRunner:
         """Back to the last step boundary, so that the step in progress (or the evaluation pass) runs again
         from its start as it would have the first time: the same batches and random draws, no gradient kept."""
         in_step = self._mb is not None or (self._group is not None and self._position < len(self._group))
+        if self._mb is not None:
+            self._mb.let_go()
         self._mb, self._eval, self._stepped = None, None, []
         if in_step:
             self._position, self._loss_sum = 0, 0.0
@@ -309,15 +302,22 @@ class TaskRunner:
             x = requiring_grad(x)
         slot.loop.begin(unit)
         mb.rng[s] = self._rng.snapshot()
-        with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs):
+        graph = []
+        with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs), \
+                saved_bytes.graph_tensors(graph, self.task.modules[s] if self.keep_graphs else ()):
             y = run_shard(self.task.modules[s], x)
         mb.saved[s] = (x, y) if self.keep_graphs else x
+        nbytes = tensor_bytes((x, graph))
+        slot.saved.charge(nbytes)
+        mb.held[s] = (slot.saved, nbytes)
         mb.x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y) if self.keep_graphs else y
 
     def _forward_backward(self, unit, slot):
         engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
         x_in = requiring_grad(to_device(mb.x, slot.device))
         mb.x = None
+        if mb.held:  # what one micro-batch holds, now that its forwards are done: the scheduler's gate learns it
+            slot.scheduler.set_saved_bytes(self.index, sum(nbytes for _, nbytes in mb.held.values()))
         slot.loop.begin(unit)
         # The task's streams go on from where this forward and loss leave them: a backward's recompute
         # replays a forward's draws and must not advance them.
@@ -340,6 +340,7 @@ class TaskRunner:
     def _backward(self, unit, slot):
         mb, s = self._mb, unit.shard
         saved = mb.saved.pop(s)
+        mb.let_go(s)
         grad = to_device(mb.grad, slot.device)
         slot.loop.begin(unit)
         rng = mb.rng.pop(s)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hydra_torch._loader import native as _C
 from hydra_torch.report.results import TraceEntry
 from hydra_torch.run import replan, unit_clock
+from hydra_torch.run.saved_bytes import SavedBytes
 
 # How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), how many
 # of them it commits to (Scheduler.commit_plan: it runs them in that order while they hold, so what it prefetched
@@ -46,6 +47,8 @@ class DeviceSlot:
     open_run: object = None     # arrivals.OpenRun: told of every task that ends, when tasks may join the run
     peers: list = None          # every device's slot, this one included
     loop: object = None         # _C.DeviceLoop (make_loop)
+    saved: SavedBytes = field(default_factory=SavedBytes)  # what micro-batches in flight hold here
+    budget_split: dict = None   # the budget's split between the arena, a unit's working set and saved activations
 
 
 def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
