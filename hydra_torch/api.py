@@ -347,8 +347,8 @@ def _results(runners, engines, workers, start, devices, wall, checkpoints) -> Re
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]
-    results = Results([r.result for r in runners], names, [_device_stats(e, slot) for e, slot in zip(engines, workers.slots)],
-                      sorted(trace, key=lambda e: e.start), wall,
+    stats = [_device_stats(engine, slot) for engine, slot in zip(engines, workers.slots)]
+    results = Results([r.result for r in runners], names, stats, sorted(trace, key=lambda e: e.start), wall,
                       checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
     results.interrupted = stop.name
     for runner in runners:

@@ -70,7 +70,8 @@ def _budget_split(stats: dict) -> str:
         return ""
     return (f"; budget {format_bytes(stats['budget_bytes'])} = arena {format_bytes(stats['capacity_bytes'])} + "
             f"a unit's working set {format_bytes(stats['working_set_bytes'])} + saved activations "
-            f"{format_bytes(stats['saved_allowance_bytes'])} (held at most {format_bytes(stats['saved_high_water_bytes'])})")
+            f"{format_bytes(stats['saved_allowance_bytes'])} "
+            f"(held at most {format_bytes(stats['saved_high_water_bytes'])})")
 
 
 @dataclass

@@ -73,7 +73,8 @@ def task_result(runner, engines, trace, start: float) -> TaskResult:
     units = [e for e in trace if e.task == runner.index]
     loads = [sum(col) for col in zip(*(engines[i].shard_loads(m) for i, m in runner.model_ids.items()))]
     return TaskResult(runner.task.name, runner.losses, runner.steps, runner.epochs_done,
-                      (max(e.end for e in units) - start) if units else 0.0, runner.resident, loads, detached(runner.error),
+                      (max(e.end for e in units) - start) if units else 0.0, runner.resident, loads,
+                      detached(runner.error),
                       busy_time=sum(e.end - e.start for e in units), host_bytes=runner.store.host_bytes,
                       cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped,
                       replans=list(runner.replans), total_steps=runner.task.total_steps)
