@@ -36,30 +36,28 @@ bool SavedBytesGate::admits(const Load& load, int task, int device) const {
   return load.bytes + bytes <= allowance;
 }
 
-void SavedBytesGate::add(Load& load, int task) const {
+int64_t SavedBytesGate::add(Load& load, int task) const {
   const int64_t bytes = task_bytes_[static_cast<size_t>(task)];
   ++load.micro_batches;
   if (bytes < 0) ++load.unknown; else load.bytes += bytes;
+  return bytes;
 }
 
-void SavedBytesGate::remove(Load& load, int task) const {
-  const Reservation& r = reservations_[static_cast<size_t>(task)];
-  const int64_t bytes = r.device >= 0 ? r.bytes : task_bytes_[static_cast<size_t>(task)];
+void SavedBytesGate::remove(Load& load, int64_t bytes) {
   --load.micro_batches;
   if (bytes < 0) --load.unknown; else load.bytes -= bytes;
 }
 
 void SavedBytesGate::start(int task, int device) {
   end(task);  // defensive: a task has one micro-batch in flight at most
-  Reservation& r = reservations_[static_cast<size_t>(task)];
-  add(load_[static_cast<size_t>(device)], task);
-  r = Reservation{device, task_bytes_[static_cast<size_t>(task)]};
+  const int64_t bytes = add(load_[static_cast<size_t>(device)], task);
+  reservations_[static_cast<size_t>(task)] = Reservation{device, bytes};
 }
 
 void SavedBytesGate::end(int task) {
   Reservation& r = reservations_[static_cast<size_t>(task)];
   if (r.device < 0) return;
-  remove(load_[static_cast<size_t>(r.device)], task);
+  remove(load_[static_cast<size_t>(r.device)], r.bytes);
   r = Reservation{};
 }
 

@@ -39,9 +39,10 @@ class SavedBytesGate {
   Load load(int device) const { return load_[static_cast<size_t>(device)]; }
   // Whether a micro-batch of `task` may start on `device` beside `load` (the device's own, or a forecast's).
   bool admits(const Load& load, int task, int device) const;
-  // Adds a micro-batch of the task to `load` (start) or takes it off (end), as a forecast does.
-  void add(Load& load, int task) const;
-  void remove(Load& load, int task) const;
+  // Adds a micro-batch of the task to `load` (a start, as a forecast makes it) and returns the bytes it counted
+  // (-1: unknown); remove takes such a micro-batch off again (its end).
+  int64_t add(Load& load, int task) const;
+  static void remove(Load& load, int64_t bytes);
 
   // The task's micro-batch starts on `device` / has ended (its last unit completed, or the task failed or
   // restarted). end() without a micro-batch in flight does nothing.
@@ -49,6 +50,8 @@ class SavedBytesGate {
   void end(int task);
   // The device the task's micro-batch in flight started on; -1 when none is.
   int reserved_on(int task) const { return reservations_[static_cast<size_t>(task)].device; }
+  // The bytes its micro-batch in flight was counted with when it started (-1: unknown then).
+  int64_t reserved_bytes(int task) const { return reservations_[static_cast<size_t>(task)].bytes; }
 
  private:
   struct Reservation {

@@ -95,7 +95,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
   // Saved activations as the plan goes: micro-batches it starts here join those in flight, and those it ends that
   // started here (in flight or planned) leave.
   SavedBytesGate::Load load = saved_.load(device);
-  std::vector<int> started_here;
+  std::vector<std::pair<int, int64_t>> started_here;  // (task, the bytes its planned start counted)
   auto admitted = [&](const Planned& p) {
     return !starts_micro_batch(unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index)) ||
            saved_.admits(load, p.task, device);
@@ -138,17 +138,14 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
       in_plan.push_back(p.task);
     const Unit unit = unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index);
     units.push_back(unit);
-    if (starts_micro_batch(unit)) {
-      saved_.add(load, p.task);
-      started_here.push_back(p.task);
-    }
+    if (starts_micro_batch(unit)) started_here.emplace_back(p.task, saved_.add(load, p.task));
     if (ends_micro_batch(unit)) {
-      auto here = std::ranges::find(started_here, p.task);
+      auto here = std::ranges::find_if(started_here, [&](const auto& s) { return s.first == p.task; });
       if (here != started_here.end()) {
-        saved_.remove(load, p.task);
+        SavedBytesGate::remove(load, here->second);
         started_here.erase(here);
       } else if (saved_.reserved_on(p.task) == device) {
-        saved_.remove(load, p.task);
+        SavedBytesGate::remove(load, saved_.reserved_bytes(p.task));
       }
     }
     for (Planned& other : planned) other.ran_last_here = false;

@@ -120,6 +120,26 @@ TEST(SavedBytes, ThePlanForecastsTheAllowance) {
   EXPECT_EQ(most, 2u);
 }
 
+TEST(SavedBytes, ThePlanCountsAMicroBatchMeasuredWhileInFlight) {
+  // The first micro-batch starts unmeasured and is measured part way: the plan takes it off as unknown when it
+  // ends, and the task's later micro-batches at their measured size.
+  Scheduler scheduler(tasks(2, 2, 4), 1, PolicyKind::kLrtf);
+  scheduler.set_saved_allowance(0, 250);
+  scheduler.set_saved_bytes(1, 100);
+  auto first = scheduler.try_next(0);
+  ASSERT_TRUE(first && starts_micro_batch(*first) && first->task == 0);
+  scheduler.complete(0, *first, 1.0);
+  scheduler.set_saved_bytes(0, 100);
+  std::set<int> in_flight = {0};
+  size_t most = 0;
+  for (const Unit& unit : scheduler.plan(0, 40)) {
+    if (starts_micro_batch(unit)) in_flight.insert(unit.task);
+    if (unit.micro_batch >= 2) most = std::max(most, in_flight.size());
+    if (ends_micro_batch(unit)) in_flight.erase(unit.task);
+  }
+  EXPECT_EQ(most, 2u) << "both tasks' later micro-batches fit 250 bytes together";
+}
+
 TEST(SavedBytes, BadSizesAreRefused) {
   Scheduler scheduler(tasks(1), 1, PolicyKind::kLrtf);
   EXPECT_THROW(scheduler.set_saved_bytes(0, -1), std::invalid_argument);
