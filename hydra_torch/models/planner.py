@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hydra_torch._loader import native as _C
-from hydra_torch.models import sharding
+from hydra_torch.models import saved_tensors, sharding
 from hydra_torch.models.memory import format_bytes, parse_budget
 
 
@@ -196,17 +196,10 @@ def _activation_bytes(forward_backward, params, device) -> int:
         return max(0, torch.cuda.max_memory_allocated(device) - base)
     # Elsewhere no allocator reports a peak: count what autograd keeps for backward (each storage once, the
     # weights excluded: they are budgeted already) plus the output the next piece takes.
-    weight_storages = {p.untyped_storage().data_ptr() for p in params.values()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weight_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = []
+    with saved_tensors.saved_tensors(saved, params.values()):
         out = forward_backward()
+    kept = {t.untyped_storage().data_ptr() for t in saved}
     output_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                       and t.untyped_storage().data_ptr() not in saved)
-    return sum(saved.values()) + output_bytes
+                       and t.untyped_storage().data_ptr() not in kept)
+    return saved_tensors.distinct_bytes(saved) + output_bytes

@@ -19,10 +19,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydra_torch._loader import native as _C
 from hydra_torch.models import sharding
+from hydra_torch.models.saved_tensors import saved_tensors
 from hydra_torch.recipe import schedules
 from hydra_torch.run.compute import (NonFiniteGradNormError, NonFiniteLossError, check_loss, floating, input_grads,
                                      requiring_grad, run_shard, to_device)
-from hydra_torch.run import saved_bytes
 from hydra_torch.run.evaluation import EvalPass
 from hydra_torch.run.micro_batch import MicroBatch
 from hydra_torch.run.saved_bytes import tensor_bytes
@@ -302,9 +302,9 @@ class TaskRunner:
             x = requiring_grad(x)
         slot.loop.begin(unit)
         mb.rng[s] = self._rng.snapshot()
-        graph = []
+        graph, weights = [], [p for m in self.task.modules[s] for p in m.parameters()] if self.keep_graphs else []
         with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs), \
-                saved_bytes.graph_tensors(graph, self.task.modules[s] if self.keep_graphs else ()):
+                saved_tensors(graph, weights):
             y = run_shard(self.task.modules[s], x)
         mb.saved[s] = (x, y) if self.keep_graphs else x
         nbytes = tensor_bytes((x, graph))

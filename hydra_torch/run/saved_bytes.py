@@ -8,10 +8,11 @@ for the results and the tests."""
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+from hydra_torch.models.saved_tensors import distinct_bytes
 
 
 class SavedBytes:
@@ -35,30 +36,7 @@ class SavedBytes:
 def tensor_bytes(tree) -> int:
     """Bytes of the distinct tensors in `tree` (views of one storage count once)."""
     leaves, _ = tree_flatten(tree)
-    return _distinct_bytes(t for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _distinct_bytes(tensors) -> int:
-    storages = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        storages[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
-
-
-@contextmanager
-def graph_tensors(out: list, modules):
-    """Within it, the tensors autograd saves for the backward are appended to `out`, but for those of the modules'
-    parameters (views of the arena, which holds them anyway)."""
-    weights = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            out.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
+    return distinct_bytes(t for t in leaves if isinstance(t, torch.Tensor))
 
 
 def allowance(budget: int, arena: int, working_set: int) -> int:
