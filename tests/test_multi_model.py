@@ -63,24 +63,34 @@ def check_trace(results):
 
 
 @pytest.mark.parametrize("schedule", ["lrtf", "fifo", "round_robin", "random"])
-def test_four_models_on_two_devices_match_training_alone(schedule):
+def test_three_models_on_two_devices_match_training_alone(schedule):
+    """Each model, whichever devices its units ran on, ends exactly as it does trained alone. The comparison
+    means most where a task moved between devices part way, which the schedule allows but timing decides: two
+    devices in lock step under FIFO kept each of four tasks on one device (A C A C | B D B D, under
+    ThreadSanitizer). Three tasks rotate over two devices in lock step (A C B | B A C), and the run is repeated,
+    each run checked in full, until one has moved a task (three runs at most)."""
     data = token_batches(6)
     budget = int(0.45 * model_bytes(tied_transformer()))
-    tasks, models = make_tasks(data, accumulate=2)
-    results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, schedule=schedule, progress=False)
-    by_task, by_device = check_trace(results)
-    assert len(by_device) == 2, "both devices ran units"
-    assert sum(len(set(e.device for e in entries)) > 1 for entries in by_task.values()) >= 1, \
-        "with spilled models, tasks move between devices"
-    for i, (model, result) in enumerate(zip(models, results)):
-        assert result.error is None and not result.resident and result.steps == 3
-        alone, alone_result = train_alone(data, i, budget, accumulate=2)
-        assert result.losses == alone_result.losses
-        for a, b in zip(model.parameters(), alone.parameters()):
-            assert torch.equal(a, b), f"task {i} differs from training alone"
-        assert model[0].weight is model[-1].weight
-    for stats in results.stats:
-        assert stats["high_water_bytes"] <= budget
+    seeds = (0, 1, 2)
+    alone = [train_alone(data, i, budget, accumulate=2) for i in seeds]
+    moved_in = []
+    for _ in range(3):
+        tasks, models = make_tasks(data, seeds=seeds, accumulate=2)
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, schedule=schedule, progress=False)
+        by_task, by_device = check_trace(results)
+        assert len(by_device) == 2, "both devices ran units"
+        for i, (model, result, (alone_model, alone_result)) in enumerate(zip(models, results, alone)):
+            assert result.error is None and not result.resident and result.steps == 3
+            assert result.losses == alone_result.losses
+            for a, b in zip(model.parameters(), alone_model.parameters()):
+                assert torch.equal(a, b), f"task {i} differs from training alone"
+            assert model[0].weight is model[-1].weight
+        for stats in results.stats:
+            assert stats["high_water_bytes"] <= budget
+        moved_in.append(sum(len(set(e.device for e in entries)) > 1 for entries in by_task.values()))
+        if moved_in[-1]:
+            break
+    assert moved_in[-1] >= 1, f"with spilled models, tasks move between devices (tasks moved, by run: {moved_in})"
 
 
 @pytest.mark.parametrize("host_threads", [1, 3])
