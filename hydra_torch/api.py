@@ -17,7 +17,7 @@ from hydra_torch.models import memory, planner, sharding
 from hydra_torch.models.memory import parse_budget
 from hydra_torch.report.results import Results
 from hydra_torch.run import lifecycle, saved_bytes
-from hydra_torch.run.devices import host_step_threads, pinned, resolve_devices
+from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
 from hydra_torch.run.runner import TaskRunner
@@ -72,10 +72,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
         like ["cpu"] * 4 gives four virtual CPU devices with one thread each.
-    memory_budget: per device, the bytes of training state it may hold: an int ("4096"), "8GiB", "512MB", or a
-        fraction of free memory (0.8, "0.8", "80%"; virtual CPU devices split it). A model whose whole training
-        state fits stays resident on one device;
-        otherwise its shards are spilled to host memory and visit the devices in turn.
+    memory_budget: per device, all the memory the run uses there: an int ("4096"), "8GiB", "512MB", or a
+        fraction of free memory (0.8, "0.8", "80%"; virtual CPU devices split it). It holds the training state
+        (the arena), one unit's working set, and the saved activations of the micro-batches in flight, which
+        the scheduler keeps within what is left (results.summary() shows the split). A model whose whole
+        training state fits stays resident on one device; otherwise its shards are spilled to host memory and
+        visit the devices in turn. On CUDA the caching allocator grows its segments in place
+        (expandable_segments:True) unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set.
     schedule: which ready task a free device runs next: "lrtf" (longest remaining time first), "fifo",
         "round_robin" or "random" (seeded by `seed`).
     pin_memory: "auto" (pin host buffers for accelerator devices), True or False.
@@ -119,6 +122,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
         memory.check_host_memory(tasks)
         host_steps, pin = _C.HostSteps(threads), pinned(pin_memory, resolved)
+        expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
         for task in tasks:
             planner.plan_for_devices(task, resolved, budgets)
         engines = _engines(resolved, budgets, host_steps, arrivals)

@@ -37,6 +37,26 @@ def resolve_devices(devices) -> list[torch.device]:
     return out
 
 
+# The variables through which a user configures PyTorch's CUDA caching allocator (the second is the newer name).
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments(devices, environ=os.environ, configure=None) -> bool:
+    """Before a run first allocates on a CUDA device, lets PyTorch's caching allocator grow segments in place
+    (expandable_segments:True), unless the user configured the allocator. Why: a run fills its budget to the
+    byte, and at its edge the default allocator frees cached segments (cudaFree synchronises the device) while
+    small boundary tensors split the large blocks that the arena and the LM head reuse. Process-wide, and only
+    new segments are affected. Returns whether it was set."""
+    if not any(d.type == "cuda" for d in devices) or any(environ.get(v) for v in ALLOCATOR_VARIABLES):
+        return False
+    if configure is None:
+        configure = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if configure is None:  # torch before 2.9
+        configure = torch.cuda.memory._set_allocator_settings
+    configure("expandable_segments:True")
+    return True
+
+
 def pinned(pin_memory, devices) -> bool:
     if pin_memory == "auto":
         return any(d.type != "cpu" for d in devices)  # a CPU device copies host to host: pinning buys nothing
