@@ -14,7 +14,7 @@ import torch
 from hydra_torch import testing
 from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner, sharding
-from hydra_torch.models.memory import parse_budget
+from hydra_torch.models.memory import format_bytes, parse_budget
 from hydra_torch.report.results import Results
 from hydra_torch.run import lifecycle, saved_bytes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
@@ -125,9 +125,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
         for task in tasks:
             planner.plan_for_devices(task, resolved, budgets)
-        engines = _engines(resolved, budgets, host_steps, arrivals)
+        engines = _engines(resolved, budgets, host_steps, arrivals, saved_bytes.kept_outside_arena(tasks))
         runners, start_rng = _runners(tasks, resolved)
-        lifecycle.place(runners, engines, pin)  # from train itself: the stack level of its warning counts on it
+        # From train itself: the stack level of its warning counts on it.
+        lifecycle.place(runners, engines, pin, saved_bytes.graphs_beyond_inputs(tasks))
         _restore_checkpoints(runners, loaded)
         selection_run = selection.start(runners) if selection is not None else None
         # The checkpointer holds the tasks' checkpoint directories until _bring_home closes it, or an error
@@ -207,10 +208,16 @@ def _budgets(devices, memory_budget) -> list[int]:
     return [parse_budget(memory_budget, d, sharing=devices.count(d) if d.type == "cpu" else 1) for d in devices]
 
 
-def _engines(devices, budgets, host_steps, arrivals) -> list:
-    """One native DeviceEngine per device; with arrivals, each arena takes its whole budget from the start."""
+def _engines(devices, budgets, host_steps, arrivals, kept_outside: int) -> list:
+    """One native DeviceEngine per device, whose arena may take what the budget keeps for no unit's working set
+    and no micro-batch's saved inputs (`kept_outside`); with arrivals, each arena takes that from the start."""
+    for device, budget in zip(devices, budgets):
+        if budget <= kept_outside:
+            raise ValueError(f"memory budget {format_bytes(budget)} on {device} leaves nothing for training state: "
+                             f"one unit's working set and one micro-batch's saved inputs take "
+                             f"{format_bytes(kept_outside)}; raise memory_budget or train on smaller batches")
     link = testing.link_bytes_per_second()
-    engines = [_C.DeviceEngine(str(d), b, host_steps, link) for d, b in zip(devices, budgets)]
+    engines = [_C.DeviceEngine(str(d), b - kept_outside, host_steps, link) for d, b in zip(devices, budgets)]
     for engine in engines if arrivals is not None else ():
         engine.expect_arrivals()
     return engines

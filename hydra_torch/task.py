@@ -177,7 +177,9 @@ class ModelTask:
         if isinstance(shards, str) and shards != "auto":
             raise ValueError(f"shards={shards!r}: use 'auto', an int, start indices or module groups")
         self.auto_shards = shards == "auto"  # planned by ht.train for its device and budget
-        self.working_set_bytes = 0  # one unit's peak beside its weights, when the planner measured it (else 0)
+        # Measured by the planner (else 0): one unit's peak beside its weights, and what one micro-batch holds
+        # through its step, spilled (its shards' inputs) and resident (its whole autograd graph).
+        self.working_set_bytes = self.boundary_bytes = self.graph_bytes = 0
         groups = sharding.split(adapter.pieces if adapter else model, None if self.auto_shards else shards)
         # The ordered modules the shards were cut from: what the planner probes and its starts index.
         if adapter is not None:

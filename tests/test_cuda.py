@@ -56,3 +56,28 @@ def test_cuda_bf16_trains():
     result = ht.train([task], devices="cuda:0", memory_budget=int(0.4 * model_bytes(model)))[0]
     assert result.error is None
     assert result.losses[-1] < result.losses[0]
+
+
+def test_cuda_four_spilled_models_stay_within_the_whole_budget():
+    """memory_budget is all the device memory a run uses: four planned models at a batch whose saved activations
+    would not fit beside each other (nor a resident model's whole graph beside its state) keep every allocation
+    of the run, as the CUDA allocator counts it, within the budget."""
+    data = token_batches(2, batch=256)
+    smallest = ht.plan(ht.ModelTask(tied_transformer(dropout=0.0), loss_fn=lm_loss, data=data), "cuda:0",
+                       budget="1GiB")
+    budget = int(1.1 * smallest.min_budget_bytes)
+    assert sum(smallest.piece_activation_bytes) > budget, "unthrottled, one resident micro-batch would not fit"
+
+    def tasks():
+        return [ht.ModelTask(tied_transformer(seed=i, dropout=0.0), optimizer=ht.optim.AdamW(lr=1e-3),
+                             loss_fn=lm_loss, data=data, shards="auto", name=f"m{i}") for i in range(4)]
+    # A first run puts cuBLAS's workspace and the kernels' first-use allocations in the baseline.
+    assert all(r.ok for r in ht.train(tasks(), devices="cuda:0", memory_budget=budget, progress=False))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    results = ht.train(tasks(), devices="cuda:0", memory_budget=budget, progress=False)
+    assert all(r.ok for r in results) and not any(r.resident for r in results)
+    stats = results.stats[0]
+    assert 0 < stats["saved_high_water_bytes"] <= stats["saved_allowance_bytes"]
+    assert torch.cuda.max_memory_allocated() - baseline <= budget

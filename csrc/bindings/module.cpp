@@ -184,11 +184,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "place_models",
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
-         const std::vector<std::string>& names) {
+         const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes) {
         std::vector<std::pair<int, std::vector<int>>> placed;
-        for (hydra::engine::Placement& p : hydra::engine::place_models(engines, stores, names))
+        for (hydra::engine::Placement& p : hydra::engine::place_models(engines, stores, names, graph_bytes))
           placed.emplace_back(p.resident_device, std::move(p.model_ids));
         return placed;
       },
-      py::arg("engines"), py::arg("stores"), py::arg("names"), release_gil());
+      py::arg("engines"), py::arg("stores"), py::arg("names"), py::arg("graph_bytes") = std::vector<int64_t>{},
+      release_gil());
 }

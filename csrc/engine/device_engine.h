@@ -92,6 +92,10 @@ class DeviceEngine {
   // Models will arrive after training starts: the arena takes the whole budget when it is made, not just
   // what the models added by then could use, so that they have room. Before training starts.
   void expect_arrivals();
+  // Keeps `bytes` of what the budget has left outside the arena (a resident model's autograd graphs, which
+  // live beside it while its micro-batch is in flight): the arena, and so every later model, gets that much
+  // less. Before training starts; throws, changing nothing, when the budget has not that much left.
+  void keep_outside_arena(int64_t bytes);
   // The smallest budget a spilled model needs: its largest shard's weights and gradients at once.
   static int64_t min_spilled_bytes(const ShardStore& store);
   static int64_t resident_bytes(const ShardStore& store);

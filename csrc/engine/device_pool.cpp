@@ -20,6 +20,13 @@ void DevicePool::set_demand(int64_t bytes) {
   demand_ = bytes;
 }
 
+void DevicePool::keep_outside(int64_t bytes) {
+  TORCH_CHECK(!arena_, "DevicePool: bytes kept outside the arena must be set before the first allocation");
+  TORCH_CHECK(bytes >= 0 && bytes < budget_, "DevicePool: cannot keep ", bytes, " of the budget's ", budget_,
+              " bytes outside the arena");
+  budget_ -= bytes;
+}
+
 void DevicePool::ensure_arena() {
   if (arena_) return;
   const int64_t capacity = std::min(budget_, demand_) / kAlignment * kAlignment;

@@ -36,6 +36,8 @@ class DevicePool {
 
   // The arena is allocated on first use at min(budget, demand): memory a workload cannot use stays free.
   void set_demand(int64_t bytes);
+  // Lowers the budget by `bytes` that the device must keep outside the arena; before the first allocation.
+  void keep_outside(int64_t bytes);
   // Nothing when no free range is large enough.
   std::optional<Allocation> allocate(int64_t bytes);
   void release(Region region, Fence after);

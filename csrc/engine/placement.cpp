@@ -8,9 +8,13 @@ namespace hydra::engine {
 
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
-                                    const std::vector<std::string>& names) {
+                                    const std::vector<std::string>& names,
+                                    const std::vector<int64_t>& graph_bytes) {
   TORCH_CHECK(!engines.empty(), "place_models: no devices");
   TORCH_CHECK(names.size() == stores.size(), "place_models: ", stores.size(), " stores but ", names.size(), " names");
+  TORCH_CHECK(graph_bytes.empty() || graph_bytes.size() == stores.size(), "place_models: ", stores.size(),
+              " stores but ", graph_bytes.size(), " graph sizes");
+  for (const int64_t bytes : graph_bytes) TORCH_CHECK(bytes >= 0, "place_models: a graph of ", bytes, " bytes");
   const size_t n = stores.size();
   std::vector<int64_t> resident(n), spilled(n), free;
   for (size_t i = 0; i < n; ++i) {
@@ -26,13 +30,15 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
     const int device = static_cast<int>(std::max_element(free.begin(), free.end()) - free.begin());
     Placement& p = placed[i];
     p.model_ids.assign(engines.size(), -1);
+    const int64_t graph = graph_bytes.empty() ? 0 : graph_bytes[i];
     try {
-      if (resident[i] + may_spill <= free[device]) {
+      if (resident[i] + graph + may_spill <= free[device]) {
         // add_model's own check is implied: what it has reserved for earlier spilled models is within
         // may_spill, and what earlier resident models took is what `free` no longer counts.
         p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident, i);
+        engines[device]->keep_outside_arena(graph);
         p.resident_device = device;
-        free[device] -= resident[i];
+        free[device] -= resident[i] + graph;
         continue;
       }
       for (size_t d = 0; d < engines.size(); ++d)

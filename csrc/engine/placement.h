@@ -4,7 +4,10 @@
 // working set of every other model that may spill there (any later model, and the earlier ones already
 // spilled), so an early resident model never leaves a later one without room. Otherwise it is spilled on
 // every device. Models are placed in order; the same arithmetic as DeviceEngine::add_model, which registers
-// each one where it was placed.
+// each one where it was placed. A resident model keeps its micro-batch's whole autograd graph, which a spilled
+// one does not: `graph_bytes[i]` (empty: none) is what model i needs for it beyond what the budget keeps for
+// a spilled micro-batch already. It must fit beside the model's state, and is kept outside the arena of the
+// device the model is resident on (DeviceEngine::keep_outside_arena).
 #pragma once
 
 #include <memory>
@@ -27,6 +30,7 @@ struct Placement {
 // started.
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
-                                    const std::vector<std::string>& names);
+                                    const std::vector<std::string>& names,
+                                    const std::vector<int64_t>& graph_bytes = {});
 
 }  // namespace hydra::engine

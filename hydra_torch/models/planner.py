@@ -42,6 +42,7 @@ class Plan:
     piece_weight_bytes: list[int]           # the measurements the plan was made from
     piece_activation_bytes: list[int]
     piece_seconds: list[float]
+    piece_input_bytes: list[int]            # what each piece takes in: a shard's saved input, where it starts one
 
     @property
     def num_shards(self) -> int:
@@ -68,7 +69,9 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
 
     Each piece of task.pieces runs forward + backward once to warm up, then `repeats` times; its time is the
     median. The shards minimise the slowest shard's time, then their number; with `max_shards` at most that
-    many. ValueError names the smallest budget that would work when `budget` is too small.
+    many. The budget also holds one micro-batch's saved inputs, counted as if every piece began a shard (the
+    most any plan keeps), so the shards are cut for what that leaves. ValueError names the smallest budget that
+    would work when `budget` is too small.
     """
     device = torch.device(device)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -81,13 +84,16 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
             raise ValueError("the task has no data to probe: pass sample_batch=")
         sample_batch = next(iter(task.data))
 
-    costs = probe_pieces(task, device, sample_batch, repeats)
-    minimum = _C.min_partition_budget(costs)
+    input_bytes = []
+    costs = probe_pieces(task, device, sample_batch, repeats, input_bytes)
+    saved_inputs = sum(input_bytes)
+    minimum = _C.min_partition_budget(costs) + saved_inputs
     if budget_bytes < minimum:
         raise ValueError(f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small for "
                          f"{task.name}: the smallest budget that works is {minimum} bytes ({format_bytes(minimum)}), "
-                         f"what its most demanding piece needs alone")
-    native = _C.partition(costs, budget_bytes, max_shards or 0)
+                         f"what its most demanding piece needs alone beside one micro-batch's saved inputs "
+                         f"({format_bytes(saved_inputs)})")
+    native = _C.partition(costs, budget_bytes - saved_inputs, max_shards or 0)
     ends = list(native.starts[1:]) + [len(costs)]
     return Plan(starts=list(native.starts), piece_ranges=list(zip(native.starts, ends)),
                 shard_bytes=list(native.shard_bytes), shard_weight_bytes=list(native.shard_weight_bytes),
@@ -95,7 +101,8 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
                 prefetch_bytes=native.prefetch_bytes, bottleneck_seconds=native.bottleneck_seconds,
                 ideal_seconds=native.ideal_seconds, budget_bytes=budget_bytes, min_budget_bytes=minimum,
                 device=str(device), piece_weight_bytes=[c[0] for c in costs],
-                piece_activation_bytes=[c[1] for c in costs], piece_seconds=[c[2] for c in costs])
+                piece_activation_bytes=[c[1] for c in costs], piece_seconds=[c[2] for c in costs],
+                piece_input_bytes=input_bytes)
 
 
 def apply_plan(task, plan_: Plan) -> None:
@@ -105,6 +112,10 @@ def apply_plan(task, plan_: Plan) -> None:
     task.modules = sharding.split(task.pieces, plan_.starts)
     task.shard_params = sharding.shard_parameters(task.modules)
     task.working_set_bytes = max(plan_.shard_activation_bytes, default=0)
+    # What one micro-batch holds from its first forward to its last backward: spilled, each shard's input;
+    # resident, every piece's autograd graph (the shards' inputs among it).
+    task.boundary_bytes = sum(plan_.piece_input_bytes[start] for start in plan_.starts)
+    task.graph_bytes = sum(plan_.piece_activation_bytes)
 
 
 def plan_for_devices(task, devices, budgets) -> None:
@@ -122,8 +133,10 @@ def piece_weight_bytes(piece: torch.nn.Module, bf16: bool) -> int:
     return _C.ShardStore.device_bytes([p.numel() for p in piece.parameters()], bf16)
 
 
-def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3) -> list[tuple[int, int, float]]:
-    """(weight bytes, activation bytes, seconds) of each piece of `task` on `device`, in order."""
+def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3,
+                 input_bytes: list | None = None) -> list[tuple[int, int, float]]:
+    """(weight bytes, activation bytes, seconds) of each piece of `task` on `device`, in order; `input_bytes`,
+    when given, receives the bytes of each piece's input."""
     dtype = task.compute_dtype
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
     x = task.inputs(batch)
@@ -139,6 +152,8 @@ def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3) -> 
         for index, piece in enumerate(task.pieces):
             _, _, warm = _probe_piece(piece, warm, device, dtype, 0, needs_input_grad=index > 0)
         for index, piece in enumerate(task.pieces):
+            if input_bytes is not None:
+                input_bytes.append(saved_tensors.distinct_bytes(t for t in tree_leaves(x) if isinstance(t, torch.Tensor)))
             seconds, activation_bytes, x = _probe_piece(piece, x, device, dtype, repeats, needs_input_grad=index > 0)
             costs.append((piece_weight_bytes(piece, dtype == torch.bfloat16), activation_bytes, seconds))
     return costs

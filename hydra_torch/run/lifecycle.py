@@ -22,13 +22,13 @@ def make_store(runner, pin: bool):
     return store
 
 
-def place(runners, engines, pin: bool):
+def place(runners, engines, pin: bool, graph_bytes=()):
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
-    there keeps room for its working set)."""
+    there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it)."""
     stores = [make_store(runner, pin) for runner in runners]
     try:
-        placed = _C.place_models(engines, stores, [runner.task.name for runner in runners])
+        placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes))
     except RuntimeError as error:
         raise ValueError(str(error)) from None
     for runner, (device, model_ids) in zip(runners, placed):

@@ -39,6 +39,19 @@ def tensor_bytes(tree) -> int:
     return distinct_bytes(t for t in leaves if isinstance(t, torch.Tensor))
 
 
+def kept_outside_arena(tasks) -> int:
+    """What each device's budget keeps outside the arena before any model is placed: one unit's working set
+    and one spilled micro-batch's saved inputs, the largest of any task's as the planner measured them."""
+    return max((t.working_set_bytes for t in tasks), default=0) + max((t.boundary_bytes for t in tasks), default=0)
+
+
+def graphs_beyond_inputs(tasks) -> list[int]:
+    """Per task, what a resident micro-batch of it (its whole autograd graph) holds beyond the spilled
+    micro-batch kept_outside_arena counts: the placement keeps that outside the arena where it is resident."""
+    inputs = max((t.boundary_bytes for t in tasks), default=0)
+    return [max(0, t.graph_bytes - inputs) for t in tasks]
+
+
 def allowance(budget: int, arena: int, working_set: int) -> int:
     """The bytes a device's budget leaves the saved activations: what neither the arena (the training state) nor
     one unit's working set takes. At least one micro-batch always runs (the scheduler's rule)."""

@@ -67,5 +67,40 @@ TEST(Placement, AddingAsResidentWhatDoesNotFitIsRefusedAndChangesNothing) {
   EXPECT_FALSE(engine.resident(0));
 }
 
+TEST(Placement, AResidentModelsGraphMustFitBesideItsStateAndIsKeptOutsideTheArena) {
+  auto store = equal_shards(2, 64);
+  const int64_t resident = DeviceEngine::resident_need(*store), budget = 4 * resident;
+  {  // a graph that fits beside the state: resident, and the arena's budget gives the graph its room
+    std::vector<std::unique_ptr<DeviceEngine>> engines;
+    engines.push_back(std::make_unique<DeviceEngine>(kCpu, budget));
+    const auto placed = place_models(pointers(engines), {store}, {"fits"}, {2 * resident});
+    EXPECT_EQ(placed[0].resident_device, 0);
+    EXPECT_EQ(engines[0]->free_bytes(), budget - 3 * resident);
+    EXPECT_LE(engines[0]->stats().capacity_bytes, budget - 2 * resident) << "the arena left the graph its room";
+  }
+  {  // one that does not: spilled, and nothing is kept outside the arena
+    std::vector<std::unique_ptr<DeviceEngine>> engines;
+    engines.push_back(std::make_unique<DeviceEngine>(kCpu, budget));
+    const auto placed = place_models(pointers(engines), {store}, {"too big a graph"}, {3 * resident + 1});
+    EXPECT_EQ(placed[0].resident_device, -1);
+    EXPECT_EQ(engines[0]->free_bytes(), budget - DeviceEngine::spilled_need(*store));
+  }
+  std::vector<std::unique_ptr<DeviceEngine>> engines;
+  engines.push_back(std::make_unique<DeviceEngine>(kCpu, budget));
+  EXPECT_THROW(place_models(pointers(engines), {store}, {"x"}, {1, 2}), c10::Error) << "one graph per store";
+  EXPECT_THROW(place_models(pointers(engines), {store}, {"x"}, {-1}), c10::Error);
+}
+
+TEST(Placement, KeepingMoreOutsideTheArenaThanTheBudgetHasLeftIsRefusedAndChangesNothing) {
+  auto store = equal_shards(2, 64);
+  DeviceEngine engine(kCpu, 4 * DeviceEngine::resident_need(*store));
+  const int64_t free = engine.free_bytes();
+  EXPECT_THROW(engine.keep_outside_arena(free + 1), c10::Error);
+  EXPECT_THROW(engine.keep_outside_arena(-1), c10::Error);
+  EXPECT_EQ(engine.free_bytes(), free);
+  engine.keep_outside_arena(free / 2);
+  EXPECT_EQ(engine.free_bytes(), free - free / 2);
+}
+
 }  // namespace
 }  // namespace engine_test
