@@ -1,21 +1,24 @@
-"""hydra-torch's GPU suite: hydra against plain PyTorch, DeepSpeed ZeRO-3 offload and FSDP2 CPU offload on
-GPT-2-shaped models, under one GPU memory cap for every system. benchmarks/RESULTS.md ("GPU suite") explains
-each measure and the targets.
+"""hydra-torch's GPU suite: hydra against plain PyTorch, DeepSpeed ZeRO-Offload (stage 2) and ZeRO-3 offload, and
+FSDP2 CPU offload on GPT-2-shaped models, under one GPU memory cap for every system. benchmarks/RESULTS.md
+("GPU suite") explains each measure and the targets.
 
-    python benchmarks/gpu_suite.py --out OUT [--p3] [--budget-s 420] [--cap-gib 16]   # on the GPU box
-    python benchmarks/gpu_suite.py --smoke --out OUT    # every code path with tiny models on the CPU, < 60 s
+    python benchmarks/gpu_suite.py --out OUT [--phases p2,p1,stress,p3] [--budget-s 330] [--cap-gib 16]   # GPU
+    python benchmarks/gpu_suite.py --smoke --out OUT    # every code path with tiny models on the CPU
 
-Stream stress first: three small spilled GPT-2 models, fp32 and bf16, eviction on every visit, against the same
-    run on the CPU (benchmarks/gpu_suite_stress.py).
-P1: one GPT-2-XL-shaped model: hydra spilled under the cap, hydra resident and plain PyTorch without it, at a
-    batch well below and one at the T >= F/B break-even (HYDRA.md section 3: ~16k tokens on H200 + PCIe Gen5);
-    then a profile of one spilled step at the smaller batch (benchmarks/gpu_suite_profile.py).
-P2: K GPT-2-large-shaped models with different learning rates, K from host RAM: hydra in one ht.train call
-    against DeepSpeed ZeRO-3 offload and FSDP2 CPU offload training them one after another.
+Phases, in this order by default (the figures that matter most first, while the time box is fresh):
+P2: K GPT-2-large-shaped models with different learning rates, K from host RAM: hydra in one ht.train call,
+    then each baseline on one model for 5 steps (training K one after another gives that per-model rate), then
+    K processes of the fastest baseline at once, each under cap / K (what a user would try first).
+P1: one GPT-2-XL-shaped model: hydra spilled under the cap, hydra resident without it, plain PyTorch without
+    it, with per-block activation checkpointing (hydra's FLOPs) and without, at a batch well below and one at
+    the T >= F/B break-even (HYDRA.md section 3); then a profile of one spilled step at the smaller batch.
+stress: three small spilled GPT-2 models, fp32 and bf16, eviction on every visit, against the same run on the
+    CPU (benchmarks/gpu_suite_stress.py).
 P3: (--p3) the largest GPT-shaped model hydra trains for 3 steps under the cap, AdamW then SGD.
-Every run is a process of its own (benchmarks/gpu_suite_child.py) with its own timeout, on a clean device; the
-phases' template models are built once and saved for their runs to map. OUT/gpu_suite.json and OUT/gpu_suite.md
-are rewritten, and OUT/runs.jsonl appended, after every run. Exit status 0 only if nothing that ran failed.
+Every run is a process of its own (benchmarks/gpu_suite_child.py) that builds its models from their seeds, on a
+clean device, and stops itself by its deadline; it is killed at the end of its phase's share at the latest, and
+a baseline cut short keeps the steps it timed. OUT/gpu_suite.json and OUT/gpu_suite.md are rewritten, and
+OUT/runs.jsonl appended, after every run. Exit status 0 only if nothing that ran failed.
 """
 from __future__ import annotations
 
@@ -33,34 +36,53 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from gpu_suite_env import (GiB, Workload, hydra_headroom_bytes, hydra_host_bytes_per_param, meminfo,  # noqa: E402
-                           models_that_fit)
+from gpu_suite_env import GiB, Workload, hydra_host_bytes_per_param, meminfo, median_after, models_that_fit  # noqa: E402
 from gpu_suite_report import markdown  # noqa: E402
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_suite_child.py")
 
+# hydra's P2 runs at least 6 steps, 2 of them warm-up; a baseline 5 steps on one model, 2 of them warm-up.
 GPU = {"p1": dict(n_embd=1600, n_layer=48, n_head=25), "p1_batches": (4, 16),       # GPT-2 XL, 1.56B
        "p2": dict(n_embd=1280, n_layer=36, n_head=20, batch=8), "p2_max_models": 4,  # GPT-2 large, 0.77B
        "p3": dict(n_embd=4096, n_head=32, batch=1), "p3_layers": 8, "seq": 1024, "vocab": 50257,
-       "p1_steps": (1, 3), "p2_steps": (1, 3)}
+       "p1_steps": (1, 3), "p2_steps": (2, 4), "baseline_steps": (2, 3)}
 # One batch in P1: a second runs the same code, and at ~10 s of imports a child on a slow CPU the time box
 # would skip it.
 SMOKE = {"p1": dict(n_embd=64, n_layer=4, n_head=2), "p1_batches": (2,),
          "p2": dict(n_embd=64, n_layer=3, n_head=2, batch=4), "p2_max_models": 2,
          "p3": dict(n_embd=64, n_head=2, batch=1), "p3_layers": 2, "seq": 32, "vocab": 256,
-         "p1_steps": (1, 2), "p2_steps": (1, 2)}
-MIN_BUDGET = 4 * GiB  # below this the spilled XL model's arena would hold little more than one shard
+         "p1_steps": (1, 2), "p2_steps": (2, 4), "baseline_steps": (2, 3)}
+PHASES = ("p2", "p1", "stress", "p3")
+# Each phase's share of the time left when it starts, relative to the phases still to run.
+WEIGHTS = {"p2": 5.0, "p1": 3.0, "stress": 0.5, "p3": 3.0}
+SLACK = GiB  # of the cap, outside hydra's budget: cuBLAS workspaces, the CUDA allocator's rounding
+BASELINES = ("deepspeed_zero2_offload", "deepspeed_zero3_offload", "fsdp2_cpu_offload")
+SYSTEM_OF = {"deepspeed_zero2_offload": "deepspeed_zero2", "deepspeed_zero3_offload": "deepspeed_zero3",
+             "fsdp2_cpu_offload": "fsdp2", "fsdp2_no_offload_cpu_check": "fsdp2_no_offload"}
+
+
+def parse_phases(text: str) -> list[str]:
+    phases = [p.strip().lower() for p in text.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        raise argparse.ArgumentTypeError(f"phases are a comma-separated subset of {','.join(PHASES)}, got {text!r}")
+    return sorted(set(phases), key=PHASES.index)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
-    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: every code path, < 60 s")
+    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: every code path")
+    p.add_argument("--phases", type=parse_phases, default=None,
+                   help="which phases to run, e.g. p2 or p2,p1 (default p2,p1,stress; with --p3 or --smoke also p3)")
     p.add_argument("--p3", action="store_true", help="also search the largest model hydra trains under the cap")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-time box for the whole run (default 420, smoke 50)")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-time box for the whole run (default 330, smoke 50)")
     p.add_argument("--cap-gib", type=float, default=16.0, help="GPU memory cap for every system (capped runs)")
     p.add_argument("--p2-max-models", type=int, default=None, help="upper bound on K (time box); RAM sets the rest")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.phases is None:
+        args.phases = list(PHASES) if (args.p3 or args.smoke) else [q for q in PHASES if q != "p3"]
+    return args
 
 
 class Clock:
@@ -83,11 +105,10 @@ class Suite:
         self.cfg = SMOKE if args.smoke else GPU
         # No CUDA call here beyond the count: the parent leaves the device to its children, each on a clean one.
         self.device = "cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu"
-        self.clock = Clock(args.budget_s or (50.0 if args.smoke else 420.0))
-        self.grace = 60.0 if args.smoke else 120.0   # a child's start (imports, templates) and teardown
+        self.clock = Clock(args.budget_s or (50.0 if args.smoke else 330.0))
         self.scratch = tempfile.mkdtemp(prefix="hydra-gpu-suite-")
         self.failures, self.record = [], {"mode": "smoke" if args.smoke else "gpu", "device": self.device,
-                                          "cap_gib": args.cap_gib, "phases": {}}
+                                          "cap_gib": args.cap_gib, "phases": {}, "phase_order": args.phases}
 
     def workload(self, shape: dict, steps, batch=None, seed=0) -> Workload:
         shape = dict(shape)
@@ -96,43 +117,67 @@ class Suite:
                         timed=steps[1], seed=seed)
 
     def capped_budget(self, w: Workload) -> tuple[int, float, str]:
-        """hydra's memory_budget under the cap: the cap less the activation headroom. On the CPU the smoke test
-        uses three times the largest shard (a block, or the tied embedding) instead, so the models spill there."""
+        """hydra's memory_budget under the cap: all of it but the slack no budget sees (the budget holds the
+        training state, one unit's working set and the saved activations). On the CPU the smoke test uses
+        three times the largest shard (a block, or the tied embedding) plus a micro-batch's activations, so the
+        models spill there."""
         if self.device == "cpu":
             shard = 4 * max(12 * w.n_embd**2 + 13 * w.n_embd, w.vocab * w.n_embd)
-            return 3 * shard + 65536, self.args.cap_gib, "CPU: 3 x largest shard (spilled)"
-        headroom = hydra_headroom_bytes(w)
+            activations = 64 * w.tokens_per_step * max(w.n_embd, w.vocab)
+            return 3 * shard + activations, self.args.cap_gib, "CPU: 3 x largest shard + activations (spilled)"
         cap = self.args.cap_gib * GiB
-        note = f"budget = cap {cap / GiB:.1f} GiB - headroom {headroom / GiB:.1f} GiB"
-        if cap - headroom < MIN_BUDGET:
-            cap = headroom + MIN_BUDGET
-            note = (f"cap raised to {cap / GiB:.1f} GiB for this batch: activations and the loss's logits need "
-                    f"{headroom / GiB:.1f} GiB beside a {MIN_BUDGET / GiB:.0f} GiB budget")
-        return int(cap - headroom), cap / GiB, note
+        return int(cap - SLACK), cap / GiB, f"budget = cap {cap / GiB:.1f} GiB - {SLACK / GiB:.0f} GiB slack"
 
     def child(self, system: str, deadline: float, **spec) -> dict:
-        """Runs one system in its own process (benchmarks/gpu_suite_child.py) with its own timeout: the phase's
-        deadline plus the grace for starting and stopping, never past the suite's end plus that grace."""
+        """Runs one system in its own process (benchmarks/gpu_suite_child.py), killed at `deadline` (never past
+        the suite's end) if it has not ended. The run itself is told to stop a little earlier, time to tear
+        down; a run that is killed keeps the steps it reported (its "partial" record)."""
+        process, result_path = self.start_child(system, deadline, **spec)
+        return self.finish_child(process, result_path, deadline)
+
+    def start_child(self, system: str, deadline: float, **spec):
+        limit = min(deadline, self.clock.end)
+        teardown = min(20.0, 0.15 * max(0.0, limit - time.perf_counter()))
         spec.update(system=system, device=spec.get("device", self.device),
-                    deadline=time.time() + (deadline - time.perf_counter()))
+                    deadline=time.time() + (limit - teardown - time.perf_counter()))
         name = f"{system}-{len(os.listdir(self.scratch))}"
         spec_path, result_path = (os.path.join(self.scratch, f"{name}.{kind}.json") for kind in ("spec", "result"))
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        timeout = max(1.0, min(deadline - time.perf_counter(), self.clock.left()) + self.grace)
+        process = subprocess.Popen([sys.executable, CHILD, spec_path, result_path], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        return process, result_path
+
+    def finish_child(self, process, result_path: str, deadline: float) -> dict:
         start = time.perf_counter()
+        timeout = max(1.0, min(deadline, self.clock.end) - start)
         try:
-            done = subprocess.run([sys.executable, CHILD, spec_path, result_path], capture_output=True, text=True,
-                                  timeout=timeout)
-            tail = (done.stdout + done.stderr)[-2000:]
+            output, _ = process.communicate(timeout=timeout)
             if os.path.exists(result_path):
                 with open(result_path) as f:
                     return json.load(f)
-            return {"error": f"the run's process ended with status {done.returncode} and no result", "output": tail}
-        except subprocess.TimeoutExpired as expired:
-            tail = ((expired.stdout or b"") + (expired.stderr or b""))[-2000:]
-            return {"error": f"timeout: killed after {time.perf_counter() - start:.0f} s (its limit, {timeout:.0f} s)",
-                    "output": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+            result = {"error": f"the run's process ended with status {process.returncode} and no result",
+                      "output": (output or "")[-2000:]}
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+            result = {"error": f"timeout: killed after {time.perf_counter() - start:.0f} s (its limit, {timeout:.0f} s)",
+                      "output": (output or "")[-2000:]}
+        progress = result_path + ".progress"
+        if os.path.exists(progress):
+            with open(progress) as f:
+                result["partial"] = partial_rate(json.load(f))
+        return result
+
+    def record_run(self, phase: dict, name: str, system: str, result: dict, counts_as_failure: bool = True) -> dict:
+        phase[name] = result
+        if "error" in result and counts_as_failure:
+            self.failures.append(f"{name}: {result['error']}")
+        status = result.get("skipped") or result.get("error") or (
+            f"{result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else "ok")
+        print(f"  {name}: {'skipped: ' if 'skipped' in result else ''}{status}", flush=True)
+        self.save(run={"name": name, "system": system, "result": result})
+        return result
 
     def run(self, phase: dict, name: str, deadline: float, system: str, **spec) -> dict:
         if time.perf_counter() > deadline:
@@ -141,60 +186,39 @@ class Suite:
             start = time.perf_counter()
             result = self.child(system, deadline, **spec)
             result.setdefault("seconds", time.perf_counter() - start)
-        phase[name] = result
-        if "error" in result:
-            self.failures.append(f"{name}: {result['error']}")
-        status = result.get("skipped") or result.get("error") or (
-            f"{result['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in result else "ok")
-        print(f"  {name}: {'skipped: ' if 'skipped' in result else ''}{status}", flush=True)
-        self.save(run={"name": name, "system": system, "result": result})
-        return result
+        return self.record_run(phase, name, system, result)
 
-    def templates(self, phase: dict, w: Workload, seeds, deadline: float) -> str:
-        """Saves the phase's template models once (a child of its own); its runs map them. A failure here
-        costs time only: each run then builds its own from the same seeds."""
-        folder = tempfile.mkdtemp(dir=self.scratch, prefix="templates-")
-        self.run(phase, "templates", deadline, "templates", workload=w.__dict__, seeds=list(seeds),
-                 template_dir=folder)
-        return folder
+    def at_once(self, phase: dict, name: str, deadline: float, system: str, k: int, w: Workload, lrs, cap: float):
+        """K processes of one baseline started together, each with one model under cap / K: their rates add
+        while they all run. Out of memory under the smaller cap is a measured outcome, not a failure."""
+        if time.perf_counter() > deadline:
+            return self.record_run(phase, name, system, {"skipped": "time box"})
+        started = [self.start_child(system, deadline, workload=asdict(w), seeds=[i], lrs=[lrs[i]], cap_gib=cap / k)
+                   for i in range(k)]
+        runs = [self.finish_child(process, path, deadline) for process, path in started]
+        rates = [r.get("tokens_per_s") for r in runs]
+        result = {"processes": k, "cap_gib_each": cap / k, "runs": runs,
+                  "out_of_memory": sum(bool(r.get("out_of_memory")) for r in runs)}
+        if all(rates):
+            result["tokens_per_s"] = sum(rates)
+        elif not result["out_of_memory"]:
+            result["error"] = "; ".join(r.get("error", "no rate") for r in runs if not r.get("tokens_per_s"))
+        return self.record_run(phase, name, system, result)
+
+    def deadlines(self):
+        """Each selected phase's deadline, decided when the phase starts: its weight's share of the time left."""
+        remaining = list(self.args.phases)
+        while remaining:
+            phase = remaining.pop(0)
+            total = WEIGHTS[phase] + sum(WEIGHTS[p] for p in remaining)
+            yield phase, self.clock.deadline(WEIGHTS[phase] / total)
 
     # ---- phases ---------------------------------------------------------------------------------------
 
-    def p1(self, deadline: float):
-        shape, phase = self.cfg["p1"], {}
-        self.record["phases"]["P1"] = phase
-        base = self.workload(shape, self.cfg["p1_steps"], batch=self.cfg["p1_batches"][0])
-        print(f"P1: one model of {base.params() / 1e9:.2f}B params", flush=True)
-        folder = self.templates(phase, base, [0], deadline)
-        for batch in self.cfg["p1_batches"]:
-            w = self.workload(shape, self.cfg["p1_steps"], batch=batch)
-            entry = {"workload": w.as_dict()}
-            phase[f"batch_{batch}"] = entry
-            budget, cap, note = self.capped_budget(w)
-            entry.update({"hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
-            same = dict(workload=asdict(w), seeds=[0], template_dir=folder, lrs=[1e-4])
-            self.run(entry, "hydra_spilled_capped", deadline, "hydra", budget=budget, cap_gib=cap, **same)
-            self.run(entry, "hydra_resident_uncapped", deadline, "hydra",
-                     budget="90%" if self.device != "cpu" else "4GiB", **same)
-            self.run(entry, "plain_uncapped", deadline, "plain", **same)
-            speed = {k: v.get("tokens_per_s") for k, v in entry.items() if isinstance(v, dict)}
-            if speed.get("plain_uncapped"):
-                entry["ratio_spilled_vs_plain"] = (speed.get("hydra_spilled_capped") or 0) / speed["plain_uncapped"]
-                entry["ratio_resident_vs_plain"] = (speed.get("hydra_resident_uncapped") or 0) / speed["plain_uncapped"]
-            if speed.get("hydra_resident_uncapped"):
-                entry["ratio_spilled_vs_resident"] = ((speed.get("hydra_spilled_capped") or 0)
-                                                      / speed["hydra_resident_uncapped"])
-            if entry["hydra_spilled_capped"].get("resident") == [True]:
-                entry["warning"] = "the capped hydra run stayed resident: it did not measure spilling"
-            if batch == self.cfg["p1_batches"][0]:
-                self.run(phase, "profile_spilled_step", deadline, "profile", budget=budget, cap_gib=cap, **same)
-        shutil.rmtree(folder, ignore_errors=True)
-
     def p2(self, deadline: float):
         w = self.workload(self.cfg["p2"], self.cfg["p2_steps"])
-        # Host bytes per model: hydra's training state with an fp32 module (~18.4 B/param with AdamW) plus the
-        # template copy kept so every system starts from the same weights (4 B/param).
-        per_param = hydra_host_bytes_per_param(w, 2) + 4
+        # Host bytes per model: hydra's training state with an fp32 module (~18.4 B/param with AdamW).
+        per_param = hydra_host_bytes_per_param(w, 2)
         k_ram, why = models_that_fit(w.params(), per_param)
         limit = self.args.p2_max_models or self.cfg["p2_max_models"]
         k = min(k_ram, limit)
@@ -209,20 +233,61 @@ class Suite:
         lrs = [1e-4 * 2**i for i in range(k)]
         budget, cap, note = self.capped_budget(w)
         phase.update({"lrs": lrs, "hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
-        folder = self.templates(phase, w, range(k), deadline)
-        same = dict(workload=asdict(w), seeds=list(range(k)), template_dir=folder, lrs=lrs, cap_gib=cap)
-        share = (deadline - time.perf_counter()) / 3
-        self.run(phase, "hydra", deadline - 2 * share, "hydra", budget=budget, **same)
-        self.run(phase, "deepspeed_zero3_offload", deadline - share, "deepspeed", **same)
-        self.run(phase, "fsdp2_cpu_offload", deadline, "fsdp2", **same)
-        if self.args.smoke:  # FSDP2's own wrapping and step on the CPU, offload off: a code-path check only
-            self.run(phase, "fsdp2_no_offload_cpu_check", deadline, "fsdp2_no_offload", **same)
-        shutil.rmtree(folder, ignore_errors=True)
-        hydra = phase["hydra"].get("tokens_per_s")
-        for name in ("deepspeed_zero3_offload", "fsdp2_cpu_offload"):
-            other = phase[name].get("tokens_per_s")
+        one = self.workload(self.cfg["p2"], self.cfg["baseline_steps"])
+        phase["baseline_workload"] = one.as_dict()
+        # hydra half of the phase, each baseline an equal part of the rest, the K processes the last part.
+        baselines = list(BASELINES) + (["fsdp2_no_offload_cpu_check"] if self.args.smoke else [])
+        share = (deadline - time.perf_counter()) / 2 / (len(baselines) + 1)
+        self.run(phase, "hydra", deadline - share * (len(baselines) + 1), "hydra", budget=budget,
+                 workload=asdict(w), seeds=list(range(k)), lrs=lrs, cap_gib=cap)
+        for i, name in enumerate(baselines):
+            self.run(phase, name, deadline - share * (len(baselines) - i), SYSTEM_OF[name], workload=asdict(one),
+                     seeds=[0], lrs=lrs[:1], cap_gib=cap)
+        rated = {name: phase[name]["tokens_per_s"] for name in baselines if phase[name].get("tokens_per_s")}
+        if rated:
+            best = max(rated, key=rated.get)
+            phase["best_baseline"] = best
+            self.at_once(phase, f"{best}_x{k}_at_once", deadline, SYSTEM_OF[best], k, one, lrs, cap)
+        hydra = phase["hydra"].get("window_tokens_per_s") or phase["hydra"].get("tokens_per_s")
+        for name in [*baselines, f"{phase.get('best_baseline')}_x{k}_at_once"]:
+            other = phase.get(name, {}).get("tokens_per_s")
             if hydra and other:
                 phase[f"ratio_hydra_vs_{name}"] = hydra / other
+
+    def p1(self, deadline: float):
+        shape, phase = self.cfg["p1"], {}
+        self.record["phases"]["P1"] = phase
+        base = self.workload(shape, self.cfg["p1_steps"], batch=self.cfg["p1_batches"][0])
+        print(f"P1: one model of {base.params() / 1e9:.2f}B params", flush=True)
+        for batch in self.cfg["p1_batches"]:
+            w = self.workload(shape, self.cfg["p1_steps"], batch=batch)
+            entry = {"workload": w.as_dict()}
+            phase[f"batch_{batch}"] = entry
+            budget, cap, note = self.capped_budget(w)
+            entry.update({"hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
+            same = dict(workload=asdict(w), seeds=[0], lrs=[1e-4])
+            self.run(entry, "hydra_spilled_capped", deadline, "hydra", budget=budget, cap_gib=cap, **same)
+            self.run(entry, "hydra_resident_uncapped", deadline, "hydra",
+                     budget="90%" if self.device != "cpu" else "4GiB", **same)
+            self.run(entry, "plain_checkpointed_uncapped", deadline, "plain_checkpointed", **same)
+            self.run(entry, "plain_uncapped", deadline, "plain", **same)
+            speed = {k: v.get("tokens_per_s") for k, v in entry.items() if isinstance(v, dict)}
+            for name, reference in (("spilled_vs_plain_checkpointed", "plain_checkpointed_uncapped"),
+                                    ("spilled_vs_plain", "plain_uncapped"),
+                                    ("resident_vs_plain", "plain_uncapped")):
+                mine = speed.get("hydra_resident_uncapped" if name.startswith("resident") else "hydra_spilled_capped")
+                if speed.get(reference):
+                    entry[f"ratio_{name}"] = (mine or 0) / speed[reference]
+            if entry["hydra_spilled_capped"].get("resident") == [True]:
+                entry["warning"] = "the capped hydra run stayed resident: it did not measure spilling"
+            if batch == self.cfg["p1_batches"][0]:
+                self.run(phase, "profile_spilled_step", deadline, "profile", budget=budget, cap_gib=cap, **same)
+
+    def stress(self, deadline: float):
+        stress = {}
+        self.record["phases"]["stress"] = stress
+        print("Stream stress: 3 small spilled GPT-2 models, fp32 and bf16, on the device against the CPU")
+        self.run(stress, "stream_stress", deadline, "stress")
 
     def p3(self, deadline: float):
         """Grows n_layer by 1.5x until a run fails or the next model's host state would pass 85% of available
@@ -272,21 +337,14 @@ class Suite:
             os.replace(os.path.join(self.args.out, name + ".partial"), os.path.join(self.args.out, name))
 
     def main(self) -> int:
-        print(f"hydra-torch GPU suite ({self.record['mode']}) on {self.device}, "
+        print(f"hydra-torch GPU suite ({self.record['mode']}) on {self.device}, phases {','.join(self.args.phases)}, "
               f"time box {self.clock.left():.0f} s", flush=True)
         try:
-            machine = self.child("machine", self.clock.deadline(0.1))
+            machine = self.child("machine", self.clock.deadline(0.05))
             self.record["machine"], self.record["pcie"] = machine.get("machine", machine), machine.get("pcie")
             print(f"PCIe: {self.record['pcie']}", flush=True)
-            stress = {}
-            self.record["phases"]["stress"] = stress
-            print("Stream stress: 3 small spilled GPT-2 models, fp32 and bf16, on the device against the CPU")
-            self.run(stress, "stream_stress", self.clock.deadline(0.15), "stress")
-            with_p3 = self.args.p3 or self.args.smoke
-            self.p1(self.clock.deadline(0.3 if with_p3 else 0.4))
-            self.p2(self.clock.deadline(0.5 if with_p3 else 1.0))
-            if with_p3:
-                self.p3(self.clock.deadline(1.0))
+            for phase, deadline in self.deadlines():
+                getattr(self, phase)(deadline)
             self.save()
         finally:
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -295,6 +353,14 @@ class Suite:
         for failure in self.failures:
             print(f"  FAILED {failure}")
         return 1 if self.failures else 0
+
+
+def partial_rate(progress: dict) -> dict:
+    """What a baseline cut short had measured: its step times so far, and the rate over the timed ones."""
+    times, warmup = progress.get("step_times", []), progress.get("warmup", 0)
+    median = median_after(times, warmup) if len(times) > warmup else None
+    return {"steps": len(times), "step_times": times,
+            "tokens_per_s": progress.get("tokens_per_step", 0) / median if median else None}
 
 
 def main(argv=None) -> int:

@@ -3,10 +3,12 @@ the others, or the suite's record, with it, and every system starts on a clean d
 
     python benchmarks/gpu_suite_child.py SPEC.json RESULT.json
 
-SPEC (written by gpu_suite.py) names the run ("system"), the device, the workload, the template models
-(seeds, dtype, and the folder of their saved copies), the learning rates, the GPU memory cap, hydra's budget,
-the optimizer and the deadline in seconds since the epoch. RESULT receives the run's dict of measurements, or
-its "error" or "skipped"; with no RESULT file the parent reports the exit status and the output's tail.
+SPEC (written by gpu_suite.py) names the run ("system"), the device, the workload, the models (their seeds and
+dtype: each run builds its own, gpu_suite_env.build_model), the learning rates, the GPU memory cap, hydra's
+budget, the optimizer and the deadline in seconds since the epoch, by which the run stops itself. RESULT
+receives the run's dict of measurements, or its "error" or "skipped"; RESULT.progress, the step times so far
+after every step of a baseline, so that a run the suite has to kill keeps what it measured; with no RESULT
+file the parent reports the exit status and the output's tail.
 """
 from __future__ import annotations
 
@@ -25,36 +27,9 @@ from gpu_suite_stress import stream_stress  # noqa: E402
 from gpu_suite_systems import failure, run_deepspeed, run_fsdp2, run_hydra, run_plain  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def template_path(folder: str, seed: int) -> str:
-    return os.path.join(folder, f"template-seed{seed}.pt")
-
-
-def save_templates(spec: dict, w: Workload) -> dict:
-    """Builds each seed's model once and saves the whole module (ties and buffers included); the other runs of
-    the phase map it instead of paying the random initialisation again (~15 s for GPT-2 XL's 1.56B params)."""
-    folder = spec["template_dir"]
-    os.makedirs(folder, exist_ok=True)
-    for seed in spec["seeds"]:
-        model = build_model(w, seed=seed, dtype=DTYPES[spec.get("dtype", "float32")])
-        path = template_path(folder, seed)
-        torch.save(model, path + ".partial")
-        os.replace(path + ".partial", path)
-        del model
-    return {"templates": len(spec["seeds"]), "folder": folder}
-
-
-def templates(spec: dict, w: Workload) -> list:
-    folder = spec.get("template_dir")
-    out = []
-    for seed in spec["seeds"]:
-        if folder and os.path.exists(template_path(folder, seed)):
-            # Mapped, not read: each system deep-copies its templates, which is where the bytes are read.
-            out.append(torch.load(template_path(folder, seed), weights_only=False, mmap=True))
-        else:
-            out.append(build_model(w, seed=seed, dtype=DTYPES[spec.get("dtype", "float32")]))
-    return out
+# The systems a run may name, besides "machine" and "stress".
+SYSTEMS = ("hydra", "profile", "plain", "plain_checkpointed", "deepspeed_zero2", "deepspeed_zero3", "fsdp2",
+           "fsdp2_no_offload")
 
 
 def cap(device: torch.device, gib: float | None):
@@ -64,7 +39,13 @@ def cap(device: torch.device, gib: float | None):
         torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), device)
 
 
-def run(spec: dict) -> dict:
+def write_json(path: str, record: dict):
+    with open(path + ".partial", "w") as f:
+        json.dump(record, f, default=str)
+    os.replace(path + ".partial", path)
+
+
+def run(spec: dict, progress_path: str | None = None) -> dict:
     device = torch.device(spec["device"])
     if device.type == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -76,36 +57,38 @@ def run(spec: dict) -> dict:
     if system == "stress":
         return stream_stress(device, steps=spec.get("steps", 6))
     w = Workload(**spec["workload"])
-    if system == "templates":
-        return save_templates(spec, w)
+    if system not in SYSTEMS:
+        return {"error": f"unknown system {system!r}"}
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    models, data, lrs = templates(spec, w), make_batches(w), spec.get("lrs", [1e-4])
+    dtype = DTYPES[spec.get("dtype", "float32")]
+    models = [build_model(w, seed, dtype, init_device=str(device)) for seed in spec["seeds"]]
+    data, lrs = make_batches(w), spec.get("lrs", [1e-4])
     cap(device, spec.get("cap_gib"))
+    report = (lambda record: write_json(progress_path, record)) if progress_path else None
     if system == "hydra":
-        return run_hydra(models, lrs, w, data, device, spec["budget"], optimizer=spec.get("optimizer", "adamw"))
+        return run_hydra(models, lrs, w, data, device, spec["budget"], optimizer=spec.get("optimizer", "adamw"),
+                         deadline=deadline)
     if system == "profile":
         return profile_hydra(models[0], w, data, device, spec["budget"])
-    if system == "plain":
-        return run_plain(models, lrs, w, data, device, deadline)
-    if system == "deepspeed":
-        return run_deepspeed(models, lrs, w, data, device, deadline)
-    if system in ("fsdp2", "fsdp2_no_offload"):
-        return run_fsdp2(models, lrs, w, data, device, deadline, offload=system == "fsdp2")
-    return {"error": f"unknown system {system!r}"}
+    if system in ("plain", "plain_checkpointed"):
+        return run_plain(models, lrs, w, data, device, deadline, checkpointed=system == "plain_checkpointed",
+                         report=report)
+    if system in ("deepspeed_zero2", "deepspeed_zero3"):
+        return run_deepspeed(models, lrs, w, data, device, deadline, stage=int(system[-1]), report=report)
+    return run_fsdp2(models, lrs, w, data, device, deadline, offload=system == "fsdp2", report=report)
+
 
 
 def main(spec_path: str, result_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     try:
-        result = run(spec)
+        result = run(spec, result_path + ".progress")
     except BaseException as error:  # noqa: BLE001 - the parent records whatever ended the run
         result = failure(error)
-    with open(result_path + ".partial", "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(result_path + ".partial", result_path)
+    write_json(result_path, result)
     return 0
 
 

@@ -7,7 +7,6 @@ import platform
 import statistics
 import subprocess
 import threading
-import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
@@ -47,19 +46,27 @@ class Workload:
         return {**asdict(self), "params": self.params(), "tokens_per_step": self.tokens_per_step}
 
 
-def build_model(w: Workload, seed: int, dtype=torch.float32):
-    """A randomly initialised GPT2LMHeadModel of the workload's shape (no hub). Dropout is off so every system
-    does the same arithmetic per step and none pays for random masks the others skip."""
+def build_model(w: Workload, seed: int, dtype=torch.float32, init_device: str = "cpu"):
+    """A randomly initialised GPT2LMHeadModel of the workload's shape (no hub), in host memory. Every run builds
+    its own from the seed: initialised on `init_device` (a GPU draws GPT-2 XL's 1.56B numbers in well under a
+    second, the host in ~15 s) and moved to the host, so every system of a phase starts from the same weights
+    that a run on the same kind of device drew. Dropout is off so every system does the same arithmetic per
+    step and none pays for random masks the others skip; the GELU is `gelu_pytorch_tanh`, the same formula as
+    GPT-2's `gelu_new` in one kernel instead of eight, in every system alike."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=w.vocab, n_positions=w.seq, n_embd=w.n_embd, n_layer=w.n_layer,
                         n_head=w.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
+                        activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
+    if init_device.startswith("cuda"):
+        torch.cuda.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)   # P3 builds in bf16 directly: a 6B model's fp32 copy would not fit beside it
     try:
-        return GPT2LMHeadModel(config)
+        with torch.device(init_device):
+            model = GPT2LMHeadModel(config)
+        return model.to("cpu")
     finally:
         torch.set_default_dtype(previous)
 
@@ -205,20 +212,3 @@ def pcie_bandwidth(device: torch.device, nbytes: int = GiB, repeats: int = 3) ->
     del host, dev
     torch.cuda.empty_cache()
     return out
-
-
-def hydra_headroom_bytes(w: Workload, slack: int = GiB) -> int:
-    """Device memory hydra uses outside its budget (the budget holds training state only): the saved boundary
-    activations (bf16, one per shard), one layer's working set while it recomputes and back-propagates
-    (~48 B per token and channel), and the loss: bf16 logits, their fp32 cast, log-softmax and its gradient
-    (~14 B per token and vocabulary entry, which dominates at large batches). `slack`: cuBLAS workspaces and
-    allocator rounding."""
-    tokens = w.tokens_per_step
-    boundaries = (w.n_layer + 2) * tokens * w.n_embd * 2
-    layer = 48 * tokens * w.n_embd
-    loss = 14 * tokens * w.vocab
-    return boundaries + layer + loss + slack
-
-
-def since(start: float) -> float:
-    return time.perf_counter() - start

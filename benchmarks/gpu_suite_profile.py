@@ -10,7 +10,6 @@ last step (started before its first unit, stopped after its last unit's device w
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import tempfile
@@ -78,18 +77,20 @@ def gpu_activity(chrome_trace: dict) -> dict:
             "copy_under_kernels_s": _intersection(copies, k), "gpu_idle_s": window - _length(everything)}
 
 
-def profile_hydra(template, w: Workload, data, device: torch.device, budget, steps: int = 2) -> dict:
-    """Trains a copy of `template` for `steps` steps (batches from `data`) and profiles the last one."""
+def profile_hydra(model, w: Workload, data, device: torch.device, budget, steps: int = 2) -> dict:
+    """Trains `model` for `steps` steps (batches from `data`), its shards planned for the budget, and profiles the
+    last step."""
     try:
         import hydra_torch as ht
         from hydra_torch.run import workers
 
         _reset(device)
-        model = copy.deepcopy(template)
         task = ht.ModelTask(model, data=data[:steps], optimizer=ht.optim.AdamW(lr=1e-4, weight_decay=WEIGHT_DECAY),
-                            name="profiled", precision="bf16")
-        per_step = 2 * task.num_shards - 1
-        first, last = (steps - 1) * per_step, steps * per_step - 1
+                            name="profiled", precision="bf16", shards="auto")
+
+        def last_step_units():  # known once ht.train has planned the shards
+            per_step = 2 * task.num_shards - 1
+            return (steps - 1) * per_step, steps * per_step - 1
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -98,6 +99,7 @@ def profile_hydra(template, w: Workload, data, device: torch.device, budget, ste
 
         def visit(slot, unit, runner):
             # Only the last step's units are recorded: earlier steps warm the allocator, cuBLAS and the caches.
+            first, last = last_step_units()
             if unit.index == first:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -119,6 +121,7 @@ def profile_hydra(template, w: Workload, data, device: torch.device, budget, ste
             workers._visit = original
         if results[0].error is not None:
             return {"error": f"{type(results[0].error).__name__}: {results[0].error}"}
+        first, last = last_step_units()
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "trace.json")
             profiler.export_chrome_trace(path)

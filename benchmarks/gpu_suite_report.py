@@ -53,6 +53,26 @@ def _profile(p: dict) -> list[str]:
     return lines
 
 
+def _p2(p2: dict) -> list[str]:
+    w = p2["workload"]
+    lines = [f"## P2, K = {p2['k']} models of {w['params'] / 1e9:.2f}B params, batch {w['batch']} x {w['seq']}", "",
+             f"{p2['k_reason']} (limit {p2['k_limit']}). " + p2.get("skipped", ""), ""]
+    if "hydra" not in p2:
+        return lines
+    hydra = p2["hydra"]
+    ratios = ", ".join(f"vs {name[len('ratio_hydra_vs_'):]} {value:.2f}x" for name, value in p2.items()
+                       if name.startswith("ratio_hydra_vs_"))
+    lines += [f"Cap {p2['cap_gib']:.1f} GiB, hydra budget {p2['hydra_budget_gib']:.1f} GiB ({p2['budget_note']}). "
+              f"hydra over its steady window (every model past warm-up until the last step): "
+              f"{_num(hydra.get('window_tokens_per_s'))} tokens/s; {ratios or 'no ratio'}. Baselines: one model, "
+              f"{p2['baseline_workload']['warmup'] + p2['baseline_workload']['timed']} steps (K one after another train at that rate); "
+              f"best baseline {p2.get('best_baseline', '-')} also as K processes at once under cap / K.", "", HEADER]
+    for name, r in p2.items():
+        if isinstance(r, dict) and name not in ("workload", "baseline_workload"):
+            lines.append(_row(name, r))
+    return lines + [""]
+
+
 def _stress(r: dict) -> list[str]:
     lines = ["## Stream stress: 3 small spilled GPT-2 models, the device run against the CPU run", "", _status(r), ""]
     if any(p in r for p in ("fp32", "bf16")):
@@ -79,9 +99,9 @@ def markdown(record: dict) -> str:
              f"- PCIe (pinned, 1 GiB): {record.get('pcie')}",
              f"- wall time {_num(record.get('wall_s'), '{:.0f}')} s; failures: {record.get('failures') or 'none'}", ""]
     phases = record.get("phases", {})
-    stress = phases.get("stress", {}).get("stream_stress")
-    if stress:
-        lines += _stress(stress)
+    p2 = phases.get("P2")
+    if p2:
+        lines += _p2(p2)
     for key, entry in phases.get("P1", {}).items():
         if not key.startswith("batch_"):
             continue
@@ -89,27 +109,18 @@ def markdown(record: dict) -> str:
         lines += [f"## P1, batch {w['batch']} x {w['seq']} = {w['tokens_per_step']} tokens, "
                   f"{w['params'] / 1e9:.2f}B params", "",
                   f"hydra budget {entry['hydra_budget_gib']:.1f} GiB under a cap of {entry['cap_gib']:.1f} GiB "
-                  f"({entry['budget_note']}). Ratios: spilled/plain {_num(entry.get('ratio_spilled_vs_plain'), '{:.2f}')}, "
-                  f"resident/plain {_num(entry.get('ratio_resident_vs_plain'), '{:.2f}')}, "
-                  f"spilled/resident {_num(entry.get('ratio_spilled_vs_resident'), '{:.2f}')}. "
-                  + entry.get("warning", ""), "", HEADER]
+                  f"({entry['budget_note']}). Ratios: spilled / plain with activation checkpointing (same FLOPs) "
+                  f"{_num(entry.get('ratio_spilled_vs_plain_checkpointed'), '{:.2f}')}, spilled / plain "
+                  f"{_num(entry.get('ratio_spilled_vs_plain'), '{:.2f}')}, resident / plain "
+                  f"{_num(entry.get('ratio_resident_vs_plain'), '{:.2f}')}. " + entry.get("warning", ""), "", HEADER]
         lines += [_row(name, r) for name, r in entry.items() if isinstance(r, dict) and name != "workload"]
         lines.append("")
     profile = phases.get("P1", {}).get("profile_spilled_step")
     if profile:
         lines += _profile(profile)
-    p2 = phases.get("P2")
-    if p2:
-        w = p2["workload"]
-        lines += [f"## P2, K = {p2['k']} models of {w['params'] / 1e9:.2f}B params, batch {w['batch']} x {w['seq']}", "",
-                  f"{p2['k_reason']} (limit {p2['k_limit']}). " + p2.get("skipped", ""), ""]
-        if "hydra" in p2:
-            lines += [f"Cap {p2['cap_gib']:.1f} GiB, hydra budget {p2['hydra_budget_gib']:.1f} GiB. hydra vs DeepSpeed "
-                      f"{_num(p2.get('ratio_hydra_vs_deepspeed_zero3_offload'), '{:.2f}')}x, vs FSDP2 "
-                      f"{_num(p2.get('ratio_hydra_vs_fsdp2_cpu_offload'), '{:.2f}')}x.", "", HEADER]
-            lines += [_row(name, r) for name, r in p2.items()
-                      if isinstance(r, dict) and name not in ("workload", "templates")]
-            lines.append("")
+    stress = phases.get("stress", {}).get("stream_stress")
+    if stress:
+        lines += _stress(stress)
     p3 = phases.get("P3")
     if p3:
         lines += ["## P3, largest model under the cap (3 steps)", "",

@@ -1,11 +1,13 @@
-"""The systems the GPU suite compares, one function each. Every function trains copies of the given template
-models on the same batches with AdamW(weight_decay=0.01) and returns a dict of measurements, or a dict with
-"error" (the failure, as text) or "skipped" (why it cannot run here): a baseline that breaks must not take the
-suite down with it. DeepSpeed and FSDP are imported inside their functions only."""
+"""The systems the GPU suite compares, one function each. Every function trains the models it is given (built
+from their seeds in this run's process, which it may consume) on the same batches with AdamW(weight_decay=0.01)
+and returns a dict of measurements, or a dict with "error" (the failure, as text) or "skipped" (why it cannot
+run here): a baseline that breaks must not take the suite down with it. `report`, where given, receives the
+measurements so far after every step (the run's process writes them where the suite finds them if the run is
+cut short). DeepSpeed and FSDP are imported inside their functions only."""
 from __future__ import annotations
 
-import copy
 import gc
+import threading
 import os
 import socket
 import time
@@ -19,7 +21,10 @@ WEIGHT_DECAY = 0.01
 
 
 def failure(error: BaseException) -> dict:
-    return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=8)}
+    out = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=8)}
+    if isinstance(error, torch.OutOfMemoryError):
+        out["out_of_memory"] = True  # a measured outcome where the cap is the question (K processes at once)
+    return out
 
 
 def _sync(device):
@@ -53,6 +58,28 @@ def _summary(w: Workload, step_times: list[list[float]], wall: float, sampler: S
             "peak_gpu_gib": _peak_gpu(device), **sampler.record()}
 
 
+def _steady_window(results, n_shards: list[int], w: Workload) -> dict:
+    """Aggregate tokens/s over one window: from the moment every model has finished its warm-up steps (its
+    first timed step has begun) to the moment the last model's last unit ended; the tokens are every step that
+    began inside the window, so no model's warm-up counts and no model is cut short by its neighbours."""
+    starts, last_end = [], 0.0
+    for task, n in enumerate(n_shards):
+        per = max(1, 2 * n - 1)
+        first = {}
+        for e in results.trace:
+            if e.task == task:
+                first[e.unit // per] = min(first.get(e.unit // per, e.start), e.start)
+                last_end = max(last_end, e.end)
+        starts.append(first)
+    if not all(len(s) > w.warmup for s in starts):
+        return {"window_tokens_per_s": None, "window_note": "a model did not get past its warm-up steps"}
+    begin = max(s[w.warmup] for s in starts)
+    steps = sum(1 for s in starts for t in s.values() if t >= begin)
+    seconds = last_end - begin
+    return {"window_tokens_per_s": steps * w.tokens_per_step / seconds if seconds > 0 else None,
+            "window_s": seconds, "window_steps": steps}
+
+
 def _hydra_step_times(results, n_shards: list[int]) -> list[list[float]]:
     """Per task, step durations from the schedule trace: a step starts with its first unit (shard 0's forward;
     units are numbered across the run, 2n-1 per micro-batch) and lasts until the next step starts, which
@@ -79,17 +106,28 @@ def _compact_trace(results) -> list[list]:
              e.bytes_copied] for e in results.trace]
 
 
-def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, optimizer="adamw") -> dict:
-    """All models in one ht.train call, bf16 weights on the device, fp32 masters and the optimizer on the host."""
+def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, optimizer="adamw", deadline=None,
+              shards="auto") -> dict:
+    """All models in one ht.train call, bf16 weights on the device, fp32 masters and the optimizer on the host,
+    shards planned on the device for the budget (which holds everything the run puts there). At `deadline`
+    every task is asked to stop at its next step boundary, so a run that is running late still returns what it
+    measured instead of being killed."""
+    timer = None
     try:
         import hydra_torch as ht
 
         _reset(device)
-        models = [copy.deepcopy(t) for t in templates]
         make = {"adamw": lambda lr: ht.optim.AdamW(lr=lr, weight_decay=WEIGHT_DECAY),
                 "sgd": lambda lr: ht.optim.SGD(lr=lr)}[optimizer]
-        tasks = [ht.ModelTask(m, data=data, optimizer=make(lr), name=f"m{i}-lr{lr:g}", precision="bf16")
-                 for i, (m, lr) in enumerate(zip(models, lrs))]
+        tasks = [ht.ModelTask(m, data=data, optimizer=make(lr), name=f"m{i}-lr{lr:g}", precision="bf16",
+                              shards=shards) for i, (m, lr) in enumerate(zip(models, lrs))]
+        if deadline is not None:
+            def stop_all():
+                for task in tasks:
+                    task.request_stop("the suite's deadline")
+            timer = threading.Timer(max(0.0, deadline - time.perf_counter()), stop_all)
+            timer.daemon = True
+            timer.start()
         with Sampler(device) as sampler:
             start = time.perf_counter()
             results = ht.train(tasks, devices=[device], memory_budget=budget, progress=False, seed=w.seed)
@@ -97,13 +135,20 @@ def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, o
         errors = [f"{r.name}: {r.error}" for r in results if r.error is not None]
         if errors:
             return {"error": "; ".join(errors)}
-        out = _summary(w, _hydra_step_times(results, [t.num_shards for t in tasks]), wall, sampler, device, True)
+        n_shards = [t.num_shards for t in tasks]
+        out = _summary(w, _hydra_step_times(results, n_shards), wall, sampler, device, True)
+        out.update(_steady_window(results, n_shards, w))
+        if any(r.cut_short for r in results):
+            out["time_box"] = "stopped at the suite's deadline: " + ", ".join(
+                f"{r.name} {r.steps} steps" for r in results)
         stats = results.stats[0]
         moved = stats["host_to_device_bytes"] + stats["device_to_host_bytes"]
         out.update({"utilisation": list(results.utilisation().values())[0], "resident": [r.resident for r in results],
                     "budget_gib": stats["budget_bytes"] / GiB, "arena_high_water_gib": stats["high_water_bytes"] / GiB,
                     "host_to_device_bytes": stats["host_to_device_bytes"],
                     "device_to_host_bytes": stats["device_to_host_bytes"],
+                    "budget_split": {k: stats.get(k) for k in ("capacity_bytes", "working_set_bytes",
+                                                                "saved_allowance_bytes", "saved_high_water_bytes")},
                     "copy_gbps_over_wall": moved / results.wall_time / 1e9 if results.wall_time else None,
                     "host_step_seconds": stats["host_step_seconds"], "grad_copy_seconds": stats["grad_copy_seconds"],
                     "final_losses": [r.final_loss for r in results],
@@ -114,6 +159,8 @@ def run_hydra(templates, lrs, w: Workload, data, device: torch.device, budget, o
     except Exception as error:
         return failure(error)
     finally:
+        if timer is not None:
+            timer.cancel()
         _reset(device)
 
 
@@ -139,7 +186,7 @@ class _Window:
         return [a.elapsed_time(b) / 1e3 for a, b in self.pairs[warmup:]] if self.cuda else []
 
 
-def _loop(w, data, device, forward_backward, step, deadline, window) -> list[float]:
+def _loop(w, data, device, forward_backward, step, deadline, window, report) -> list[float]:
     times = []
     for i, batch in enumerate(data):
         if deadline is not None and i >= w.warmup + 1 and time.perf_counter() > deadline:
@@ -153,23 +200,26 @@ def _loop(w, data, device, forward_backward, step, deadline, window) -> list[flo
         step()
         _sync(device)
         times.append(time.perf_counter() - start)
+        if report is not None:
+            report({"step_times": list(times), "warmup": w.warmup, "tokens_per_step": w.tokens_per_step})
     return times
 
 
-def _sequential(w, templates, lrs, data, device, deadline, setup) -> dict:
-    """Trains the models one after another; setup(model, lr) -> (forward_backward, step, teardown, notes)."""
+def _sequential(w, models, lrs, data, device, deadline, setup, report=None) -> dict:
+    """Trains the models one after another (consuming the list); setup(model, lr) -> (forward_backward, step,
+    teardown, notes)."""
     _reset(device)
-    all_times, busy, notes = [], [], {}
+    all_times, busy, notes, count = [], [], {}, len(models)
     with Sampler(device) as sampler:
         start = time.perf_counter()
-        for template, lr in zip(templates, lrs):
+        for lr in lrs[:count]:
             if deadline is not None and time.perf_counter() > deadline and all_times:
-                notes["time_box"] = f"stopped after {len(all_times)} of {len(templates)} models"
+                notes["time_box"] = f"stopped after {len(all_times)} of {count} models"
                 break
             window = _Window(device)
-            forward_backward, step, teardown, extra = setup(copy.deepcopy(template), lr)
+            forward_backward, step, teardown, extra = setup(models.pop(0), lr)
             notes.update(extra)
-            times = _loop(w, data, device, forward_backward, step, deadline, window)
+            times = _loop(w, data, device, forward_backward, step, deadline, window, report)
             teardown()
             gc.collect()
             all_times.append(times)
@@ -183,9 +233,12 @@ def _sequential(w, templates, lrs, data, device, deadline, setup) -> dict:
     return out
 
 
-def run_plain(templates, lrs, w: Workload, data, device: torch.device, deadline=None) -> dict:
-    """Plain PyTorch: fp32 weights on the device, bf16 autocast, AdamW on the device (fused on CUDA)."""
+def run_plain(models, lrs, w: Workload, data, device: torch.device, deadline=None, checkpointed=False,
+              report=None) -> dict:
+    """Plain PyTorch: fp32 weights on the device, bf16 autocast, AdamW on the device (fused on CUDA). With
+    `checkpointed`, activation checkpointing per block: the FLOPs hydra's recompute costs (4 forwards per 3)."""
     def setup(model, lr):
+        notes = checkpoint_activations(model) if checkpointed else {}
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
 
@@ -201,10 +254,10 @@ def run_plain(templates, lrs, w: Workload, data, device: torch.device, deadline=
         def teardown():
             nonlocal model, opt
             model, opt = None, None
-        return forward_backward, step, teardown, {}
+        return forward_backward, step, teardown, notes
 
     try:
-        return _sequential(w, templates, lrs, data, device, deadline, setup)
+        return _sequential(w, models, lrs, data, device, deadline, setup, report)
     except Exception as error:
         return failure(error)
     finally:
@@ -249,12 +302,24 @@ def checkpoint_activations(model) -> dict:
     return {"activation_checkpointing": "per transformer block (gradient_checkpointing_enable)"}
 
 
-def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadline=None) -> dict:
-    """DeepSpeed ZeRO-3, parameters and optimizer state offloaded to pinned CPU memory (DeepSpeedCPUAdam),
-    bf16 weights with fp32 masters, activation checkpointing per block; one model at a time."""
+def zero_config(stage: int) -> dict:
+    """ZeRO-Offload proper (stage 2): bf16 parameters stay on the device, the fp32 masters and AdamW on pinned
+    CPU memory (DeepSpeedCPUAdam). Stage 3 also offloads the parameters, fetched to the device layer by layer."""
+    config = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+              "overlap_comm": True, "contiguous_gradients": True}
+    if stage == 3:
+        config["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return config
+
+
+def run_deepspeed(models, lrs, w: Workload, data, device: torch.device, deadline=None, stage=3, report=None) -> dict:
+    """DeepSpeed ZeRO-Offload (`stage` 2) or ZeRO-3 offload (`stage` 3, parameters offloaded too): optimizer state
+    on pinned CPU memory (DeepSpeedCPUAdam), bf16 weights with fp32 masters, activation checkpointing per block;
+    one model at a time."""
     if device.type != "cuda":
-        return {"skipped": "needs CUDA: ZeRO-3 offload fetches partitioned parameters onto a CUDA device "
-                           "and its CPU Adam op is built for the CUDA accelerator", "import": import_check("deepspeed")}
+        return {"skipped": f"needs CUDA: ZeRO stage {stage} offload runs its CPU Adam op for the CUDA accelerator"
+                           + (" and fetches partitioned parameters onto a CUDA device" if stage == 3 else ""),
+                "import": import_check("deepspeed")}
     try:
         import deepspeed
 
@@ -267,12 +332,7 @@ def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadl
                 "bf16": {"enabled": True},
                 "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                            "weight_decay": WEIGHT_DECAY}},
-                "zero_optimization": {
-                    "stage": 3,
-                    "offload_param": {"device": "cpu", "pin_memory": True},
-                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                    "overlap_comm": True, "contiguous_gradients": True,
-                },
+                "zero_optimization": zero_config(stage),
             }
             model.train()
             checkpointing = checkpoint_activations(model)
@@ -290,14 +350,14 @@ def run_deepspeed(templates, lrs, w: Workload, data, device: torch.device, deadl
             return forward_backward, engine.step, teardown, {"optimizer_class": type(optimizer).__name__,
                                                              "deepspeed": deepspeed.__version__, **checkpointing}
 
-        return _sequential(w, templates, lrs, data, device, deadline, setup)
+        return _sequential(w, models, lrs, data, device, deadline, setup, report)
     except Exception as error:
         return failure(error)
     finally:
         _reset(device)
 
 
-def run_fsdp2(templates, lrs, w: Workload, data, device: torch.device, deadline=None, offload=True) -> dict:
+def run_fsdp2(models, lrs, w: Workload, data, device: torch.device, deadline=None, offload=True, report=None) -> dict:
     """FSDP2 (`fully_shard` per transformer block and at the root) at world size 1 with
     CPUOffloadPolicy(pin_memory=True): sharded fp32 parameters, gradients and AdamW on the host, bf16 compute
     (MixedPrecisionPolicy), activation checkpointing per block; one model at a time. offload=False is the CPU
@@ -344,7 +404,7 @@ def run_fsdp2(templates, lrs, w: Workload, data, device: torch.device, deadline=
             return forward_backward, step, teardown, {"offload": offload, "fused_adamw": lambda: state.get("fused"),
                                                       **checkpointing}
 
-        out = _sequential(w, templates, lrs, data, device, deadline, setup)
+        out = _sequential(w, models, lrs, data, device, deadline, setup, report)
         out.update({k: v() for k, v in out.items() if callable(v)})
         return out
     except Exception as error:

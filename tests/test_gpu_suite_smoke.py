@@ -22,7 +22,9 @@ def test_gpu_suite_smoke(tmp_path):
     record = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert record["failures"] == []
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert runs[0]["name"] == "stream_stress" and len(runs) >= 12      # one line per run, as it ended
+    names = [run["name"] for run in runs]                              # one line per run, as it ended
+    assert names[0] == "hydra" and len(runs) >= 16                      # P2 first
+    assert names.index("hydra_spilled_capped") < names.index("stream_stress") < names.index("P3 sgd n_layer=4 0.00B")
     stress = record["phases"]["stress"]["stream_stress"]
     for precision in ("fp32", "bf16"):        # two virtual CPU devices on a slow link against one CPU device
         assert stress[precision]["largest_error"] == 0.0, stress
@@ -30,22 +32,35 @@ def test_gpu_suite_smoke(tmp_path):
     assert (tmp_path / "gpu_suite.md").read_text().startswith("# hydra-torch GPU suite")
 
     for entry in (v for k, v in record["phases"]["P1"].items() if k.startswith("batch_")):
-        for system in ("hydra_spilled_capped", "hydra_resident_uncapped", "plain_uncapped"):
+        for system in ("hydra_spilled_capped", "hydra_resident_uncapped", "plain_uncapped",
+                       "plain_checkpointed_uncapped"):
             assert entry[system]["tokens_per_s"] > 0, (system, entry[system])
         assert entry["hydra_spilled_capped"]["resident"] == [False]      # it really spilled
         assert entry["hydra_resident_uncapped"]["resident"] == [True]
+        assert entry["plain_checkpointed_uncapped"]["activation_checkpointing"]
+        assert entry["ratio_spilled_vs_plain_checkpointed"] > 0
     profile = record["phases"]["P1"]["profile_spilled_step"]
     assert set(profile["by_phase"]) == {"forward", "forward_backward", "backward"} and not profile["resident"]
     assert len(profile["unit_seconds"]) == 2 * profile["shards"] - 1            # exactly one step's units
     assert profile["host_step_seconds_per_step"] > 0
     p2 = record["phases"]["P2"]
-    assert len(p2["hydra"]["shard_params"]) == p2["k"] and len(p2["hydra"]["trace"]) > 0
-    assert p2["k"] >= 2 and p2["hydra"]["tokens_per_s"] > 0 and len(p2["hydra"]["final_losses"]) == p2["k"]
+    hydra = p2["hydra"]
+    assert len(hydra["shard_params"]) == p2["k"] and len(hydra["trace"]) > 0
+    assert p2["k"] >= 2 and hydra["tokens_per_s"] > 0 and len(hydra["final_losses"]) == p2["k"]
+    assert hydra["steps"] == 6 * p2["k"] and hydra["window_tokens_per_s"] > 0   # 6 steps a model, 2 warm-up
+    assert 0 < hydra["window_steps"] <= 4 * p2["k"]                     # warm-up steps never count
+    split = hydra["budget_split"]
+    assert split["capacity_bytes"] + split["working_set_bytes"] + split["saved_high_water_bytes"] <= \
+        hydra["budget_gib"] * 2**30                                        # the budget held everything
     if not torch.cuda.is_available():
-        for system in ("deepspeed_zero3_offload", "fsdp2_cpu_offload"):
+        for system in ("deepspeed_zero2_offload", "deepspeed_zero3_offload", "fsdp2_cpu_offload"):
             assert p2[system]["skipped"].startswith("needs CUDA"), p2[system]
             assert "import" in p2[system]
-    assert p2["fsdp2_no_offload_cpu_check"]["tokens_per_s"] > 0
+    baseline = p2["fsdp2_no_offload_cpu_check"]
+    assert baseline["tokens_per_s"] > 0 and baseline["models_trained"] == 1 and baseline["steps"] == 5
+    assert p2["best_baseline"] == "fsdp2_no_offload_cpu_check"
+    at_once = p2[f"fsdp2_no_offload_cpu_check_x{p2['k']}_at_once"]
+    assert at_once["processes"] == p2["k"] and len(at_once["runs"]) == p2["k"] and at_once["tokens_per_s"] > 0
     assert record["phases"]["P3"]["largest_adamw_params"] > 0
     assert record["phases"]["P3"]["largest_sgd_params"] > 0
 
@@ -60,13 +75,35 @@ def suite(tmp_path):
     shutil.rmtree(suite.scratch, ignore_errors=True)
 
 
-def test_a_run_past_its_limit_is_killed_and_recorded(suite):
+def test_a_run_past_its_limit_is_killed_at_it_and_recorded(suite):
     gpu_suite, suite = suite
-    suite.grace = 0.0
     start = time.perf_counter()
     result = suite.child("machine", time.perf_counter() + 0.5)   # importing torch alone takes longer
     assert result["error"].startswith("timeout: killed after"), result
-    assert time.perf_counter() - start < 30
+    assert time.perf_counter() - start < 5, "no grace beyond the limit"
+
+
+def test_a_run_killed_at_its_limit_keeps_the_steps_it_reported(suite, tmp_path, monkeypatch):
+    gpu_suite, suite = suite
+    slow = tmp_path / "slow.py"
+    slow.write_text("import json, sys, time\n"
+                    "record = {'step_times': [2.0, 1.0, 0.5, 0.25], 'warmup': 1, 'tokens_per_step': 100}\n"
+                    "json.dump(record, open(sys.argv[2] + '.progress', 'w'))\n"
+                    "time.sleep(60)\n")
+    monkeypatch.setattr(gpu_suite, "CHILD", str(slow))
+    result = suite.child("plain", time.perf_counter() + 2.0)
+    assert result["error"].startswith("timeout: killed after"), result
+    assert result["partial"]["steps"] == 4 and result["partial"]["tokens_per_s"] == 200.0   # median 0.5 s
+
+
+def test_phases_are_chosen_and_ordered(suite):
+    gpu_suite, _ = suite
+    assert gpu_suite.parse_args(["--out", "x"]).phases == ["p2", "p1", "stress"]
+    assert gpu_suite.parse_args(["--out", "x", "--p3"]).phases == ["p2", "p1", "stress", "p3"]
+    assert gpu_suite.parse_args(["--out", "x", "--phases", "stress,P2"]).phases == ["p2", "stress"]
+    for bad in ("p4", "", "p1,,x"):
+        with pytest.raises(SystemExit):
+            gpu_suite.parse_args(["--out", "x", "--phases", bad])
 
 
 def test_a_run_that_crashes_is_recorded_with_its_output(suite, tmp_path, monkeypatch):
