@@ -137,7 +137,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         with _closed_on_error(checkpoints):
             workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints)
             _share_budgets(workers, engines, budgets, tasks)
-            open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run)
+            open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run,
+                                 saved_bytes.kept_outside_arena(tasks))
             bars = Progress(runners, progress)
         start = open_run.start if open_run is not None else time.perf_counter()
         interrupted = workers.run()
@@ -321,14 +322,14 @@ def _share_budgets(workers, engines, budgets, tasks):
                                          "saved_allowance_bytes": share}
 
 
-def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run):
+def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run, kept_outside):
     """With arrivals, the running call's side of them, attached: tasks may join from now on."""
     if arrivals is None:
         return None
     open_run = OpenRun(slots=workers.slots, scheduler=workers.scheduler, runners=runners, devices=devices,
                        budgets=budgets, pin=pin, start_rng=start_rng, trace=workers.trace, trace_lock=workers.lock,
                        start=time.perf_counter(), stop=workers.stop, selection=selection_run,
-                       on_ended=arrivals.on_ended)
+                       on_ended=arrivals.on_ended, kept_outside=kept_outside)
     for slot in workers.slots:
         slot.open_run = open_run
     workers.scheduler.set_open(True)

@@ -131,3 +131,37 @@ def test_a_task_whose_model_changed_after_it_was_built_is_refused_on_arrival():
     results = train_or_hang([task("first")], arrivals, ["cpu"])
     assert "the model changed after its ModelTask was built" in outcome["refused"]
     assert [r.name for r in results] == ["first"]
+
+
+def planned(name, batch, seed=0):
+    with task_rng.exclusive():
+        return ht.ModelTask(tied_transformer(seed=seed, blocks=1, dropout=0.0), loss_fn=lm_loss,
+                            data=token_batches(2, batch=batch), shards="auto", name=name)
+
+
+def test_a_planned_task_that_needs_more_room_beside_the_arena_than_the_run_kept_is_refused_on_arrival():
+    """The arena takes what the first tasks' working set and saved inputs leave of the budget: a newcomer whose
+    plan needs more beside it would pass the budget, so it is refused before any engine holds it; one that
+    needs no more joins."""
+    ended, outcomes = queue.SimpleQueue(), {}
+    arrivals = Arrivals(on_ended=ended.put)
+
+    def driver():
+        try:
+            ended.get(timeout=60)
+            with pytest.raises(ValueError, match="cannot join the run: one unit's working set"):
+                arrivals.add(planned("wide", batch=64))
+            arrivals.add(planned("same", batch=8, seed=1))
+            outcomes["ended"] = ended.get(timeout=60).name
+        except BaseException as error:
+            outcomes["error"] = error
+        finally:
+            arrivals.close()
+    thread = threading.Thread(target=driver)
+    thread.start()
+    results = ht.train([planned("first", batch=8)], devices="cpu", memory_budget="64MiB", progress=False,
+                       arrivals=arrivals)
+    thread.join()
+    assert "error" not in outcomes, outcomes.get("error")
+    assert outcomes == {"ended": "same"} and [r.name for r in results] == ["first", "same"]
+    assert all(r.ok for r in results)

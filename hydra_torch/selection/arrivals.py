@@ -78,9 +78,12 @@ class OpenRun:
     """The running call's side of Arrivals: admits tasks and lets ended ones leave (see the module's doc)."""
 
     def __init__(self, *, slots, scheduler, runners, devices, budgets, pin, start_rng, trace, trace_lock, start,
-                 stop, selection=None, on_ended=None):
+                 stop, selection=None, on_ended=None, kept_outside=0):
         self.slots, self.scheduler, self.runners = slots, scheduler, runners
         self.devices, self.budgets, self.pin, self.start_rng = devices, budgets, pin, start_rng
+        # What each device's budget keeps beside the arena for a unit's working set and a micro-batch's saved
+        # inputs (saved_bytes.kept_outside_arena of the first tasks): a newcomer must fit in it.
+        self.kept_outside = kept_outside
         self.trace, self.trace_lock, self.start, self.stop = trace, trace_lock, start, stop
         self.selection = selection          # the run's selection (its per-run object), told of each newcomer
         self._callbacks = _Callbacks(on_ended) if on_ended is not None else None
@@ -106,6 +109,13 @@ class OpenRun:
             task.check_unchanged()
             memory.check_host_memory([task])
             planner.plan_for_devices(task, self.devices, self.budgets)
+            need = task.working_set_bytes + task.boundary_bytes
+            if need > self.kept_outside:
+                raise ValueError(
+                    f"task {task.name!r} cannot join the run: one unit's working set and one micro-batch's saved "
+                    f"inputs need {memory.format_bytes(need)} of each device's budget beside the arena, and the run "
+                    f"kept {memory.format_bytes(self.kept_outside)} for them when it started (the largest its "
+                    f"first tasks' plans measured); start the run with a task at least this large")
             task.stopped_on_request = False
             task.ended.clear()
             runner = TaskRunner(task, len(self.runners), self.start_rng)
