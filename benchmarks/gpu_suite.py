@@ -144,25 +144,28 @@ class Suite:
         spec_path, result_path = (os.path.join(self.scratch, f"{name}.{kind}.json") for kind in ("spec", "result"))
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        process = subprocess.Popen([sys.executable, CHILD, spec_path, result_path], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+        # Output to a file, not a pipe: a chatty run (DeepSpeed) must never block on a pipe nobody reads yet,
+        # as it would while the suite waits for another of K runs at once.
+        with open(result_path + ".log", "w") as log:
+            process = subprocess.Popen([sys.executable, CHILD, spec_path, result_path], stdout=log,
+                                       stderr=subprocess.STDOUT)
         return process, result_path
 
     def finish_child(self, process, result_path: str, deadline: float) -> dict:
         start = time.perf_counter()
         timeout = max(1.0, min(deadline, self.clock.end) - start)
         try:
-            output, _ = process.communicate(timeout=timeout)
+            process.wait(timeout=timeout)
             if os.path.exists(result_path):
                 with open(result_path) as f:
                     return json.load(f)
-            result = {"error": f"the run's process ended with status {process.returncode} and no result",
-                      "output": (output or "")[-2000:]}
+            result = {"error": f"the run's process ended with status {process.returncode} and no result"}
         except subprocess.TimeoutExpired:
             process.kill()
-            output, _ = process.communicate()
-            result = {"error": f"timeout: killed after {time.perf_counter() - start:.0f} s (its limit, {timeout:.0f} s)",
-                      "output": (output or "")[-2000:]}
+            process.wait()
+            result = {"error": f"timeout: killed after {time.perf_counter() - start:.0f} s (its limit, {timeout:.0f} s)"}
+        with open(result_path + ".log", errors="replace") as log:
+            result["output"] = log.read()[-2000:]
         progress = result_path + ".progress"
         if os.path.exists(progress):
             with open(progress) as f:
@@ -196,13 +199,15 @@ class Suite:
         started = [self.start_child(system, deadline, workload=asdict(w), seeds=[i], lrs=[lrs[i]], cap_gib=cap / k)
                    for i in range(k)]
         runs = [self.finish_child(process, path, deadline) for process, path in started]
-        rates = [r.get("tokens_per_s") for r in runs]
+        # A run cut short at the deadline counts with the steps it reported.
+        rates = [r.get("tokens_per_s") or r.get("partial", {}).get("tokens_per_s") for r in runs]
         result = {"processes": k, "cap_gib_each": cap / k, "runs": runs,
                   "out_of_memory": sum(bool(r.get("out_of_memory")) for r in runs)}
         if all(rates):
             result["tokens_per_s"] = sum(rates)
-        elif not result["out_of_memory"]:
-            result["error"] = "; ".join(r.get("error", "no rate") for r in runs if not r.get("tokens_per_s"))
+        errors = [r.get("error", "no rate") for r, rate in zip(runs, rates) if not rate and not r.get("out_of_memory")]
+        if errors:
+            result["error"] = "; ".join(errors)
         return self.record_run(phase, name, system, result)
 
     def deadlines(self):

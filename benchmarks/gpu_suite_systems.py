@@ -7,9 +7,9 @@ cut short). DeepSpeed and FSDP are imported inside their functions only."""
 from __future__ import annotations
 
 import gc
-import threading
 import os
 import socket
+import threading
 import time
 import traceback
 

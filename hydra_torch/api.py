@@ -123,12 +123,12 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         memory.check_host_memory(tasks)
         host_steps, pin = _C.HostSteps(threads), pinned(pin_memory, resolved)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
-        for task in tasks:
-            planner.plan_for_devices(task, resolved, budgets)
-        engines = _engines(resolved, budgets, host_steps, arrivals, saved_bytes.kept_outside_arena(tasks))
+        planner.plan_for_devices(tasks, resolved, budgets)
+        kept_outside = saved_bytes.kept_outside_arena(tasks)  # (working set, saved inputs)
+        engines = _engines(resolved, budgets, host_steps, arrivals, sum(kept_outside))
         runners, start_rng = _runners(tasks, resolved)
         # From train itself: the stack level of its warning counts on it.
-        lifecycle.place(runners, engines, pin, saved_bytes.graphs_beyond_inputs(tasks))
+        lifecycle.place(runners, engines, pin, saved_bytes.graphs_beyond_inputs(tasks), sum(kept_outside))
         _restore_checkpoints(runners, loaded)
         selection_run = selection.start(runners) if selection is not None else None
         # The checkpointer holds the tasks' checkpoint directories until _bring_home closes it, or an error
@@ -138,7 +138,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints)
             _share_budgets(workers, engines, budgets, tasks)
             open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run,
-                                 saved_bytes.kept_outside_arena(tasks))
+                                 kept_outside)
             bars = Progress(runners, progress)
         start = open_run.start if open_run is not None else time.perf_counter()
         interrupted = workers.run()

@@ -47,7 +47,8 @@ def test_gpu_suite_smoke(tmp_path):
     hydra = p2["hydra"]
     assert len(hydra["shard_params"]) == p2["k"] and len(hydra["trace"]) > 0
     assert p2["k"] >= 2 and hydra["tokens_per_s"] > 0 and len(hydra["final_losses"]) == p2["k"]
-    assert hydra["steps"] == 6 * p2["k"] and hydra["window_tokens_per_s"] > 0   # 6 steps a model, 2 warm-up
+    assert hydra["steps"] == 6 * p2["k"] or "time_box" in hydra                # 6 steps a model, 2 warm-up
+    assert hydra["window_tokens_per_s"] > 0
     assert 0 < hydra["window_steps"] <= 4 * p2["k"]                     # warm-up steps never count
     split = hydra["budget_split"]
     assert split["capacity_bytes"] + split["working_set_bytes"] + split["saved_high_water_bytes"] <= \

@@ -45,9 +45,12 @@ def mlp_task(model=None, **kwargs):
 
 
 def need(plan, a, b, prefetch):
+    """A shard's weights, gradients and the prefetched next shard's weights in the arena, and beside it what
+    the budget keeps for one unit's working set (the most demanding piece's activations) and one micro-batch's
+    saved inputs (every piece's input, at most)."""
     weights = sum(plan.piece_weight_bytes[a:b])
-    activations = max(plan.piece_activation_bytes[a:b])
-    return 2 * weights + activations + prefetch + _C.shard_slack_bytes
+    assert plan.reserve_bytes == max(plan.piece_activation_bytes) + sum(plan.piece_input_bytes)
+    return 2 * weights + prefetch + _C.shard_slack_bytes + plan.reserve_bytes
 
 
 def best_bottleneck(seconds, max_shards):

@@ -116,8 +116,8 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
 
 void DeviceEngine::keep_outside_arena(int64_t bytes) {
   TORCH_CHECK(!pool_.started(), "keep_outside_arena: training has started");
-  TORCH_CHECK(bytes >= 0 && bytes <= free_bytes(), "keep_outside_arena: ", bytes, " bytes asked, but the budget has ",
-              free_bytes(), " left");
+  TORCH_CHECK(bytes >= 0 && bytes <= free_bytes() && bytes < pool_.budget(), "keep_outside_arena: ", bytes,
+              " bytes asked, but the budget has ", free_bytes(), " left");
   if (bytes > 0) pool_.keep_outside(bytes);
 }
 

@@ -29,7 +29,7 @@ class Plan:
 
     starts: list[int]
     piece_ranges: list[tuple[int, int]]     # [first, end) piece indices of each shard
-    shard_bytes: list[int]                  # 2 x weights + activations + prefetch + slack, per shard
+    shard_bytes: list[int]                  # 2 x weights + prefetch + slack in the arena, + the reserve, per shard
     shard_weight_bytes: list[int]
     shard_activation_bytes: list[int]
     shard_seconds: list[float]              # measured forward + backward time, summed over the shard's pieces
@@ -38,6 +38,7 @@ class Plan:
     ideal_seconds: float                    # max(total / shards, slowest piece): no plan of as many shards beats it
     budget_bytes: int
     min_budget_bytes: int                   # the smallest budget any plan of these pieces fits
+    reserve_bytes: int                      # kept beside the arena: a unit's working set, a micro-batch's inputs
     device: str
     piece_weight_bytes: list[int]           # the measurements the plan was made from
     piece_activation_bytes: list[int]
@@ -62,6 +63,23 @@ class Plan:
         return "\n".join(lines)
 
 
+@dataclass
+class Probe:
+    """One task's pieces as measured on a device: (weight bytes, activation bytes, seconds) each, and each
+    piece's input bytes."""
+
+    costs: list[tuple[int, int, float]]
+    input_bytes: list[int]
+    device: torch.device
+
+    @property
+    def reserve_bytes(self) -> int:
+        """What the budget keeps beside the arena for this task: one unit's working set (its most demanding
+        piece's activations) and one micro-batch's saved inputs, counted as if every piece began a shard (the
+        most any plan keeps)."""
+        return max((c[1] for c in self.costs), default=0) + sum(self.input_bytes)
+
+
 def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int | None = None,
          repeats: int = 3) -> Plan:
     """Shards for `task` on `device` under `budget` (what hydra_torch.models.memory.parse_budget accepts; None: 90%
@@ -69,9 +87,9 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
 
     Each piece of task.pieces runs forward + backward once to warm up, then `repeats` times; its time is the
     median. The shards minimise the slowest shard's time, then their number; with `max_shards` at most that
-    many. The budget also holds one micro-batch's saved inputs, counted as if every piece began a shard (the
-    most any plan keeps), so the shards are cut for what that leaves. ValueError names the smallest budget that
-    would work when `budget` is too small.
+    many. The budget is all the device memory the task uses: beside the arena that holds the shards it keeps one
+    unit's working set and one micro-batch's saved inputs (`Probe.reserve_bytes`), so the shards are cut for what
+    those leave. ValueError names the smallest budget that would work when `budget` is too small.
     """
     device = torch.device(device)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -79,30 +97,45 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
     if max_shards is not None and (isinstance(max_shards, bool) or not isinstance(max_shards, int) or max_shards < 1):
         raise ValueError(f"max_shards must be a positive int or None, got {max_shards!r}")
     budget_bytes = parse_budget(budget, device)
+    return cut(task, probe(task, device, sample_batch, repeats), budget_bytes, max_shards)
+
+
+def probe(task, device, sample_batch=None, repeats: int = 3) -> Probe:
+    """Measures every piece of `task` on `device` (see plan)."""
     if sample_batch is None:
         if len(task.data) == 0:
             raise ValueError("the task has no data to probe: pass sample_batch=")
         sample_batch = next(iter(task.data))
-
     input_bytes = []
     costs = probe_pieces(task, device, sample_batch, repeats, input_bytes)
-    saved_inputs = sum(input_bytes)
-    minimum = _C.min_partition_budget(costs) + saved_inputs
+    return Probe(costs, input_bytes, torch.device(device))
+
+
+def cut(task, measured: Probe, budget_bytes: int, max_shards: int | None = None, reserve_bytes: int = 0) -> Plan:
+    """The shards of a measured task under `budget_bytes`, the arena cut for the budget less what is kept beside
+    it: the task's own reserve, or `reserve_bytes` where that is more (what the run keeps for all its tasks)."""
+    costs = measured.costs
+    reserve = max(reserve_bytes, measured.reserve_bytes)
+    # The arena holds weights, gradients and the next shard's weights; activations are in the reserve.
+    arena_costs = [(weight, 0, seconds) for weight, _, seconds in costs]
+    minimum = _C.min_partition_budget(arena_costs) + reserve
     if budget_bytes < minimum:
         raise ValueError(f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small for "
                          f"{task.name}: the smallest budget that works is {minimum} bytes ({format_bytes(minimum)}), "
-                         f"what its most demanding piece needs alone beside one micro-batch's saved inputs "
-                         f"({format_bytes(saved_inputs)})")
-    native = _C.partition(costs, budget_bytes - saved_inputs, max_shards or 0)
+                         f"what its largest piece's weights and gradients need beside one unit's working set and "
+                         f"one micro-batch's saved inputs ({format_bytes(reserve)})")
+    native = _C.partition(arena_costs, budget_bytes - reserve, max_shards or 0)
     ends = list(native.starts[1:]) + [len(costs)]
-    return Plan(starts=list(native.starts), piece_ranges=list(zip(native.starts, ends)),
-                shard_bytes=list(native.shard_bytes), shard_weight_bytes=list(native.shard_weight_bytes),
-                shard_activation_bytes=list(native.shard_activation_bytes), shard_seconds=list(native.shard_seconds),
-                prefetch_bytes=native.prefetch_bytes, bottleneck_seconds=native.bottleneck_seconds,
-                ideal_seconds=native.ideal_seconds, budget_bytes=budget_bytes, min_budget_bytes=minimum,
-                device=str(device), piece_weight_bytes=[c[0] for c in costs],
+    ranges = list(zip(native.starts, ends))
+    return Plan(starts=list(native.starts), piece_ranges=ranges,
+                shard_bytes=[b + reserve for b in native.shard_bytes], shard_weight_bytes=list(native.shard_weight_bytes),
+                shard_activation_bytes=[max(c[1] for c in costs[a:b]) for a, b in ranges],
+                shard_seconds=list(native.shard_seconds), prefetch_bytes=native.prefetch_bytes,
+                bottleneck_seconds=native.bottleneck_seconds, ideal_seconds=native.ideal_seconds,
+                budget_bytes=budget_bytes, min_budget_bytes=minimum, reserve_bytes=reserve,
+                device=str(measured.device), piece_weight_bytes=[c[0] for c in costs],
                 piece_activation_bytes=[c[1] for c in costs], piece_seconds=[c[2] for c in costs],
-                piece_input_bytes=input_bytes)
+                piece_input_bytes=list(measured.input_bytes))
 
 
 def apply_plan(task, plan_: Plan) -> None:
@@ -118,12 +151,19 @@ def apply_plan(task, plan_: Plan) -> None:
     task.graph_bytes = sum(plan_.piece_activation_bytes)
 
 
-def plan_for_devices(task, devices, budgets) -> None:
-    """Cuts a task whose shards are left to the planner (`auto_shards`) for the smallest budget among the
-    devices: a spilled model may run on any of them."""
-    if task.auto_shards:
-        smallest = min(range(len(devices)), key=lambda i: budgets[i])
-        apply_plan(task, plan(task, device=devices[smallest], budget=budgets[smallest]))
+def plan_for_devices(tasks, devices, budgets, reserve_bytes: int = 0) -> None:
+    """Cuts the tasks whose shards are left to the planner (`auto_shards`) for the smallest budget among the
+    devices (a spilled model may run on any of them). Every device's arena leaves out the largest working set
+    and micro-batch of all the run's tasks, so each task is measured first and all are cut for the budget less
+    the largest reserve among them (or `reserve_bytes`, what a running call kept, where that is more)."""
+    planned = [task for task in tasks if task.auto_shards]
+    if not planned:
+        return
+    smallest = min(range(len(devices)), key=lambda i: budgets[i])
+    measured = [probe(task, devices[smallest]) for task in planned]
+    reserve = max([reserve_bytes] + [m.reserve_bytes for m in measured])
+    for task, m in zip(planned, measured):
+        apply_plan(task, cut(task, m, budgets[smallest], reserve_bytes=reserve))
 
 
 def piece_weight_bytes(piece: torch.nn.Module, bf16: bool) -> int:

@@ -22,15 +22,18 @@ def make_store(runner, pin: bool):
     return store
 
 
-def place(runners, engines, pin: bool, graph_bytes=()):
+def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0):
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
-    there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it)."""
+    there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it). The
+    engines' budgets are memory_budget less `kept_outside`, which a refusal says."""
     stores = [make_store(runner, pin) for runner in runners]
     try:
         placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes))
     except RuntimeError as error:
-        raise ValueError(str(error)) from None
+        kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
+                f"set and one micro-batch's saved inputs)" if kept_outside else "")
+        raise ValueError(str(error) + kept) from None
     for runner, (device, model_ids) in zip(runners, placed):
         runner.model_ids = {d: model for d, model in enumerate(model_ids) if model >= 0}
         if device >= 0:

@@ -39,10 +39,10 @@ def tensor_bytes(tree) -> int:
     return distinct_bytes(t for t in leaves if isinstance(t, torch.Tensor))
 
 
-def kept_outside_arena(tasks) -> int:
+def kept_outside_arena(tasks) -> tuple[int, int]:
     """What each device's budget keeps outside the arena before any model is placed: one unit's working set
     and one spilled micro-batch's saved inputs, the largest of any task's as the planner measured them."""
-    return max((t.working_set_bytes for t in tasks), default=0) + max((t.boundary_bytes for t in tasks), default=0)
+    return (max((t.working_set_bytes for t in tasks), default=0), max((t.boundary_bytes for t in tasks), default=0))
 
 
 def graphs_beyond_inputs(tasks) -> list[int]:

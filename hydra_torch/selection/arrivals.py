@@ -78,11 +78,11 @@ class OpenRun:
     """The running call's side of Arrivals: admits tasks and lets ended ones leave (see the module's doc)."""
 
     def __init__(self, *, slots, scheduler, runners, devices, budgets, pin, start_rng, trace, trace_lock, start,
-                 stop, selection=None, on_ended=None, kept_outside=0):
+                 stop, selection=None, on_ended=None, kept_outside=(0, 0)):
         self.slots, self.scheduler, self.runners = slots, scheduler, runners
         self.devices, self.budgets, self.pin, self.start_rng = devices, budgets, pin, start_rng
         # What each device's budget keeps beside the arena for a unit's working set and a micro-batch's saved
-        # inputs (saved_bytes.kept_outside_arena of the first tasks): a newcomer must fit in it.
+        # inputs (saved_bytes.kept_outside_arena of the first tasks): a newcomer's must fit in them.
         self.kept_outside = kept_outside
         self.trace, self.trace_lock, self.start, self.stop = trace, trace_lock, start, stop
         self.selection = selection          # the run's selection (its per-run object), told of each newcomer
@@ -108,14 +108,15 @@ class OpenRun:
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             task.check_unchanged()
             memory.check_host_memory([task])
-            planner.plan_for_devices(task, self.devices, self.budgets)
-            need = task.working_set_bytes + task.boundary_bytes
-            if need > self.kept_outside:
+            planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
+            need, kept = (task.working_set_bytes, task.boundary_bytes), self.kept_outside
+            if need[0] > kept[0] or need[1] > kept[1]:
                 raise ValueError(
                     f"task {task.name!r} cannot join the run: one unit's working set and one micro-batch's saved "
-                    f"inputs need {memory.format_bytes(need)} of each device's budget beside the arena, and the run "
-                    f"kept {memory.format_bytes(self.kept_outside)} for them when it started (the largest its "
-                    f"first tasks' plans measured); start the run with a task at least this large")
+                    f"inputs need {memory.format_bytes(need[0])} and {memory.format_bytes(need[1])} of each "
+                    f"device's budget beside the arena, and the run kept {memory.format_bytes(kept[0])} and "
+                    f"{memory.format_bytes(kept[1])} for them when it started (the largest its first tasks' plans "
+                    f"measured); start the run with a task at least this large")
             task.stopped_on_request = False
             task.ended.clear()
             runner = TaskRunner(task, len(self.runners), self.start_rng)
