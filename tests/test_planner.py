@@ -9,6 +9,7 @@ from torch import nn
 
 import hydra_torch as ht
 from hydra_torch import _C
+from models import lm_loss, tied_transformer, token_batches
 
 WIDTH = 256
 # A 4x spread of work between pieces, and enough of them that contiguous shards can balance: an optimal plan
@@ -194,3 +195,19 @@ def test_train_with_automatic_shards():
     assert results.stats[0]["high_water_bytes"] <= budget
     with pytest.raises(ValueError, match="shards='fast'"):
         mlp_task(shards="fast")
+
+
+def test_planned_tasks_of_different_batches_train_together_at_the_budget_the_planner_names():
+    """Each device's arena leaves out the largest working set and micro-batch of any task, so every planned task
+    is cut for what that leaves: a small-batch model beside a large-batch one, at the smallest budget the
+    planner names for the larger, gets shards the arena holds (cut for its own reserve alone, it would take
+    shards too large for the arena and be refused)."""
+    def task(batch, seed):
+        return ht.ModelTask(tied_transformer(seed=seed, dropout=0.0), loss_fn=lm_loss, shards="auto",
+                            data=token_batches(2, batch=batch), name=f"batch{batch}")
+    budget = ht.plan(task(256, 0), budget="1GiB").min_budget_bytes
+    small, large = task(8, 1), task(256, 0)
+    results = ht.train([small, large], devices="cpu", memory_budget=budget, progress=False)
+    assert all(r.ok for r in results) and small.num_shards == large.num_shards
+    stats = results.stats[0]
+    assert stats["capacity_bytes"] + stats["working_set_bytes"] + stats["saved_high_water_bytes"] <= budget
