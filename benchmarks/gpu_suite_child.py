@@ -80,7 +80,6 @@ def run(spec: dict, progress_path: str | None = None) -> dict:
     return run_fsdp2(models, lrs, w, data, device, deadline, offload=system == "fsdp2", report=report)
 
 
-
 def main(spec_path: str, result_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)

@@ -122,7 +122,7 @@ def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, opti
         tasks = [ht.ModelTask(m, data=data, optimizer=make(lr), name=f"m{i}-lr{lr:g}", precision="bf16",
                               shards=shards) for i, (m, lr) in enumerate(zip(models, lrs))]
         if deadline is not None:
-            def stop_all():
+            def stop_all(tasks=tuple(tasks)):
                 for task in tasks:
                     task.request_stop("the suite's deadline")
             timer = threading.Timer(max(0.0, deadline - time.perf_counter()), stop_all)
