@@ -58,32 +58,9 @@ def _summary(w: Workload, step_times: list[list[float]], wall: float, sampler: S
             "peak_gpu_gib": _peak_gpu(device), **sampler.record()}
 
 
-def _steady_window(results, n_shards: list[int], w: Workload) -> dict:
-    """Aggregate tokens/s over one window: from the moment every model has finished its warm-up steps (its
-    first timed step has begun) to the moment the last model's last unit ended; the tokens are every step that
-    began inside the window, so no model's warm-up counts and no model is cut short by its neighbours."""
-    starts, last_end = [], 0.0
-    for task, n in enumerate(n_shards):
-        per = max(1, 2 * n - 1)
-        first = {}
-        for e in results.trace:
-            if e.task == task:
-                first[e.unit // per] = min(first.get(e.unit // per, e.start), e.start)
-                last_end = max(last_end, e.end)
-        starts.append(first)
-    if not all(len(s) > w.warmup for s in starts):
-        return {"window_tokens_per_s": None, "window_note": "a model did not get past its warm-up steps"}
-    begin = max(s[w.warmup] for s in starts)
-    steps = sum(1 for s in starts for t in s.values() if t >= begin)
-    seconds = last_end - begin
-    return {"window_tokens_per_s": steps * w.tokens_per_step / seconds if seconds > 0 else None,
-            "window_s": seconds, "window_steps": steps}
-
-
-def _hydra_step_times(results, n_shards: list[int]) -> list[list[float]]:
-    """Per task, step durations from the schedule trace: a step starts with its first unit (shard 0's forward;
-    units are numbered across the run, 2n-1 per micro-batch) and lasts until the next step starts, which
-    includes waiting for shard 0's optimizer step on the host."""
+def _step_starts(results, n_shards: list[int]) -> list[tuple[list[float], float]]:
+    """Per task, from the schedule trace: when each of its steps began (its first unit, shard 0's forward; units
+    are numbered across the run, 2n-1 per micro-batch), in order, and when its last unit ended."""
     out = []
     for task, n in enumerate(n_shards):
         per = max(1, 2 * n - 1)
@@ -93,9 +70,28 @@ def _hydra_step_times(results, n_shards: list[int]) -> list[list[float]]:
                 step = e.unit // per
                 starts[step] = min(starts.get(step, e.start), e.start)
                 last_end = max(last_end, e.end)
-        ordered = [starts[k] for k in sorted(starts)] + [last_end]
-        out.append([b - a for a, b in zip(ordered, ordered[1:])])
+        out.append(([starts[k] for k in sorted(starts)], last_end))
     return out
+
+
+def _steady_window(steps: list[tuple[list[float], float]], w: Workload) -> dict:
+    """Aggregate tokens/s over one window: from the moment every model has finished its warm-up steps (its
+    first timed step has begun) to the moment the last model's last unit ended; the tokens are every step that
+    began inside the window, so no model's warm-up counts and no model is cut short by its neighbours."""
+    if not all(len(starts) > w.warmup for starts, _ in steps):
+        return {"window_tokens_per_s": None, "window_note": "a model did not get past its warm-up steps"}
+    begin = max(starts[w.warmup] for starts, _ in steps)
+    inside = sum(1 for starts, _ in steps for t in starts if t >= begin)
+    seconds = max(end for _, end in steps) - begin
+    return {"window_tokens_per_s": inside * w.tokens_per_step / seconds if seconds > 0 else None,
+            "window_s": seconds, "window_steps": inside}
+
+
+def _step_durations(steps: list[tuple[list[float], float]]) -> list[list[float]]:
+    """Per task, each step lasts from its start until the next step starts (or its last unit ends), which
+    includes waiting for shard 0's optimizer step on the host."""
+    bounds = [starts + [end] for starts, end in steps]
+    return [[b - a for a, b in zip(ordered, ordered[1:])] for ordered in bounds]
 
 
 def _compact_trace(results) -> list[list]:
@@ -135,9 +131,9 @@ def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, opti
         errors = [f"{r.name}: {r.error}" for r in results if r.error is not None]
         if errors:
             return {"error": "; ".join(errors)}
-        n_shards = [t.num_shards for t in tasks]
-        out = _summary(w, _hydra_step_times(results, n_shards), wall, sampler, device, True)
-        out.update(_steady_window(results, n_shards, w))
+        steps = _step_starts(results, [t.num_shards for t in tasks])
+        out = _summary(w, _step_durations(steps), wall, sampler, device, True)
+        out.update(_steady_window(steps, w))
         if any(r.cut_short for r in results):
             out["time_box"] = "stopped at the suite's deadline: " + ", ".join(
                 f"{r.name} {r.steps} steps" for r in results)
