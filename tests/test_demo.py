@@ -62,3 +62,27 @@ def test_demo_search_runs_an_optuna_study(tmp_path, capsys):
     assert code == 0
     assert re.search(r"best trial: \d+, width (16|32), lr ", out), out
     assert "trials pruned" in out
+
+
+def test_demo_trains_another_family(capsys):
+    code = demo.main(SMALL + ["--arch", "gemma2", "--chart", "", "--curves", ""])
+    out = capsys.readouterr().out
+    assert code == 0 and "4 gemma2 configurations" in out and "best configuration: w" in out
+
+
+def test_demo_compares_lora_ranks_on_one_base(capsys):
+    import pytest
+
+    pytest.importorskip("peft", reason="--lora-ranks needs the optional peft")
+    code = demo.main(SMALL + ["--arch", "llama", "--lora-ranks", "2", "8", "--chart", "", "--curves", ""])
+    out = capsys.readouterr().out
+    assert code == 0 and "best configuration: r" in out
+    names = set(re.findall(r"^(r\d+-lr\S+)\s", out, re.MULTILINE))
+    assert names == {"r2-lr0.001", "r2-lr0.003", "r8-lr0.001", "r8-lr0.003"}
+
+
+def test_demo_refuses_pretrained_weights_of_another_family():
+    import pytest
+
+    with pytest.raises(SystemExit, match="gpt2"):
+        demo.main(SMALL + ["--arch", "llama", "--pretrained"])

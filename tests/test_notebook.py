@@ -13,5 +13,5 @@ def test_model_selection_notebook_executes():
                                      resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
     client.execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
-    assert "best:" in outputs
+    assert "best:" in outputs and "best adapter: r" in outputs
     assert any("image/png" in o.get("data", {}) for cell in notebook.cells for o in cell.get("outputs", []))

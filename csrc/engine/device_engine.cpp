@@ -52,9 +52,10 @@ int64_t DeviceEngine::min_spilled_bytes(const ShardStore& store) {
 }
 
 int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
-  // Weights and gradients in the compute dtype, an fp32 master when that is bf16, and the optimizer state.
-  const int64_t per_element = 2 * store.element_bytes() + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states();
-  return store.total_owned_numel() * per_element;
+  // Weights and gradients in the compute dtype, an fp32 master when that is bf16, and the optimizer state of the
+  // trainable parameters.
+  const int64_t per_element = 2 * store.element_bytes() + (store.bf16() ? 4 : 0);
+  return store.total_owned_numel() * per_element + store.total_trainable_numel() * 4 * store.optimizer().num_states();
 }
 
 int64_t DeviceEngine::spilled_need(const ShardStore& store) { return min_spilled_bytes(store) + kSpilledSlack; }

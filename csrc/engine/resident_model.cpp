@@ -14,6 +14,10 @@ at::Tensor ResidentModel::view(int shard, const Region& region, at::ScalarType d
   return engine_.pool_.view(region, dtype, store().owned_numel(shard));
 }
 
+at::Tensor ResidentModel::state_view(int shard, const Region& region) const {
+  return engine_.pool_.view(region, at::kFloat, store().trainable_numel(shard));
+}
+
 void ResidentModel::upload() {
   if (!homes_.empty()) return;
   ShardStore& store = this->store();
@@ -36,8 +40,8 @@ void ResidentModel::upload() {
         view(s, home.master, at::kFloat).copy_(store.master(s));
       }
       for (int k = 0; k < store.optimizer().num_states(); ++k) {
-        home.states.push_back(region(numel * 4));
-        view(s, home.states.back(), at::kFloat).copy_(store.state(s, k));
+        home.states.push_back(region(store.trainable_numel(s) * 4));
+        state_view(s, home.states.back()).copy_(store.state(s, k));
       }
     }
   } catch (...) {
@@ -49,7 +53,8 @@ void ResidentModel::upload() {
     count_load(s);
     ++engine_.stats_.host_to_device_copies;
     engine_.stats_.host_to_device_bytes +=
-        store.owned_numel(s) * (store.element_bytes() + (store.bf16() ? 4 : 0) + 4 * store.optimizer().num_states());
+        store.owned_numel(s) * (store.element_bytes() + (store.bf16() ? 4 : 0)) +
+        store.trainable_numel(s) * 4 * store.optimizer().num_states();
   }
 }
 
@@ -79,7 +84,7 @@ void ResidentModel::step(int shard, double grad_scale, double lr_scale) {
   // In bf16 the fp32 master is stepped and the bf16 weights the shard computes with are its shadow.
   const at::Tensor param = store.bf16() ? view(shard, home.master, at::kFloat) : weights;
   std::vector<at::Tensor> states;
-  for (const Region& r : home.states) states.push_back(view(shard, r, at::kFloat));
+  for (const Region& r : home.states) states.push_back(state_view(shard, r));
   step_ranges(store.optimizer(), param, grads, states, store.bf16() ? weights : at::Tensor(), store.take_step(shard),
               grad_scale, lr_scale);
   grads.zero_();
@@ -118,7 +123,7 @@ void ResidentModel::copy_home() {
       store.master(s).copy_(view(s, home.weights, at::kFloat));
     }
     for (int k = 0; k < store.optimizer().num_states(); ++k)
-      store.state(s, k).copy_(view(s, home.states[k], at::kFloat));
+      store.state(s, k).copy_(state_view(s, home.states[k]));
   }
 }
 

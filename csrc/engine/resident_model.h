@@ -30,6 +30,7 @@ class ResidentModel final : public DeviceModel {
     std::vector<Region> states;
   };
   at::Tensor view(int shard, const Region& region, at::ScalarType dtype) const;
+  at::Tensor state_view(int shard, const Region& region) const;  // optimizer state: the trainable range
   // The shard's optimizer step over its gradients, scaled by `grad_scale`, queued on the compute stream.
   void step(int shard, double grad_scale, double lr_scale);
   // Gives the valid regions of `homes` back to the pool, once `issued` is done, and empties it.

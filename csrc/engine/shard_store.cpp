@@ -26,6 +26,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
   owned_numel_.assign(n, 0);
   trainable_numel_.assign(n, 0);
   device_numel_.assign(n, 0);
+  gradient_numel_.assign(n, 0);
   steps_.assign(n, 0);
   versions_ = std::vector<std::atomic<int64_t>>(n);
   last_steps_.resize(n);
@@ -87,6 +88,8 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
       if (std::find(sources_[s].begin(), sources_[s].end(), e.owner) == sources_[s].end()) sources_[s].push_back(e.owner);
     }
     device_numel_[s] = offset;
+    for (const ParamEntry& e : layouts_[s])
+      if (e.trainable) gradient_numel_[s] = std::max(gradient_numel_[s], aligned(e.device_offset + e.numel));
     received_.emplace_back(layouts_[s].size(), 0);
     borrowed_waiting_.emplace_back(layouts_[s].size(), 0);
     param_steps_.emplace_back(layouts_[s].size(), 0);
@@ -112,7 +115,8 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     grad_.emplace_back();  // allocated by grad() when first needed
     kept_.emplace_back();  // and by kept()
     std::vector<at::Tensor> states;
-    for (int k = 0; k < optimizer.num_states(); ++k) states.push_back(at::zeros({owned_numel_[s]}, at::kFloat));
+    // Frozen parameters sort after the trainable ones and never step: the state covers the trainable range only.
+    for (int k = 0; k < optimizer.num_states(); ++k) states.push_back(at::zeros({trainable_numel_[s]}, at::kFloat));
     state_.push_back(std::move(states));
     if (bf16) {
       at::Tensor shadow = host_buffer(owned_numel_[s], at::kBFloat16, pin_memory);
@@ -149,15 +153,21 @@ int64_t ShardStore::total_owned_numel() const {
   return total;
 }
 
+int64_t ShardStore::total_trainable_numel() const {
+  int64_t total = 0;
+  for (int64_t n : trainable_numel_) total += n;
+  return total;
+}
+
 at::Tensor& ShardStore::grad(int shard) {
   at::Tensor& accumulator = grad_.at(shard);
-  if (!accumulator.defined()) accumulator = at::zeros({owned_numel_[shard]}, at::kFloat);
+  if (!accumulator.defined()) accumulator = at::zeros({trainable_numel_[shard]}, at::kFloat);  // frozen: no slot
   return accumulator;
 }
 
 at::Tensor& ShardStore::kept(int shard) {
   at::Tensor& landed = kept_.at(shard);
-  if (!landed.defined()) landed = at::empty({owned_numel_[shard]}, at::kBFloat16);
+  if (!landed.defined()) landed = at::empty({trainable_numel_[shard]}, at::kBFloat16);
   return landed;
 }
 
@@ -228,19 +238,21 @@ void ShardStore::undo_step(int shard, const std::vector<StepRange>& ranges) {
 
 void ShardStore::accumulate_grads(int shard, const at::Tensor& device_layout_grad) {
   accumulate_borrowed(shard, device_layout_grad);
-  grad(shard).add_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
+  grad(shard).add_(device_layout_grad.narrow(0, 0, trainable_numel_[shard]));
 }
 
 void ShardStore::keep_grads(int shard, const at::Tensor& device_layout_grad) {
   TORCH_CHECK(bf16_ && device_layout_grad.scalar_type() == at::kBFloat16,
               "keep_grads: a kept gradient is a bf16 model's, as it landed");
   accumulate_borrowed(shard, device_layout_grad);
-  kept(shard).copy_(device_layout_grad.narrow(0, 0, owned_numel_[shard]));
+  kept(shard).copy_(device_layout_grad.narrow(0, 0, trainable_numel_[shard]));
 }
 
 void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step) {
-  TORCH_CHECK(device_layout_grad.device().is_cpu() && device_layout_grad.numel() == device_numel_.at(shard),
-              "accumulate_grads: expected a host tensor of ", device_numel_.at(shard), " elements");
+  TORCH_CHECK(device_layout_grad.device().is_cpu() && device_layout_grad.numel() >= gradient_numel_.at(shard) &&
+                  device_layout_grad.numel() <= device_numel_.at(shard),
+              "accumulate_grads: expected a host tensor of ", gradient_numel_.at(shard), " to ", device_numel_.at(shard),
+              " elements");
   for (const ParamEntry& e : layouts_[shard]) {
     if (e.owner == shard || !e.trainable) continue;
     const at::Tensor part = device_layout_grad.narrow(0, e.device_offset, e.numel);

@@ -61,14 +61,19 @@ class ShardStore {
 
   int64_t owned_numel(int shard) const { return owned_numel_.at(shard); }
   int64_t trainable_numel(int shard) const { return trainable_numel_.at(shard); }
+  // The device layout's prefix that holds every trainable gradient (owned and borrowed): what a spilled shard's
+  // gradient copy moves. Frozen parameters sorted to the end of the owned part are never copied back.
+  int64_t gradient_numel(int shard) const { return gradient_numel_.at(shard); }
   int64_t device_numel(int shard) const { return device_numel_.at(shard); }
   int64_t total_owned_numel() const;
+  int64_t total_trainable_numel() const;  // what has optimizer state
 
   at::Tensor& master(int shard) { return master_.at(shard); }
   // The shard's fp32 gradient accumulator, allocated (zeroed) at its first use. Only a shard that sums several
   // gradients before a step needs one: micro-batches, clipping (every shard's gradient waits for the norm), or
   // a parameter another shard borrows (a tied embedding). Otherwise the step reads the gradient where it
-  // landed, and the 4 bytes a parameter of an accumulator are never spent.
+  // landed, and the 4 bytes a parameter of an accumulator are never spent. It spans the trainable range only
+  // (as do kept() and the optimizer states): a frozen parameter's host state is its master weights alone.
   at::Tensor& grad(int shard);
   bool has_grad(int shard) const { return grad_.at(shard).defined(); }
   // In bf16, the shard's one gradient of a step, kept as it landed (bf16) until the step: with clipping and
@@ -213,7 +218,7 @@ class ShardStore {
   bool pinned_;
   std::vector<std::vector<ParamEntry>> layouts_;
   std::vector<std::vector<int>> sources_;
-  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, steps_;
+  std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, gradient_numel_, steps_;
   // Per shard, per entry of its layout (only owned, trainable ones are used): whether a gradient came in
   // since the shard's last step, and the parameter's own step count.
   std::vector<std::vector<uint8_t>> received_;

@@ -201,10 +201,11 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
   // Kept for clip_and_step, whose step is next and makes this copy stale: it goes at release (after_release).
   if (keep) w.step_queued_next = true;
   std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
-  const at::Tensor device_grad = grad_view(shard);
+  // Only the prefix holding trainable gradients goes out: a frozen tail (a LoRA model's base weights) stays.
+  const int64_t numel = store().gradient_numel(shard);
+  const at::Tensor device_grad = grad_view(shard).narrow(0, 0, numel);
   const at::ScalarType dtype = store().compute_dtype();
-  const int64_t numel = device_grad.numel();
-  const int64_t bytes = weight_bytes(shard);
+  const int64_t bytes = numel * store().element_bytes();
   // The staging buffer the gradient lands in: leased by the copy, given back when the host job is done with
   // it (or when both jobs are gone, however they ended).
   auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();

@@ -1,6 +1,8 @@
 """Model selection with hydra-torch: several GPT-2 configurations trained at once, the best one named.
 
     python -m hydra_torch.demo                      # small defaults: a few minutes on 2 CPU cores
+    python -m hydra_torch.demo --arch qwen3         # the same with another family (llama, mistral, gemma2, ...)
+    python -m hydra_torch.demo --arch llama --lora-ranks 4 16   # LoRA ranks x learning rates on one base (needs peft)
     python -m hydra_torch.demo --halving 20         # stop the worse configurations early (successive halving)
     python -m hydra_torch.demo --search 12          # an Optuna search over width and learning rate instead
     python -m hydra_torch.demo --width 1600 --layers 48 --heads 25 --seq 1024 --batch 8 \\
@@ -19,11 +21,17 @@ import time
 import torch
 
 import hydra_torch as ht
+from hydra_torch.demo import architectures
 from hydra_torch.demo.corpus import lm_batches, local_text, train_tokenizer
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train several GPT-2 configurations at once and report the best.")
+    p.add_argument("--arch", default="gpt2", choices=list(architectures.CONFIGS),
+                   help="the model family, built from a small config of that family's class (default: gpt2)")
+    p.add_argument("--lora-ranks", type=int, nargs="+", metavar="R",
+                   help="compare LoRA adapters of these ranks (x --lrs) on one base of --width instead of widths "
+                        "(needs peft)")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="learning rates to compare")
     p.add_argument("--widths", type=int, nargs="+", default=[96, 128], help="embedding widths to compare")
     p.add_argument("--width", type=int, help="one width (overrides --widths)")
@@ -63,17 +71,31 @@ def default_devices():
 
 
 def make_model(width, args, vocab_size, seed):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     if args.pretrained:
         try:
             return causal_lm_loss_named(GPT2LMHeadModel.from_pretrained("gpt2"))
         except OSError as error:
             raise SystemExit(f"--pretrained needs the Hugging Face hub or its cache, which is not reachable: {error}")
+    model = architectures.build(args.arch, vocab_size, width, args.layers, args.heads, args.seq, seed=seed)
+    return causal_lm_loss_named(model) if args.arch == "gpt2" else model
+
+
+def make_lora(rank, base_seed, args, vocab_size, seed):
+    """A LoRA adapter of `rank` on the attention's projections of one base model (the same base for every rank:
+    built from `base_seed`), its A drawn from `seed`."""
+    try:
+        import peft
+    except ImportError:
+        raise SystemExit("--lora-ranks needs peft: pip install peft") from None
+    model = make_model(args.width or max(args.widths), args, vocab_size, seed=base_seed)
+    targets = ["c_attn"] if args.arch == "gpt2" else (["query_key_value"] if args.arch == "gpt_neox" else
+                                                      ["q_proj", "v_proj"])
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab_size, n_positions=args.seq, n_embd=width, n_layer=args.layers,
-                        n_head=args.heads, bos_token_id=0, eos_token_id=0)
-    return causal_lm_loss_named(GPT2LMHeadModel(config))
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05, target_modules=targets,
+                             fan_in_fan_out=args.arch == "gpt2")
+    return peft.get_peft_model(model, config)
 
 
 def causal_lm_loss_named(model):
@@ -109,6 +131,10 @@ def prepare_data(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.pretrained and args.arch != "gpt2":
+        raise SystemExit("--pretrained loads Hugging Face's 'gpt2' weights: it goes with --arch gpt2 only")
+    if args.lora_ranks and args.search:
+        raise SystemExit("--lora-ranks compares a grid of ranks x --lrs; --search is for widths: choose one")
     widths = [args.width] if args.width else args.widths
     started = time.perf_counter()
     print("preparing text and tokenizer ...", flush=True)
@@ -116,20 +142,27 @@ def main(argv=None):
 
     eval_every = max(1, args.steps // 5)
 
-    def task_for(width, lr, seed, name):
-        model = make_model(width, args, vocab_size, seed=seed)
+    def task_for(width, lr, seed, name, rank=None):
+        model = (make_model(width, args, vocab_size, seed=seed) if rank is None else
+                 make_lora(rank, args.seed, args, vocab_size, seed=seed))
         return ht.ModelTask(model, data=train_data, eval_data=valid_data, eval_every=eval_every,
                             optimizer=ht.optim.AdamW(lr=lr), name=name, precision=args.precision)
 
     devices = args.devices.split(",") if args.devices else default_devices()
     if args.search:
         return search(args, task_for, devices)
-    configs = [(w, lr) for w in widths for lr in args.lrs]
-    tasks = [task_for(width, lr, args.seed + i, f"w{width}-lr{lr:g}") for i, (width, lr) in enumerate(configs)]
+    if args.lora_ranks:
+        configs = [(r, lr) for r in args.lora_ranks for lr in args.lrs]
+        tasks = [task_for(None, lr, args.seed + 1 + i, f"r{rank}-lr{lr:g}", rank=rank)
+                 for i, (rank, lr) in enumerate(configs)]
+    else:
+        configs = [(w, lr) for w in widths for lr in args.lrs]
+        tasks = [task_for(width, lr, args.seed + i, f"w{width}-lr{lr:g}") for i, (width, lr) in enumerate(configs)]
     models = [task.model for task in tasks]
-    params = [sum(p.numel() for p in m.parameters()) for m in models]
+    params = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in models]
     budget = args.budget or default_budget(tasks)
-    print(f"{len(tasks)} configurations, {min(params) / 1e6:.1f}-{max(params) / 1e6:.1f}M parameters, "
+    print(f"{len(tasks)} {args.arch} configurations, {min(params) / 1e6:.2f}-{max(params) / 1e6:.2f}M trainable "
+          f"parameters, "
           f"{args.steps} steps of {args.batch}x{args.seq} tokens, devices {devices}, budget {budget} per device",
           flush=True)
     selection = ht.SuccessiveHalving(args.halving, reduction_factor=3) if args.halving else None

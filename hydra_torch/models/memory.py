@@ -113,18 +113,21 @@ def available_host_bytes() -> int:
 
 
 def host_state_bytes(task) -> int:
-    """What a task's host training state (the engine's ShardStore) will take: per parameter, an fp32 master
-    and the optimizer's fp32 states, a bf16 shadow in bf16, and where a step waits for more than one gradient
+    """What a task's host training state (the engine's ShardStore) will take: per trainable parameter, an fp32
+    master and the optimizer's fp32 states, a bf16 shadow in bf16, and where a step waits for more than one gradient
     its gradient: an fp32 accumulator with micro-batches (or clipping in fp32), the bf16 gradient as it landed
     with clipping in bf16. A shard owning a parameter that another shard uses (a tied embedding) sums both
     shards' gradients: in bf16 with one micro-batch a step and no clipping, the borrower's waits as it landed
-    where every parameter has at most one borrower, else in an fp32 accumulator. A tied parameter counts once."""
-    owner, numel, tied_owners = {}, {}, set()
+    where every parameter has at most one borrower, else in an fp32 accumulator. A tied parameter counts once. A
+    frozen parameter (requires_grad=False: a LoRA model's base) holds its master (and bf16 shadow) alone."""
+    owner, numel, tied_owners, trainable = {}, {}, set(), set()
     borrowers = collections.Counter()
     for s, shard in enumerate(task.shard_params):
         for p in {id(p): p for p in shard}.values():
             owner.setdefault(id(p), s)
             numel[id(p)] = p.numel()
+            if p.requires_grad:
+                trainable.add(id(p))
             if owner[id(p)] != s:
                 tied_owners.add(owner[id(p)])
                 if p.requires_grad:
@@ -137,7 +140,9 @@ def host_state_bytes(task) -> int:
         gradient, tied = 2, 4
     else:
         gradient, tied = 0, (2 if bf16 and all(n == 1 for n in borrowers.values()) else 4)
-    return sum(n * (per_element + (tied if owner[key] in tied_owners else gradient)) for key, n in numel.items())
+    frozen = 4 + (2 if bf16 else 0)  # the master (and its bf16 shadow): no optimizer state, no gradient
+    return sum(n * ((per_element + (tied if owner[key] in tied_owners else gradient)) if key in trainable else frozen)
+               for key, n in numel.items())
 
 
 def check_host_memory(tasks) -> None:

@@ -24,19 +24,46 @@ class Adapter:
 
 
 def adapt(model) -> Adapter | None:
-    """The adapter for a Hugging Face model, None for models hydra-torch shards directly (Sequential,
-    lists). Raises TypeError for a Hugging Face model of an architecture with no adapter."""
+    """The adapter for a Hugging Face causal LM (or a peft model wrapping one), None for models hydra-torch shards
+    directly (Sequential, lists). Raises TypeError, naming what is missing, for a Hugging Face model it cannot
+    shard (an encoder-decoder or encoder-only model, parts it does not know)."""
+    if is_peft_model(model):
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(f"the peft model {type(model).__name__} has no trainable parameters: every adapter is "
+                             "frozen (was it loaded with is_trainable=False?)")
+        model = model.get_base_model()
     if not isinstance(model, nn.Module) or not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return None
     check_transformers_version()
-    from hydra_torch.models.hf import gpt2, llama
+    from hydra_torch.models.hf import decoder, gpt2
 
-    for family in (gpt2, llama):
-        if family.supports(model):
-            return family.adapter(model)
-    raise TypeError(f"not supported: {type(model).__name__}. hydra-torch shards Hugging Face GPT2LMHeadModel and "
-                    f"LlamaForCausalLM as they are; other models can be passed as an nn.Sequential, a list of "
-                    f"modules, or with explicit shards=[[module, ...], ...]")
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(f"not supported: {name} is an encoder-decoder model; hydra-torch trains decoder-only causal "
+                        "LMs (AutoModelForCausalLM)")
+    if gpt2.supports(model):
+        return gpt2.adapter(model)
+    if not is_causal_lm(model):
+        raise TypeError(f"not supported: {name} is not a causal language model; hydra-torch trains decoder-only "
+                        "causal LMs (AutoModelForCausalLM) as they are, other models as an nn.Sequential, a list of "
+                        "modules, or with explicit shards=[[module, ...], ...]")
+    built = decoder.adapter(model)
+    if getattr(model.config, "model_type", None) not in decoder.TESTED:
+        decoder.check_against_model(model, built.pieces)
+    return built
+
+
+def is_peft_model(model) -> bool:
+    """A peft PeftModel (by its class's module, so that peft is imported only by those who use it)."""
+    return type(model).__module__.split(".")[0] == "peft" and callable(getattr(model, "get_base_model", None))
+
+
+def is_causal_lm(model) -> bool:
+    """The class is one AutoModelForCausalLM builds (or named like one, for a model registered elsewhere)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    return name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or name.endswith("ForCausalLM")
 
 
 def installed_transformers() -> str:

@@ -24,23 +24,31 @@ class HeadOutput:
 
 
 class LMHead(nn.Module):
-    """A decoder's last piece, its final norm and LM head: the logits, or, once fused (a task with the default
-    loss), a HeadOutput."""
+    """A decoder's last piece, its final norm (if any) and LM head: the logits, or, once fused (a task with the
+    default loss), a HeadOutput. OPT may project the hidden states out first; Gemma 2/3 softcap the logits (then
+    the head is not fused: the chunked loss computes plain logits)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, norm: nn.Module | None, lm_head: nn.Module, project_out: nn.Module | None = None,
+                 softcap: float | None = None):
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.norm, self.lm_head, self.project_out = norm, lm_head, project_out
+        self.softcap = softcap
         self.fused = False
 
     def fuse(self):
-        self.fused = True
+        self.fused = self.softcap is None
 
     def forward(self, inputs):
-        hidden = self.norm(inputs[0])
-        if not self.fused:
-            return self.lm_head(hidden)
-        # Read at call time: the engine binds the parameters to their device copies for each visit.
-        return HeadOutput(hidden, self.lm_head.weight, self.lm_head.bias)
+        hidden = inputs[0] if self.norm is None else self.norm(inputs[0])
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        if self.fused:
+            # Read at call time: the engine binds the parameters to their device copies for each visit.
+            return HeadOutput(hidden, self.lm_head.weight, self.lm_head.bias)
+        logits = self.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 def shifted_labels(labels):
@@ -110,30 +118,37 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden * grad_total.to(grad_hidden.dtype), head[0], head[1] if grad_bias else None, None, None, None
 
 
-def positions_and_mask(config, input_ids, embeds, attention_mask):
-    """Position ids 0..T-1 and the model's own causal mask (None where its attention applies causality
-    itself), as the Hugging Face model computes them without a cache."""
+def positions_and_mask(config, input_ids, embeds, attention_mask, position_ids=None):
+    """The batch's position ids, else 0..T-1, and the model's own causal mask (None where its attention applies
+    causality itself), as the Hugging Face model computes them without a cache."""
     from transformers.masking_utils import create_causal_mask
 
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     # The cache goes by position: transformers renamed that parameter (past_key_values -> cache) during 5.x.
     mask = create_causal_mask(config, embeds, attention_mask, None, position_ids=position_ids)
     return position_ids, mask
 
 
 def inputs(batch):
-    return batch["input_ids"], batch.get("attention_mask")
+    return batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
 
 
 def batch_checker(vocab_size: int, max_positions: int | None):
     def check_batch(batch):
         if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+            if isinstance(batch, dict) and "inputs_embeds" in batch:
+                raise KeyError("batches with 'inputs_embeds' are not supported: pass 'input_ids' (the embeddings "
+                               "are the model's first shard)")
             raise KeyError("a language-model batch is a dict with 'input_ids' and 'labels' "
-                           "(and optionally 'attention_mask')")
+                           "(and optionally 'attention_mask' and 'position_ids')")
+        if "inputs_embeds" in batch:
+            raise KeyError("a batch has both 'input_ids' and 'inputs_embeds': hydra-torch embeds 'input_ids' "
+                           "in the model's first shard; drop 'inputs_embeds'")
         ids = batch["input_ids"]
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got {tuple(ids.shape)} "
-                             f"{ids.dtype}")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got "
+                             f"{tuple(getattr(ids, 'shape', ()))} {getattr(ids, 'dtype', type(ids).__name__)}")
         if max_positions is not None and ids.shape[1] > max_positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's n_positions={max_positions}")
         if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
@@ -142,5 +157,15 @@ def batch_checker(vocab_size: int, max_positions: int | None):
         if batch["labels"].shape != ids.shape:
             raise ValueError(f"labels {tuple(batch['labels'].shape)} must have the shape of input_ids "
                              f"{tuple(ids.shape)}")
+        mask = batch.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+            raise ValueError(f"attention_mask {tuple(getattr(mask, 'shape', ()))} must have the shape of input_ids "
+                             f"{tuple(ids.shape)}")
+        positions = batch.get("position_ids")
+        if positions is not None and (not isinstance(positions, torch.Tensor) or positions.dim() != 2
+                                      or positions.shape[1] != ids.shape[1]
+                                      or positions.shape[0] not in (1, ids.shape[0])):
+            raise ValueError(f"position_ids {tuple(getattr(positions, 'shape', ()))} must be (batch or 1, sequence) "
+                             f"for input_ids {tuple(ids.shape)}")
 
     return check_batch

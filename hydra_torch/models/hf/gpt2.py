@@ -25,12 +25,13 @@ class Embeddings(nn.Module):
         self.config = model.config
 
     def forward(self, inputs):
-        input_ids, attention_mask = inputs
+        input_ids, attention_mask, position_ids = inputs
         if input_ids.shape[-1] > self.config.n_positions:
             raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds the model's "
                              f"n_positions={self.config.n_positions}")
         embeds = self.wte(input_ids)
-        position_ids, mask = causal_lm.positions_and_mask(self.config, input_ids, embeds, attention_mask)
+        position_ids, mask = causal_lm.positions_and_mask(self.config, input_ids, embeds, attention_mask,
+                                                                 position_ids)
         hidden = embeds + self.wpe(position_ids)
         return self.drop(hidden), mask, position_ids
 

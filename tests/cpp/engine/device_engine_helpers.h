@@ -92,7 +92,7 @@ inline void write_grads(ShardStore& store, int shard) {
 // the sum of the values written in every shard that lists it, in its owner's buffer.
 inline std::vector<at::Tensor> expected_grads(ShardStore& store, int micro_batches) {
   std::vector<at::Tensor> expected;
-  for (int s = 0; s < store.num_shards(); ++s) expected.push_back(at::zeros({store.owned_numel(s)}));
+  for (int s = 0; s < store.num_shards(); ++s) expected.push_back(at::zeros({store.trainable_numel(s)}));
   for (int s = 0; s < store.num_shards(); ++s) {
     const auto& layout = store.layout(s);
     for (size_t i = 0; i < layout.size(); ++i) {

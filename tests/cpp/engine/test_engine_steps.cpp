@@ -248,7 +248,7 @@ TEST(DeviceEngine, SingleMicroBatchStepsReadTheLandedGradientWithoutAnAccumulato
   EXPECT_TRUE(direct->has_grad(0)) << "shard 0 owns e, which shard 2 borrows: its gradient is a sum";
   EXPECT_FALSE(direct->has_grad(1));
   EXPECT_FALSE(direct->has_grad(2));
-  EXPECT_EQ(direct->host_bytes(), without + direct->owned_numel(0) * 4) << "only shard 0's accumulator was added";
+  EXPECT_EQ(direct->host_bytes(), without + direct->trainable_numel(0) * 4) << "only shard 0's accumulator was added";
   EXPECT_TRUE(at::equal(direct->grad(0), at::zeros_like(direct->grad(0)))) << "zeroed after its step";
 }
 
@@ -281,7 +281,8 @@ TEST(DeviceEngine, ClippedBf16StepsReadTheKeptGradientsAsTheAccumulatorsWould) {
   EXPECT_TRUE(kept->has_grad(0) && !kept->has_kept(0)) << "shard 0 owns e, which shard 2 borrows: a sum";
   for (int s : {1, 2}) EXPECT_TRUE(kept->has_kept(s) && !kept->has_grad(s)) << "shard " << s;
   for (int s = 0; s < 3; ++s) EXPECT_TRUE(summed->has_grad(s) && !summed->has_kept(s)) << "shard " << s;
-  EXPECT_EQ(kept->host_bytes(), before + kept->owned_numel(0) * 4 + (kept->owned_numel(1) + kept->owned_numel(2)) * 2);
+  EXPECT_EQ(kept->host_bytes(),
+            before + kept->trainable_numel(0) * 4 + (kept->trainable_numel(1) + kept->trainable_numel(2)) * 2);
 }
 
 // A backward's gradients (for run_step) whose pairwise sums round differently in bf16 than in fp32
@@ -326,7 +327,7 @@ TEST(DeviceEngine, ATiedWeightsBorrowedBf16GradientWaitsAsItLandedAndStepsAsTheA
     EXPECT_FALSE(kept->has_grad(s)) << "shard " << s << ": no fp32 accumulator";
   }
   EXPECT_TRUE(kept->has_kept(0)) << "shard 2's gradient of e waited in shard 0's kept buffer";
-  EXPECT_EQ(kept->host_bytes(), before + kept->owned_numel(0) * 2);
+  EXPECT_EQ(kept->host_bytes(), before + kept->trainable_numel(0) * 2);
 }
 
 // A borrower's gradient waits as it landed only where it is one of just two a step sums (a third would have to

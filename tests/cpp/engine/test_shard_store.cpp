@@ -85,11 +85,12 @@ TEST(ShardStore, PacksTrainableFirstAtAlignedOffsetsWithZeroPadding) {
   EXPECT_TRUE(at::equal(master.narrow(0, 23, 9), at::zeros({9})));
   EXPECT_TRUE(at::equal(master.narrow(0, 52, 12), at::zeros({12})));
 
-  // Gradients and optimizer state: zeroed fp32 buffers of the owned size (Adam keeps two).
-  EXPECT_TRUE(at::equal(store.grad(0), at::zeros({64})));
+  // Gradients and optimizer state: zeroed fp32 buffers of the trainable range (Adam keeps two): the frozen
+  // parameter after it has none.
+  EXPECT_TRUE(at::equal(store.grad(0), at::zeros({48})));
   EXPECT_EQ(store.optimizer().num_states(), 2);
-  EXPECT_TRUE(at::equal(store.state(0, 0), at::zeros({64})));
-  EXPECT_TRUE(at::equal(store.state(0, 1), at::zeros({64})));
+  EXPECT_TRUE(at::equal(store.state(0, 0), at::zeros({48})));
+  EXPECT_TRUE(at::equal(store.state(0, 1), at::zeros({48})));
   EXPECT_EQ(store.steps_taken(0), 0);
 }
 
@@ -190,6 +191,33 @@ TEST(ShardStore, TiedParameterIsOwnedByTheLowestShard) {
   EXPECT_TRUE(at::equal(store.master(1).narrow(0, 16, 3), flat(m.z)));
 }
 
+TEST(ShardStore, FrozenParametersHoldTheirMasterAloneAndSendNoGradient) {
+  TiedModel m;
+  ShardStore store(m.shards(), OptimizerSpec{}, false, false);  // Adam: two states
+  for (int s = 0; s < store.num_shards(); ++s)
+    for (int k = 0; k < 2; ++k) EXPECT_EQ(store.state(s, k).numel(), store.trainable_numel(s)) << "shard " << s;
+  // Masters of all owned parameters, states of the trainable ones only.
+  EXPECT_EQ(store.host_bytes(), 4 * (80 + 32 + 16) + 4 * 2 * (64 + 16 + 16));
+  // The accumulator spans the trainable range too: f0 and z have no slot.
+  EXPECT_EQ(store.grad(0).numel(), 64);
+  EXPECT_EQ(store.grad(1).numel(), 16);
+  // What a gradient copy moves: the prefix holding every trainable gradient. Shard 1's frozen z is its tail;
+  // shard 2's trainable borrowed e sits after its owned g, its frozen borrowed z after e.
+  EXPECT_EQ(store.gradient_numel(0), 64);
+  EXPECT_EQ(store.gradient_numel(1), 16);
+  EXPECT_EQ(store.gradient_numel(2), 64);
+  EXPECT_EQ(store.device_numel(2), 80);
+}
+
+TEST(ShardStore, AShardOfFrozenParametersSendsNoGradient) {
+  const at::Tensor frozen = param({40}, 1.0, false), trained = param({8}, 2.0);
+  ShardStore store({{frozen}, {trained, frozen}}, OptimizerSpec{}, true, false);
+  EXPECT_EQ(store.gradient_numel(0), 0);
+  EXPECT_EQ(store.state(0, 0).numel(), 0);
+  EXPECT_EQ(store.gradient_numel(1), 16) << "the borrowed frozen weight after it is not sent";
+  EXPECT_EQ(store.host_bytes(), (4 + 2) * (48 + 16) + 4 * 2 * 16) << "bf16: master and shadow, states of 16";
+}
+
 TEST(ShardStore, BorrowedEntriesKnowTheirIndexInTheOwnersLayout) {
   TiedModel m;
   ShardStore store(m.shards(), OptimizerSpec{}, false, false);
@@ -283,11 +311,11 @@ TEST(ShardStore, AccumulateGradsAddsOwnedAndRoutesBorrowedToTheOwner) {
   // Owned part of shard 2 in one pass (padding included: it is zero on the device).
   EXPECT_TRUE(at::equal(store.grad(2), g2.narrow(0, 0, 16)));
   // The borrowed trainable e lands in shard 0 at e's master offset.
-  at::Tensor expected0 = at::zeros({80});
+  at::Tensor expected0 = at::zeros({64});  // e and a: the frozen f0 has no slot
   expected0.narrow(0, 0, 40).copy_(g2.narrow(0, 16, 40));
   EXPECT_TRUE(at::equal(store.grad(0), expected0));
-  // The borrowed frozen z is not routed: the owner's gradient stays zero.
-  EXPECT_TRUE(at::equal(store.grad(1), at::zeros({32})));
+  // The borrowed frozen z is not routed: the owner's gradient (h alone) stays zero.
+  EXPECT_TRUE(at::equal(store.grad(1), at::zeros({16})));
 
   // Contributions sum, from the owner's own pass and from a second micro-batch.
   const at::Tensor g0 = at::full({80}, 0.5f);
