@@ -126,3 +126,21 @@ def test_lora_with_a_trained_head_copy_matches_peft_trained_plainly():
     assert any("modules_to_save" in n for n, _, _ in trained)
     for name, a, b in trained:
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5, name
+
+
+def test_a_lora_run_stopped_and_resumed_ends_as_one_run(tmp_path):
+    data = padded_batches(6)
+
+    def run(max_steps=None, checkpoint_dir=None, seed=0):
+        model = lora(seed=seed)  # then the same global generator state before each call: dropout draws alike
+        torch.manual_seed(7)
+        task = ht.ModelTask(model, data=data, name="lora", max_steps=max_steps)
+        ht.train([task], devices="cpu", memory_budget="200KB", progress=False, checkpoint_dir=checkpoint_dir,
+                 checkpoint_every=None if checkpoint_dir is None else 1)
+        return model
+
+    straight = run()
+    run(max_steps=3, checkpoint_dir=tmp_path)
+    resumed = run(checkpoint_dir=tmp_path, seed=5)  # other weights, which the checkpoint replaces
+    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(a, b), name
