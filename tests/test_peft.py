@@ -28,6 +28,25 @@ def frozen_numel(model):
     return sum(p.numel() for p in model.parameters() if not p.requires_grad)
 
 
+def trained_against_plain(make, data, seed=3):
+    """(name, ours, theirs) of each trainable parameter: make() trained spilled by hydra-torch and plainly by
+    torch.optim.AdamW over its trainable parameters, from the same generator state."""
+    reference = make()
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
+    torch.manual_seed(seed)
+    for batch in data:
+        optimizer.zero_grad()
+        reference(**batch).loss.backward()
+        optimizer.step()
+    model = make()
+    torch.manual_seed(seed)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    result = ht.train([ht.ModelTask(model, data=data)], devices="cpu", memory_budget=int(0.7 * weights),
+                      progress=False)[0]
+    assert result.ok and not result.resident
+    return [(n, a, b) for (n, a), b in zip(model.named_parameters(), reference.parameters()) if a.requires_grad]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_spilled_lora_matches_peft_trained_plainly(arch, accumulate):
@@ -108,21 +127,7 @@ def test_lora_with_a_trained_head_copy_matches_peft_trained_plainly():
         return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                           modules_to_save=["lm_head"]))
 
-    data = padded_batches(4)
-    reference = make()
-    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
-    torch.manual_seed(3)
-    for batch in data:
-        optimizer.zero_grad()
-        reference(**batch).loss.backward()
-        optimizer.step()
-    model = make()
-    torch.manual_seed(3)
-    weights = sum(p.numel() * 4 for p in model.parameters())
-    result = ht.train([ht.ModelTask(model, data=data)], devices="cpu", memory_budget=int(0.7 * weights),
-                      progress=False)[0]
-    assert result.ok and not result.resident
-    trained = [(n, a, b) for (n, a), b in zip(model.named_parameters(), reference.parameters()) if a.requires_grad]
+    trained = trained_against_plain(make, padded_batches(4))
     assert any("modules_to_save" in n for n, _, _ in trained)
     for name, a, b in trained:
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5, name
@@ -144,3 +149,23 @@ def test_a_lora_run_stopped_and_resumed_ends_as_one_run(tmp_path):
     resumed = run(checkpoint_dir=tmp_path, seed=5)  # other weights, which the checkpoint replaces
     for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_lora_on_the_lm_head_trains_it_as_peft_does():
+    """A LoRA-wrapped head is more than its weight and bias: it is not fused into the loss, it runs as it is."""
+    def make():
+        model = tiny("llama")
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"],
+                                                          init_lora_weights=False))
+
+    trained = trained_against_plain(make, padded_batches(3))
+    assert any("lm_head.lora" in n for n, _, _ in trained)
+    for name, a, b in trained:
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5, name
+
+
+def test_prompt_learning_is_refused():
+    model = peft.get_peft_model(tiny("llama"), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(TypeError, match="prompt learning"):
+        ht.ModelTask(model, data=padded_batches(1))

@@ -62,6 +62,7 @@ CONFIGS = {
                "Gemma2ForCausalLM"),
     "gemma3": (_rotary("Gemma3TextConfig", head_dim=_head_dim, sliding_window=8, layer_types=_alternating,
                        final_logit_softcapping=30.0), "Gemma3ForCausalLM"),
+    "olmo": (_rotary("OlmoConfig"), "OlmoForCausalLM"),
     "olmo2": (_rotary("Olmo2Config"), "Olmo2ForCausalLM"),
     "smollm3": (_rotary("SmolLM3Config"), "SmolLM3ForCausalLM"),
     "gpt_neox": (_rotary("GPTNeoXConfig"), "GPTNeoXForCausalLM"),

@@ -87,14 +87,16 @@ def make_lora(rank, base_seed, args, vocab_size, seed):
     built from `base_seed`), its A drawn from `seed`."""
     try:
         import peft
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
     except ImportError:
         raise SystemExit("--lora-ranks needs peft: pip install peft") from None
     model = make_model(args.width or max(args.widths), args, vocab_size, seed=base_seed)
-    targets = ["c_attn"] if args.arch == "gpt2" else (["query_key_value"] if args.arch == "gpt_neox" else
-                                                      ["q_proj", "v_proj"])
     torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05, target_modules=targets,
-                             fan_in_fan_out=args.arch == "gpt2")
+    # peft's own choice of modules for the family where it has one (the attention's projections), else every
+    # linear layer of the decoder ("all-linear": Phi-3's fused qkv_proj, OLMo 2, SmolLM3, Qwen3-MoE).
+    known = model.config.model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05,
+                             target_modules=None if known else "all-linear", fan_in_fan_out=args.arch == "gpt2")
     return peft.get_peft_model(model, config)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hydra_torch.models.carried import is_carried
+
 
 class NonFiniteLossError(RuntimeError):
     pass
@@ -24,8 +26,10 @@ def floating(t) -> bool:
 
 
 def requiring_grad(x):
-    """`x` cut from its graph, its floating tensors as leaves that take a gradient (a shard's input)."""
-    return tree_map(lambda t: t.detach().requires_grad_(True) if floating(t) else t, x)
+    """`x` cut from its graph, its floating tensors as leaves that take a gradient (a shard's input), but for
+    what is Carried along (masks, rotary tables), which takes none."""
+    return tree_map(lambda t: t if is_carried(t) else t.detach().requires_grad_(True) if floating(t) else t, x,
+                    is_leaf=is_carried)
 
 
 def input_grads(x_in) -> list:

@@ -31,7 +31,14 @@ def adapt(model) -> Adapter | None:
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(f"the peft model {type(model).__name__} has no trainable parameters: every adapter is "
                              "frozen (was it loaded with is_trainable=False?)")
-        model = model.get_base_model()
+        config = getattr(model, "active_peft_config", None)
+        base = model.get_base_model()
+        if getattr(config, "is_prompt_learning", False) or not any(p.requires_grad for p in base.parameters()):
+            kind = getattr(getattr(config, "peft_type", None), "value", type(config).__name__)
+            raise TypeError(f"not supported: a peft {kind} model, whose trainable parameters live outside the base "
+                            "model's layers (prompt learning); hydra-torch trains adapters inside the layers "
+                            "(LoRA and its kin)")
+        model = base
     if not isinstance(model, nn.Module) or not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return None
     check_transformers_version()

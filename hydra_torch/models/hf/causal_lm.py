@@ -36,7 +36,9 @@ class LMHead(nn.Module):
         self.fused = False
 
     def fuse(self):
-        self.fused = self.softcap is None
+        # Only a plain Linear is its weight and bias: a peft-wrapped head (LoRA on lm_head, trainable tokens)
+        # computes more than F.linear(hidden, weight, bias), so it runs as it is and the loss takes its logits.
+        self.fused = self.softcap is None and type(self.lm_head) is nn.Linear
 
     def forward(self, inputs):
         hidden = inputs[0] if self.norm is None else self.norm(inputs[0])
@@ -126,15 +128,26 @@ def positions_and_mask(config, input_ids, embeds, attention_mask, position_ids=N
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     # The cache goes by position: transformers renamed that parameter (past_key_values -> cache) during 5.x.
-    mask = create_causal_mask(config, embeds, attention_mask, None, position_ids=position_ids)
+    mask = create_causal_mask(config, embeds, attention_mask, None, position_ids=mask_positions(config, position_ids))
     return position_ids, mask
+
+
+def mask_positions(config, position_ids):
+    """The position ids the model's mask functions see. A model whose config caches (use_cache, the default) makes
+    a cache in its training forward too, and with a cache the mask functions do not look for packed sequences in
+    the position ids; without one they do (restarting ids and no attention_mask: a block-diagonal mask). The
+    pieces have no cache, so they hand the ids over only where the model would find packing itself."""
+    return None if getattr(config, "use_cache", False) else position_ids
 
 
 def inputs(batch):
     return batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
 
 
-def batch_checker(vocab_size: int, max_positions: int | None):
+def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: int = 0):
+    """Checks of a batch before anything runs. `max_positions`: a model with learned positions (GPT-2, OPT) holds
+    that many, so longer sequences and position ids outside [lowest_position, max_positions) are refused (an
+    embedding lookup out of range would fail mid-run, on CUDA as a device-side assert that ends every task)."""
     def check_batch(batch):
         if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
             if isinstance(batch, dict) and "inputs_embeds" in batch:
@@ -167,5 +180,9 @@ def batch_checker(vocab_size: int, max_positions: int | None):
                                       or positions.shape[0] not in (1, ids.shape[0])):
             raise ValueError(f"position_ids {tuple(getattr(positions, 'shape', ()))} must be (batch or 1, sequence) "
                              f"for input_ids {tuple(ids.shape)}")
+        if positions is not None and max_positions is not None and positions.numel() and \
+                (int(positions.max()) >= max_positions or int(positions.min()) < lowest_position):
+            raise ValueError(f"position_ids must lie in [{lowest_position}, {max_positions}) (the model's learned "
+                             f"positions); found [{int(positions.min())}, {int(positions.max())}]")
 
     return check_batch

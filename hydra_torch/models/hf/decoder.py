@@ -10,12 +10,10 @@ full or sliding window), a sliding window for every layer (`sliding_window`, as 
 logit softcapping, OPT's layer drop. Gemma's embedding scale lives in its embedding module and needs nothing.
 
 As for GPT-2, the pieces hold the model's own submodules, so training updates the user's model in place and
-tied embeddings stay tied. Between pieces travels (hidden_states, masks, position_ids): the masks, one per
-attention type, are computed once per micro-batch with the model's own mask functions (padding in
-`attention_mask` and the attention implementation behave as in HF). Each layer recomputes its rotary (cos,
-sin) from the position ids with the model's own rotary module: a boundary's floating tensors become inputs that
-take a gradient, so handing the tables along would save and send them with every shard; recomputing them is one
-small outer product per layer.
+tied embeddings stay tied. Between pieces travels (hidden_states, Carried((masks, tables)), position_ids): the
+first piece computes, once per micro-batch, a mask per attention type with the model's own mask functions
+(padding in `attention_mask` and the attention implementation behave as in HF) and the rotary (cos, sin) with
+the model's own rotary module; Carried, they take no gradient at the shard boundaries (see models/carried.py).
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hydra_torch.models.carried import Carried
 from hydra_torch.models.hf import causal_lm
 
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm")
@@ -37,7 +36,7 @@ MASK_TYPES = ("full_attention", "sliding_attention")
 # Tested against plain training, layer by layer and after training (tests/test_hf_decoders.py); other models whose
 # parts are all found train too, after the same self-check as these (their pieces' logits equal the model's own).
 TESTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi", "phi3", "gemma", "gemma2", "gemma3_text",
-          "olmo2", "smollm3", "gpt_neox", "opt")
+          "olmo", "olmo2", "smollm3", "gpt_neox", "opt")
 
 
 @dataclass
@@ -98,15 +97,25 @@ def find_parts(model) -> Parts:
                          and children[n] is not None})
 
 
-def mask_types(config) -> tuple[str, ...]:
-    """The attention types whose masks the layers take, in order of first use (one per layer type)."""
+def layer_mask_types(decoder, config) -> list[str]:
+    """Each layer's attention type, as the decoder's own forward chooses its masks: by `config.layer_types` where
+    the forward reads them (Qwen2/3, Gemma 2/3), else one sliding-window mask for every layer where it makes one
+    and the config sets a window (Mistral, Mixtral, Phi-3), else full causal attention. Read off the forward's
+    source, since configs carry keys their model ignores (a Ministral-style `layer_types` on a Mistral, a stray
+    `sliding_window` on a Llama)."""
+    count = config.num_hidden_layers
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        source = "layer_types create_sliding_window_causal_mask"  # no source: the config decides
     types = getattr(config, "layer_types", None)
-    if types is None:
-        return ("sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention",)
-    unknown = sorted(set(types) - set(MASK_TYPES))
-    if unknown:
-        raise TypeError(f"not supported: layer types {unknown} (hydra-torch builds masks for {list(MASK_TYPES)})")
-    return tuple(dict.fromkeys(types[:config.num_hidden_layers]))
+    if types is not None and "layer_types" in source:
+        unknown = sorted(set(types[:count]) - set(MASK_TYPES))
+        if unknown:
+            raise TypeError(f"not supported: layer types {unknown} (hydra-torch builds masks for {list(MASK_TYPES)})")
+        return list(types[:count])
+    sliding = "create_sliding_window_causal_mask" in source and getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * count
 
 
 def make_mask(kind: str, config, embeds, attention_mask, position_ids):
@@ -119,13 +128,20 @@ def make_mask(kind: str, config, embeds, attention_mask, position_ids):
 
 
 class Embeddings(nn.Module):
-    def __init__(self, parts: Parts, config, types: tuple[str, ...]):
+    """The first piece: the hidden states, and once per micro-batch what every layer takes beside them (Carried
+    along the shards): a mask per attention type, and the rotary (cos, sin) per table (one, or Gemma 3's one per
+    layer type)."""
+
+    def __init__(self, parts: Parts, config, types: tuple[str, ...], tables: tuple[str | None, ...]):
         super().__init__()
         self.embed_tokens = parts.embed
         for name, module in parts.extras.items():
             if name != "project_out":
                 setattr(self, name, module)
-        self.config, self.types = config, types
+        # Not a child: its inv_freq buffer stays where the model keeps it, and the module moves it to the hidden
+        # states' device as it computes.
+        self._rotary = [parts.rotary]
+        self.config, self.types, self.tables = config, types, tables
 
     def forward(self, inputs):
         input_ids, attention_mask, position_ids = inputs
@@ -134,7 +150,7 @@ class Embeddings(nn.Module):
         if positions is None:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            mask_positions = position_ids
+            mask_positions = causal_lm.mask_positions(self.config, position_ids)
         else:  # OPT: positions count the attended tokens, as its decoder counts them
             counted = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             if position_ids is None:
@@ -149,29 +165,30 @@ class Embeddings(nn.Module):
         for name in EMBEDDING_DROPOUTS:
             if hasattr(self, name):
                 hidden = getattr(self, name)(hidden)
-        return hidden, masks, position_ids
+        rotary = self._rotary[0]
+        # The model computes its tables from the hidden states as they enter the layers (only their dtype and
+        # device matter); the rotary module moves its inv_freq to their device.
+        tables = tuple(rotary(hidden, position_ids, *(() if kind is None else (kind,))) for kind in self.tables) \
+            if rotary is not None else ()
+        return hidden, Carried((masks, tables)), position_ids
 
 
 class Layer(nn.Module):
-    def __init__(self, layer, mask_index: int, rotary, layer_type: str | None, layer_drop: float | None):
+    def __init__(self, layer, mask_index: int, table_index: int | None, layer_drop: float | None):
         super().__init__()
         self.layer = layer
-        self._rotary = [rotary]  # shared by every layer piece; kept out of this module's children
         # layer_drop: None where the model draws no layer-drop number, else the chance a layer is skipped
-        self.mask_index, self.layer_type, self.layer_drop = mask_index, layer_type, layer_drop
+        self.mask_index, self.table_index, self.layer_drop = mask_index, table_index, layer_drop
 
     def forward(self, inputs):
-        hidden, masks, position_ids = inputs
+        hidden, carried, position_ids = inputs
         if self.training and self.layer_drop is not None and torch.rand([]) < self.layer_drop:  # OPT's layer drop
             return inputs
-        extra = {}
-        rotary = self._rotary[0]
-        if rotary is not None:  # it moves its inv_freq to hidden's device
-            by_type = () if self.layer_type is None else (self.layer_type,)
-            extra["position_embeddings"] = rotary(hidden, position_ids, *by_type)
+        masks, tables = carried.values
+        extra = {} if self.table_index is None else {"position_embeddings": tables[self.table_index]}
         hidden = self.layer(hidden, attention_mask=masks[self.mask_index], position_ids=position_ids,
                             use_cache=False, **extra)
-        return (hidden[0] if isinstance(hidden, tuple) else hidden), masks, position_ids
+        return (hidden[0] if isinstance(hidden, tuple) else hidden), carried, position_ids
 
 
 def layer_drop_draws(decoder, config) -> float | None:
@@ -197,22 +214,27 @@ def adapter(model):
     if getattr(config, "output_router_logits", False):
         raise TypeError(f"not supported: {name} with output_router_logits=True (its auxiliary load-balancing loss): "
                         "set model.config.output_router_logits = False")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise TypeError(f"not supported: {name} with use_bidirectional_attention=True (its masks are not causal)")
     parts = find_parts(model)
-    types = mask_types(config)
-    layer_types = getattr(config, "layer_types", None)
+    kinds = layer_mask_types(parts.decoder, config)[:len(parts.layers)]
+    types = tuple(dict.fromkeys(kinds))
     takes_type = parts.rotary is not None and "layer_type" in inspect.signature(parts.rotary.forward).parameters
-    pieces = [Embeddings(parts, config, types)]
+    # One rotary table per layer type where the rotary module takes the type (Gemma 3), else one for all.
+    tables = (tuple(dict.fromkeys(kinds)) if takes_type else (None,)) if parts.rotary is not None else ()
+    pieces = [Embeddings(parts, config, types, tables)]
     layer_drop = layer_drop_draws(parts.decoder, config)
-    for i, layer in enumerate(parts.layers):
-        kind = layer_types[i] if layer_types is not None else types[0]
-        pieces.append(Layer(layer, types.index(kind), parts.rotary, kind if takes_type else None, layer_drop))
+    for layer, kind in zip(parts.layers, kinds):
+        table = (tables.index(kind) if takes_type else 0) if tables else None
+        pieces.append(Layer(layer, types.index(kind), table, layer_drop))
     softcap = getattr(config, "final_logit_softcapping", None)
     pieces.append(causal_lm.LMHead(parts.norm, parts.head, project_out=parts.extras.get("project_out"),
                                    softcap=softcap))
     learned = LEARNED_POSITIONS in parts.extras
     return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
                    causal_lm.batch_checker(config.vocab_size,
-                                           getattr(config, "max_position_embeddings", None) if learned else None),
+                                           getattr(config, "max_position_embeddings", None) if learned else None,
+                                           lowest_position=-1),  # OPT's own ids give padding -1
                    f"{name}: token embeddings, {len(parts.layers)} decoder layers, final norm + LM head",
                    fuse_head=pieces[-1].fuse)
 

@@ -2,13 +2,15 @@
 
 The pieces hold the model's own submodules, so training updates the user's model in place and the tie
 between `wte` and `lm_head` stays a tie (the engine stores the shared weight once and sums its gradients).
-Between pieces travels (hidden_states, causal_mask, position_ids): the mask comes from the model's own
-`create_causal_mask`, so padding in `attention_mask` and the attention implementation behave as in HF.
+Between pieces travels (hidden_states, Carried(causal_mask), position_ids): the mask comes from the model's own
+`create_causal_mask`, so padding in `attention_mask` and the attention implementation behave as in HF, and
+takes no gradient at the shard boundaries (a float mask of eager attention would otherwise get one per block).
 """
 from __future__ import annotations
 
 from torch import nn
 
+from hydra_torch.models.carried import Carried
 from hydra_torch.models.hf import causal_lm
 
 
@@ -33,7 +35,7 @@ class Embeddings(nn.Module):
         position_ids, mask = causal_lm.positions_and_mask(self.config, input_ids, embeds, attention_mask,
                                                                  position_ids)
         hidden = embeds + self.wpe(position_ids)
-        return self.drop(hidden), mask, position_ids
+        return self.drop(hidden), Carried(mask), position_ids
 
 
 class Block(nn.Module):
@@ -43,7 +45,7 @@ class Block(nn.Module):
 
     def forward(self, inputs):
         hidden, mask, position_ids = inputs
-        return self.block(hidden, None, mask, use_cache=False, position_ids=position_ids), mask, position_ids
+        return self.block(hidden, None, mask.values, use_cache=False, position_ids=position_ids), mask, position_ids
 
 
 def adapter(model):
