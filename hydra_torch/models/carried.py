@@ -9,7 +9,8 @@ gradient (`hydra_torch.run.compute.requiring_grad` passes it by).
 """
 from __future__ import annotations
 
-from torch.utils._pytree import register_pytree_node
+import torch
+from torch.utils._pytree import register_pytree_node, tree_map
 
 
 class Carried:
@@ -24,6 +25,14 @@ class Carried:
 
 def is_carried(node) -> bool:
     return isinstance(node, Carried)
+
+
+def as_shard_input(x, requires_grad: bool):
+    """`x` cut from its graph, its floating tensors as leaves that take a gradient or not as `requires_grad` says,
+    but for what is Carried, which passes by as it is."""
+    return tree_map(lambda t: t if is_carried(t) else
+                    t.detach().requires_grad_(requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, x, is_leaf=is_carried)
 
 
 register_pytree_node(Carried, lambda c: ([c.values], None), lambda children, _: Carried(children[0]),

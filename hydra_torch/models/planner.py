@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hydra_torch._loader import native as _C
 from hydra_torch.models import saved_tensors, sharding
-from hydra_torch.models.carried import is_carried
+from hydra_torch.models.carried import as_shard_input
 from hydra_torch.models.memory import format_bytes, parse_budget
 
 
@@ -213,8 +213,7 @@ def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
     state = {**params, **buffers}
 
     def inputs():
-        return tree_map(lambda t: t if is_carried(t) else
-                        t.detach().requires_grad_(needs_input_grad) if _floating(t) else t, x, is_leaf=is_carried)
+        return as_shard_input(x, requires_grad=needs_input_grad)
 
     def forward_backward():
         out = torch.func.functional_call(piece, state, (inputs(),))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hydra_torch.models.carried import is_carried
+from hydra_torch.models.carried import as_shard_input
 
 
 class NonFiniteLossError(RuntimeError):
@@ -28,8 +28,7 @@ def floating(t) -> bool:
 def requiring_grad(x):
     """`x` cut from its graph, its floating tensors as leaves that take a gradient (a shard's input), but for
     what is Carried along (masks, rotary tables), which takes none."""
-    return tree_map(lambda t: t if is_carried(t) else t.detach().requires_grad_(True) if floating(t) else t, x,
-                    is_leaf=is_carried)
+    return as_shard_input(x, requires_grad=True)
 
 
 def input_grads(x_in) -> list:

@@ -123,13 +123,20 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 def positions_and_mask(config, input_ids, embeds, attention_mask, position_ids=None):
     """The batch's position ids, else 0..T-1, and the model's own causal mask (None where its attention applies
     causality itself), as the Hugging Face model computes them without a cache."""
-    from transformers.masking_utils import create_causal_mask
-
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    # The cache goes by position: transformers renamed that parameter (past_key_values -> cache) during 5.x.
-    mask = create_causal_mask(config, embeds, attention_mask, None, position_ids=mask_positions(config, position_ids))
+    mask = make_mask("full_attention", config, embeds, attention_mask, mask_positions(config, position_ids))
     return position_ids, mask
+
+
+def make_mask(kind: str, config, embeds, attention_mask, position_ids):
+    """The model's own mask of an attention type ("full_attention" or "sliding_attention"), without a cache."""
+    from transformers import masking_utils
+
+    make = {"full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask}[kind]
+    # The cache goes by position: transformers renamed that parameter (past_key_values -> cache) during 5.x.
+    return make(config, embeds, attention_mask, None, position_ids=position_ids)
 
 
 def mask_positions(config, position_ids):

@@ -50,10 +50,6 @@ class Parts:
     extras: dict[str, nn.Module]      # dropout, learned positions, projections, by their names
 
 
-def supports(model) -> bool:
-    return not getattr(model.config, "is_encoder_decoder", False)
-
-
 def find_parts(model) -> Parts:
     """The decoder's parts, or a TypeError naming the first one not found (or not understood)."""
     name = type(model).__name__
@@ -84,10 +80,9 @@ def find_parts(model) -> Parts:
     if unknown:
         raise TypeError(f"not supported: {name}: {type(decoder).__name__} holds parts whose place in the forward "
                         f"hydra-torch does not know: {', '.join(unknown)}")
-    owned = {id(p) for module in (model,) for p in module.parameters()}
     placed = {id(p) for m in [decoder, head] for p in m.parameters()}
-    if owned - placed:
-        stray = next(n for n, p in model.named_parameters() if id(p) not in placed)
+    stray = next((n for n, p in model.named_parameters() if id(p) not in placed), None)
+    if stray is not None:
         raise TypeError(f"not supported: {name}: parameter {stray} is outside the decoder and the LM head")
     count = getattr(model.config, "num_hidden_layers", len(layers))
     return Parts(decoder=decoder, embed=embed, layers=list(layers)[:count],
@@ -97,6 +92,14 @@ def find_parts(model) -> Parts:
                          and children[n] is not None})
 
 
+def forward_source(decoder) -> str | None:
+    """The source of the decoder's forward (what its decorators wrap), None where Python has none."""
+    try:
+        return inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return None
+
+
 def layer_mask_types(decoder, config) -> list[str]:
     """Each layer's attention type, as the decoder's own forward chooses its masks: by `config.layer_types` where
     the forward reads them (Qwen2/3, Gemma 2/3), else one sliding-window mask for every layer where it makes one
@@ -104,10 +107,9 @@ def layer_mask_types(decoder, config) -> list[str]:
     source, since configs carry keys their model ignores (a Ministral-style `layer_types` on a Mistral, a stray
     `sliding_window` on a Llama)."""
     count = config.num_hidden_layers
-    try:
-        source = inspect.getsource(type(decoder).forward)
-    except (OSError, TypeError):
-        source = "layer_types create_sliding_window_causal_mask"  # no source: the config decides
+    source = forward_source(decoder)
+    if source is None:  # no source: the config decides
+        source = "layer_types create_sliding_window_causal_mask"
     types = getattr(config, "layer_types", None)
     if types is not None and "layer_types" in source:
         unknown = sorted(set(types[:count]) - set(MASK_TYPES))
@@ -116,15 +118,6 @@ def layer_mask_types(decoder, config) -> list[str]:
         return list(types[:count])
     sliding = "create_sliding_window_causal_mask" in source and getattr(config, "sliding_window", None) is not None
     return ["sliding_attention" if sliding else "full_attention"] * count
-
-
-def make_mask(kind: str, config, embeds, attention_mask, position_ids):
-    from transformers import masking_utils
-
-    make = {"full_attention": masking_utils.create_causal_mask,
-            "sliding_attention": masking_utils.create_sliding_window_causal_mask}[kind]
-    # The cache goes by position: transformers renamed that parameter (past_key_values -> cache) during 5.x.
-    return make(config, embeds, attention_mask, None, position_ids=position_ids)
 
 
 class Embeddings(nn.Module):
@@ -156,7 +149,7 @@ class Embeddings(nn.Module):
             if position_ids is None:
                 position_ids = (torch.cumsum(counted, dim=1) * counted - 1).long()
             mask_positions = None
-        masks = tuple(make_mask(kind, self.config, embeds, attention_mask, mask_positions) for kind in self.types)
+        masks = tuple(causal_lm.make_mask(kind, self.config, embeds, attention_mask, mask_positions) for kind in self.types)
         hidden = embeds
         if positions is not None:
             if getattr(self, "project_in", None) is not None:
@@ -197,9 +190,8 @@ def layer_drop_draws(decoder, config) -> float | None:
     layerdrop 0, which moves the stream that dropout reads after it; later releases draw only when layerdrop > 0.
     The pieces draw as the installed release does, so dropout's masks stay the model's own."""
     rate = float(getattr(config, "layerdrop", 0.0) or 0.0)
-    try:
-        source = inspect.getsource(type(decoder).forward)
-    except (OSError, TypeError):  # no source: the decoder is not one that draws
+    source = forward_source(decoder)
+    if source is None:  # no source: it draws where it drops layers
         return rate if rate > 0 else None
     if "torch.rand([])" not in source:
         return None
@@ -221,7 +213,7 @@ def adapter(model):
     types = tuple(dict.fromkeys(kinds))
     takes_type = parts.rotary is not None and "layer_type" in inspect.signature(parts.rotary.forward).parameters
     # One rotary table per layer type where the rotary module takes the type (Gemma 3), else one for all.
-    tables = (tuple(dict.fromkeys(kinds)) if takes_type else (None,)) if parts.rotary is not None else ()
+    tables = (types if takes_type else (None,)) if parts.rotary is not None else ()
     pieces = [Embeddings(parts, config, types, tables)]
     layer_drop = layer_drop_draws(parts.decoder, config)
     for layer, kind in zip(parts.layers, kinds):
