@@ -7,9 +7,15 @@ compute is the sum of the units' times in the same training at memory speed, the
 counts. Reported, medians of interleaved rounds: the span (first unit's start to last unit's end) over the
 bound, and the shares of the span the compute waited for weights to land (`acquire_wait_seconds`, the exposed
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
+With several `--placements` (ht.train's `placement`: "auto" keeps each model's first and last shards resident,
+"host" spills every shard), each runs in every round under one budget, which then also holds every model's
+resident ends. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
+(`hydra_torch.testing.emulated_host`), and the bound also counts the host lane: the bytes the host steps touched
+over that bandwidth.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
-                                          [--rounds 3] [--by-unit] [--clip MAX_NORM]
+                                          [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto]
+                                          [--host-speed S]
 """
 from __future__ import annotations
 
@@ -25,17 +31,30 @@ from hydra_torch import testing
 from hydra_torch.run import workers
 
 
-def train(args, data, budget, bandwidth=None):
+def train(args, data, budget, bandwidth=None, placement="host"):
     tasks = make_tasks(args, data)
     with contextlib.ExitStack() as stack:
         if bandwidth is not None:
             stack.enter_context(testing.emulated_link(bandwidth))
+            if args.host_speed is not None:
+                stack.enter_context(testing.emulated_host(args.host_speed * bandwidth))
         if args.far:  # prefetch along the plan into all free memory, not only the next planned shard
             stack.enter_context(mock.patch.object(workers, "PREFETCH_BEYOND_NEXT_BYTES", -1))
         stack.enter_context(mock.patch.object(workers, "COMMITTED_UNITS", args.commit))
-        results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
-    assert all(r.error is None and not r.resident for r in results), [r.error for r in results]
+        results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False, placement=placement)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    placements.setdefault(placement, [r.placement for r in results])
     return results
+
+
+placements: dict[str, list[str]] = {}  # what each placement gave the models, in the first round
+
+
+def ends_bytes(shard_bytes, optimizer_states: int = 2) -> int:
+    """What a model's first and last shards' homes take on the device: weights, gradients and AdamW's two
+    moments of each (the head's weight is the embedding's, tied: counted once, in the first shard), with room
+    for the regions' alignment."""
+    return (2 + optimizer_states) * (shard_bytes[0] + shard_bytes[-1]) + 2 * 5 * 512
 
 
 def span(results) -> float:
@@ -80,48 +99,66 @@ def main():
                         help="every model clips its gradients' global norm (clip_grad_norm)")
     parser.add_argument("--by-unit", action="store_true",
                         help="also where the span beyond memory speed goes: each kind of unit's extra seconds")
+    parser.add_argument("--placements", nargs="+", default=["host"], choices=["host", "auto"],
+                        help="ht.train's placement, each run in every round (auto: resident first and last shards)")
+    parser.add_argument("--host-speed", type=float, default=None,
+                        help="emulate a host memory bandwidth of this many times the link's (default: the machine's)")
     args, data, shard_bytes = parse_workload(parser)
     block_bytes = shard_bytes[1]
-    # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile.
+    # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile;
+    # with "auto" among the placements, every model's resident ends too (the same budget for every placement).
     budget = (2 + args.ahead) * max(shard_bytes) + 65536
-    rows = {ratio: [] for ratio in args.ratios}
-    extra = {ratio: [] for ratio in args.ratios}
+    if "auto" in args.placements:
+        budget += args.models * ends_bytes(shard_bytes)
+    runs = [(ratio, placement) for ratio in args.ratios for placement in args.placements]
+    placements.clear()
+    rows = {run: [] for run in runs}
+    extra = {run: [] for run in runs}
     bandwidth = {}
     for _ in range(args.rounds):
         base = train(args, data, budget)
         compute = sum(e.end - e.start for e in base.trace)
         forward = block_forward_seconds(base, len(shard_bytes))
-        for ratio in args.ratios:
+        for ratio, placement in runs:
             # Fixed after the first round, so that every round copies at the same pace.
             bandwidth.setdefault(ratio, block_bytes / (ratio * forward))
-            results = train(args, data, budget, bandwidth[ratio])
+            results = train(args, data, budget, bandwidth[ratio], placement)
             stats = results.stats[0]
+            host_lane = stats["host_step_bytes"] / (args.host_speed * bandwidth[ratio]) if args.host_speed else 0.0
             bound = max(compute, stats["host_to_device_bytes"] / bandwidth[ratio],
-                        stats["device_to_host_bytes"] / bandwidth[ratio])
+                        stats["device_to_host_bytes"] / bandwidth[ratio], host_lane)
             took = span(results)
-            extra[ratio].append(extra_by_kind(base, results, len(shard_bytes)))
-            rows[ratio].append((took / bound, stats["acquire_wait_seconds"] / took, stats["grad_wait_seconds"] / took,
-                                compute, stats["host_to_device_bytes"] / bandwidth[ratio], took))
+            extra[ratio, placement].append(extra_by_kind(base, results, len(shard_bytes)))
+            rows[ratio, placement].append((took / bound, stats["acquire_wait_seconds"] / took,
+                                           stats["grad_wait_seconds"] / took, compute,
+                                           stats["host_to_device_bytes"] / bandwidth[ratio], took))
     prefetch = "as far as it allows" if args.far else "next"
     print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
           f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
           f"weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, {args.commit} units "
-          f"committed, clipping {args.clip}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"committed, clipping {args.clip}, host memory "
+          f"{'at ' + format(args.host_speed, 'g') + 'x the link' if args.host_speed else 'unpaced'}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"medians of {args.rounds} interleaved rounds")
-    print("| copy / forward | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | waiting for "
-          "weights | waiting for gradient room |")
-    print("|---|---|---|---|---|---|---|---|")
-    for ratio, runs in rows.items():
-        med = [statistics.median(r[i] for r in runs) for i in range(6)]
-        print(f"| {ratio:g} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | {med[0]:.2f} | "
-              f"{100 * med[1]:.0f}% | {100 * med[2]:.0f}% |")
+    for placement, got in placements.items():
+        print(f"placement {placement!r}: " + "; ".join(got))
+    print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | "
+          "span / host's | waiting for weights | waiting for gradient room |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (ratio, placement), measured in rows.items():
+        med = [statistics.median(r[i] for r in measured) for i in range(6)]
+        host = rows.get((ratio, "host"))
+        # Per round, then the median: the rounds interleave, so each ratio compares runs made side by side.
+        versus = (statistics.median(r[5] / h[5] for r, h in zip(measured, host)) if host else float("nan"))
+        print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | "
+              f"{med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |")
     if args.by_unit:
         print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "
               "largest first:")
-        for ratio, runs in extra.items():
-            kinds = {kind: statistics.median(run.get(kind, 0.0) for run in runs) for kind in runs[0]}
+        for (ratio, placement), measured in extra.items():
+            kinds = {kind: statistics.median(run.get(kind, 0.0) for run in measured) for kind in measured[0]}
             ranked = sorted(kinds.items(), key=lambda item: -item[1])
-            print(f"- copy / forward {ratio:g}: " + ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in ranked))
+            print(f"- copy / forward {ratio:g}, {placement}: " +
+                  ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in ranked))
 
 
 if __name__ == "__main__":

@@ -65,9 +65,12 @@ def _sole_call():
         _ONE_CALL.release()
 
 
+PLACEMENTS = ("auto", "host")
+
+
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
           progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
-          checkpoint_every=None, selection=None, arrivals=None) -> Results:
+          checkpoint_every=None, selection=None, arrivals=None, placement: str = "auto") -> Results:
     """Trains every task concurrently and returns their results; the user's modules hold the trained weights.
 
     devices: "auto" (the first GPU, else the CPU), a device such as "cuda:0", or a list of devices; a list
@@ -83,8 +86,9 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         "round_robin" or "random" (seeded by `seed`).
     pin_memory: "auto" (pin host buffers for accelerator devices), True or False.
     progress: tqdm progress bars, one per task and a total.
-    host_threads: threads for the host optimizer steps of spilled models, shared by all devices (default:
-        half the cores, at most 4).
+    host_threads: threads for the host optimizer steps of spilled models, shared by all devices (default: with
+        GPUs, the cores their workers and copy lanes leave (3 each), at most 4, each step's OpenMP team sized so
+        the threads together use those cores; on CPU devices half the cores, at most 4).
     checkpoint_dir: a directory for each task's checkpoints (weights, optimizer state, data position, random
         states, losses). A task with a checkpoint there continues from it: the same call after a crash resumes
         every task, and ends as the uninterrupted run would have. Also written when a task ends or is stopped.
@@ -100,6 +104,12 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     arrivals: a hydra_torch.arrivals.Arrivals through which more tasks join while the devices train (how
         hydra_torch.optuna runs its trials); each task then leaves the run, its weights written back, as soon
         as it ends. The call returns once the Arrivals is closed and every task is done.
+    placement: where a spilled task's shards live and step. "auto": on one device, its first and last shards
+        stay resident where the budget has room for their whole state beside every task's working set and,
+        beside other spilled tasks, still caches every spilled shard's weights (they step on the device, and the
+        next step's forward need not wait for the first shard's round trip through the host); the others, and
+        every shard on several devices or of a task joining later, are spilled.
+        "host": every shard of a spilled task is spilled. `TaskResult.placement` says what each task got.
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. A task whose unit runs out of device memory is re-planned instead (spilled if it was
@@ -115,20 +125,21 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     anything. Several calls' tasks train together when passed to one call.
     """
     with _sole_call():
-        tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals)
-        threads = host_step_threads(host_threads)
+        tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement)
         resolved = resolve_devices(devices)
+        threads, team = host_step_threads(host_threads, resolved)
         budgets = _budgets(resolved, memory_budget)
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
         memory.check_host_memory(tasks)
-        host_steps, pin = _C.HostSteps(threads), pinned(pin_memory, resolved)
+        host_steps, pin = _C.HostSteps(threads, team), pinned(pin_memory, resolved)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
         planner.plan_for_devices(tasks, resolved, budgets)
         kept_outside = saved_bytes.kept_outside_arena(tasks)  # (working set, saved inputs)
         engines = _engines(resolved, budgets, host_steps, arrivals, sum(kept_outside))
         runners, start_rng = _runners(tasks, resolved)
         # From train itself: the stack level of its warning counts on it.
-        lifecycle.place(runners, engines, pin, saved_bytes.graphs_beyond_inputs(tasks), sum(kept_outside))
+        lifecycle.place(runners, engines, pin, saved_bytes.graphs_beyond_inputs(tasks), sum(kept_outside),
+                        placement)
         _restore_checkpoints(runners, loaded)
         selection_run = selection.start(runners) if selection is not None else None
         # The checkpointer holds the tasks' checkpoint directories until _bring_home closes it, or an error
@@ -158,8 +169,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         _tell(results, workers.stop, checkpoints, checkpoint_dir)
         return results
 
-def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals) -> list[ModelTask]:
+def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement) -> list[ModelTask]:
     """The tasks as a list, once everything about the call that can be checked before any state exists is."""
+    if not isinstance(placement, str) or placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, got {placement!r}")
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
     tasks = list(tasks)
@@ -217,8 +230,10 @@ def _engines(devices, budgets, host_steps, arrivals, kept_outside: int) -> list:
             raise ValueError(f"memory budget {format_bytes(budget)} on {device} leaves nothing for training state: "
                              f"one unit's working set and one micro-batch's saved inputs take "
                              f"{format_bytes(kept_outside)}; raise memory_budget or train on smaller batches")
-    link = testing.link_bytes_per_second()
-    engines = [_C.DeviceEngine(str(d), b - kept_outside, host_steps, link) for d, b in zip(devices, budgets)]
+    link, host = testing.link_bytes_per_second(), testing.host_bytes_per_second()
+    host_pace = _C.HostPace(host) if host > 0 else None  # one memory bandwidth, shared by every device's steps
+    engines = [_C.DeviceEngine(str(d), b - kept_outside, host_steps, link, host_pace)
+               for d, b in zip(devices, budgets)]
     for engine in engines if arrivals is not None else ():
         engine.expect_arrivals()
     return engines

@@ -98,7 +98,8 @@ def test_host_state_per_parameter(precision, resident, recipe, accumulator):
     task = ht.ModelTask(model, data=data, loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out.float(), batch[1]),
                         precision=precision, **recipe)
     budget = 100 * params * 4 if resident else 3 * 64 * 65 * 4 + 65536
-    result = ht.train([task], devices="cpu", memory_budget=budget, progress=False)[0]
+    # "host": every shard spilled (a resident shard's state is on the device; the store keeps its master).
+    result = ht.train([task], devices="cpu", memory_budget=budget, progress=False, placement="host")[0]
     assert result.error is None and result.resident == resident
     gradient = 2 if precision == "bf16" and "clip_grad_norm" in recipe else 4
     per_param = 12 + (2 if precision == "bf16" else 0) + (gradient if accumulator and not resident else 0)
@@ -115,7 +116,8 @@ def test_host_state_of_a_tied_model_is_estimated_exactly(precision, recipe):
     # parameters); otherwise they are summed in an fp32 accumulator (4). The other shards as above.
     model = tied_transformer()
     task = ht.ModelTask(model, data=token_batches(4), loss_fn=lm_loss, precision=precision, **recipe)
-    result = ht.train([task], devices="cpu", memory_budget=int(0.5 * model_bytes(model)), progress=False)[0]
+    result = ht.train([task], devices="cpu", memory_budget=int(0.5 * model_bytes(model)), progress=False,
+                      placement="host")[0]
     assert result.error is None and not result.resident
     assert memory.host_state_bytes(task) == result.host_bytes
     params = sum(p.numel() for p in model.parameters())

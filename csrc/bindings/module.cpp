@@ -3,6 +3,10 @@
 // non-tensor objects with pybind11. Every call that may wait releases the GIL.
 #include <torch/extension.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "bindings/partitioner.h"
 #include "bindings/scheduler.h"
 #include "engine/device_engine.h"
@@ -17,6 +21,7 @@ using hydra::engine::ClipNorm;
 using hydra::engine::DeviceEngine;
 using hydra::engine::DeviceLoop;
 using hydra::engine::EngineStats;
+using hydra::engine::HostPace;
 using hydra::engine::HostWorker;
 using hydra::engine::LossGate;
 using hydra::engine::OptimizerSpec;
@@ -35,6 +40,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["device_to_host_copies"] = s.device_to_host_copies;
   d["host_steps"] = s.host_steps;
   d["host_step_seconds"] = s.host_step_seconds;
+  d["host_step_bytes"] = s.host_step_bytes;
   d["grad_copy_seconds"] = s.grad_copy_seconds;
   d["weight_copy_seconds"] = s.weight_copy_seconds;
   d["staging_bytes"] = s.staging_bytes;
@@ -97,10 +103,25 @@ PYBIND11_MODULE(_C, m) {
       .def("refresh_shadow", &ShardStore::refresh_shadow)
       .def("write_back", &ShardStore::write_back);
 
-  // The host-step threads one run's device engines share.
+  // The host-step threads one run's device engines share. `team_threads` > 0: each thread's jobs open OpenMP
+  // teams of that many threads (omp_set_num_threads is per thread; at::set_num_threads would set every
+  // thread's), so that the threads' teams together fit the cores left to them; 0: the process's default.
   py::class_<HostWorker, std::shared_ptr<HostWorker>>(m, "HostSteps")
-      .def(py::init<int>(), py::arg("threads"))
+      .def(py::init([](int threads, int team_threads) {
+             TORCH_CHECK(team_threads >= 0, "HostSteps: team_threads must be >= 0, got ", team_threads);
+             std::function<void()> on_start;
+#ifdef _OPENMP
+             if (team_threads > 0) on_start = [team_threads] { omp_set_num_threads(team_threads); };
+#endif
+             return std::make_shared<HostWorker>(threads, std::move(on_start));
+           }),
+           py::arg("threads"), py::arg("team_threads") = 0)
       .def_property_readonly("threads", &HostWorker::threads);
+
+  // An emulated host memory bandwidth the host steps of a run's engines share (engine/host_pace.h).
+  py::class_<HostPace, std::shared_ptr<HostPace>>(m, "HostPace")
+      .def(py::init<double>(), py::arg("bytes_per_second"))
+      .def_property_readonly("bytes_per_second", &HostPace::bytes_per_second);
 
   // A micro-batch's loss on its way to the host (see LossGate): value() waits for its copy only.
   py::class_<LossGate, std::shared_ptr<LossGate>>(m, "LossReading")
@@ -113,22 +134,25 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<DeviceEngine>(m, "DeviceEngine")
       .def(py::init([](const std::string& device, int64_t budget, std::shared_ptr<HostWorker> host_steps,
-                       double link_bytes_per_second) {
+                       double link_bytes_per_second, std::shared_ptr<HostPace> host_pace) {
              return std::make_unique<DeviceEngine>(c10::Device(device), budget, std::move(host_steps),
-                                                   link_bytes_per_second);
+                                                   link_bytes_per_second, std::move(host_pace));
            }),
            py::arg("device"), py::arg("budget_bytes"), py::arg("host_steps") = nullptr,
-           py::arg("link_bytes_per_second") = 0.0)
+           py::arg("link_bytes_per_second") = 0.0, py::arg("host_pace") = nullptr)
       .def(
           "add_model",
-          [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident, int task) {
+          [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident, int task,
+             std::vector<int> resident_shards) {
             return engine.add_model(std::move(store),
                                     allow_resident ? DeviceEngine::Residency::kAuto : DeviceEngine::Residency::kSpilled,
-                                    task);
+                                    task, std::move(resident_shards));
           },
-          py::arg("store"), py::arg("allow_resident") = true, py::arg("task") = -1)
+          py::arg("store"), py::arg("allow_resident") = true, py::arg("task") = -1,
+          py::arg("resident_shards") = std::vector<int>{})
       .def("model_of", &DeviceEngine::model_of, py::arg("task"))
       .def("resident", &DeviceEngine::resident)
+      .def("resident_shards", &DeviceEngine::resident_shards)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
       .def_static("resident_bytes", &DeviceEngine::resident_bytes)
       .def_static("spilled_need", &DeviceEngine::spilled_need)
@@ -180,16 +204,18 @@ PYBIND11_MODULE(_C, m) {
       .def("copied", &DeviceLoop::copied);
 
   // A run's models registered with its devices' engines (engine/placement.h): per model, the device it is
-  // resident on (-1: spilled on every device) and its id in each engine (-1 where it is not registered).
+  // resident on (-1: none), the one device it trains on (-1: any), a spilled model's resident shards, and its id
+  // in each engine (-1 where it is not registered).
   m.def(
       "place_models",
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
-         const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes) {
-        std::vector<std::pair<int, std::vector<int>>> placed;
-        for (hydra::engine::Placement& p : hydra::engine::place_models(engines, stores, names, graph_bytes))
-          placed.emplace_back(p.resident_device, std::move(p.model_ids));
+         const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes, bool resident_ends) {
+        std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>>> placed;
+        for (hydra::engine::Placement& p :
+             hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends))
+          placed.emplace_back(p.resident_device, p.home_device, std::move(p.resident_shards), std::move(p.model_ids));
         return placed;
       },
       py::arg("engines"), py::arg("stores"), py::arg("names"), py::arg("graph_bytes") = std::vector<int64_t>{},
-      release_gil());
+      py::arg("resident_ends") = false, release_gil());
 }

@@ -6,8 +6,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "core/eviction.h"
 #include "engine/resident_model.h"
@@ -17,24 +19,15 @@ namespace hydra::engine {
 
 namespace {
 
-// Every region is rounded up to the pool's 512-byte alignment: a resident shard has at most 5 regions
-// (weights, gradients, master, two optimizer states), a spilled shard in use 2 (weights, gradients).
-constexpr int64_t kResidentSlack = 5 * 512;
-constexpr int64_t kSpilledSlack = 2 * 512;
-
-// Gradient copies in flight or waiting for their host job, per device: enough for the next shard's copy to
-// start while the previous two are stepped, few enough that host memory stays a few shards' gradients.
-constexpr int kStagingBuffers = 3;
-
 }  // namespace
 
 DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared_ptr<HostWorker> host_steps,
-                           double link_bytes_per_second)
+                           double link_bytes_per_second, std::shared_ptr<HostPace> host_pace)
     : device_(device),
       has_streams_(!device.is_cpu()),
       pool_(device, budget_bytes),
+      host_pace_(std::move(host_pace)),
       host_steps_(host_steps ? std::move(host_steps) : std::make_shared<HostWorker>(1)),
-      staging_(kStagingBuffers, /*pinned=*/!device.is_cpu()),
       to_device_(device, link_bytes_per_second),
       to_host_(device, link_bytes_per_second) {
   stats_.budget_bytes = budget_bytes;
@@ -58,25 +51,36 @@ int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
   return store.total_owned_numel() * per_element + store.total_trainable_numel() * 4 * store.optimizer().num_states();
 }
 
-int64_t DeviceEngine::spilled_need(const ShardStore& store) { return min_spilled_bytes(store) + kSpilledSlack; }
+int64_t DeviceEngine::spilled_need(const ShardStore& store) { return SpilledModel::spilled_need(store, {}); }
 
 int64_t DeviceEngine::resident_need(const ShardStore& store) {
-  return resident_bytes(store) + kResidentSlack * store.num_shards();
+  int64_t need = 0;
+  for (int s = 0; s < store.num_shards(); ++s) need += ShardHomes::need(store, s);
+  return need;
 }
 
-int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency, int task) {
+int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency, int task,
+                            std::vector<int> resident_shards) {
   TORCH_CHECK(store, "add_model: no store");
+  TORCH_CHECK(resident_shards.empty() || residency == Residency::kSpilled,
+              "add_model: resident shards are a spilled model's");
+  if (const std::string error = SpilledModel::resident_shards_error(*store, resident_shards); !error.empty())
+    TORCH_CHECK(false, "add_model: ", error);
   // One unit computes at a time on a device, so spilled models share one working set: the largest shard's
-  // weights and gradients among them. Resident models each keep their whole state.
+  // weights and gradients among them. Resident models each keep their whole state, and a spilled model its
+  // resident shards'.
   const int64_t resident = resident_need(*store);
-  const int64_t spilled = spilled_need(*store);
+  const int64_t homes = SpilledModel::homes_need(*store, resident_shards);
+  const int64_t spilled = SpilledModel::spilled_need(*store, resident_shards);
   const int64_t reserve = std::max(spilled_reserve_, spilled);
   // Once training has started the arena is sized: a model arriving then is spilled, within the arena.
   const bool arriving = pool_.started();
   const int64_t room = arriving ? pool_.capacity() : pool_.budget();
-  TORCH_CHECK(resident_committed_ + reserve <= room, "memory budget too small: the largest shard needs ",
-              spilled, " bytes on the device (its weights and gradients) but only ", room - resident_committed_,
-              " of the ", arriving ? "device's arena's " : "budget's ", room,
+  TORCH_CHECK(!arriving || homes == 0, "add_model: training has started: an arriving model has no resident shards");
+  TORCH_CHECK(resident_committed_ + homes + reserve <= room, "memory budget too small: the largest shard needs ",
+              spilled, " bytes on the device (its weights and gradients)",
+              homes > 0 ? " beside its resident shards' " + std::to_string(homes) + " bytes" : std::string(), " but only ",
+              room - resident_committed_, " of the ", arriving ? "device's arena's " : "budget's ", room,
               " bytes are left; raise memory_budget or cut the model into smaller shards");
   const bool fits = !arriving && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
   TORCH_CHECK(residency != Residency::kResident || fits, "add_model: the whole training state needs ", resident,
@@ -84,18 +88,17 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
               pool_.budget(), arriving ? " and training has started" : "");
   const int id = static_cast<int>(models_.size());
   const bool resident_here = fits && residency != Residency::kSpilled;
-  if (resident_here) {
-    resident_committed_ += resident;
-    uploads_pending_ = true;
-  } else {
-    spilled_reserve_ = reserve;
-    grad_headroom_ = std::max(grad_headroom_, min_spilled_bytes(*store) / 2 + 512);
-  }
+  const int64_t committed = resident_here ? resident : homes;
   if (resident_here) {
     models_.push_back(std::make_unique<ResidentModel>(*this, id, std::move(store)));
   } else {
-    models_.push_back(std::make_unique<SpilledModel>(*this, id, std::move(store)));
+    spilled_reserve_ = reserve;
+    grad_headroom_ = std::max(grad_headroom_, spilled / 2);
+    models_.push_back(std::make_unique<SpilledModel>(*this, id, std::move(store), std::move(resident_shards)));
   }
+  resident_committed_ += committed;
+  models_.back()->set_committed_bytes(committed);
+  uploads_pending_ = uploads_pending_ || committed > 0;
   if (task >= 0) task_models_[task] = id;
   if (arriving) return static_cast<int>(models_.size()) - 1;
   // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
@@ -104,12 +107,12 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   for (const auto& m : models_) {
     if (m->released()) continue;
     const ShardStore& store = m->store();
-    if (m->resident()) {
-      demand += resident_need(store);
-      continue;
-    }
-    demand += spilled_need(store);
-    for (int s = 0; s < store.num_shards(); ++s) demand += store.device_numel(s) * store.element_bytes() + 512;
+    demand += m->committed_bytes();
+    if (m->resident()) continue;
+    const std::vector<int>& homed = static_cast<const SpilledModel&>(*m).resident_shards();
+    demand += SpilledModel::spilled_need(store, homed);
+    for (int s = 0; s < store.num_shards(); ++s)
+      if (!m->homed(s)) demand += store.device_numel(s) * store.element_bytes() + 512;
   }
   pool_.set_demand(arrivals_ ? pool_.budget() : std::min(demand, pool_.budget()));
   return static_cast<int>(models_.size()) - 1;
@@ -186,8 +189,16 @@ void DeviceEngine::start() {
   if (!uploads_pending_) return;
   // Resident state first, from the start of the arena, so it never splits the space spilled shards share.
   for (auto& m : models_)
-    if (!m->released() && m->resident()) static_cast<ResidentModel&>(*m).upload();
+    if (!m->released()) m->upload();
   uploads_pending_ = false;  // not after a failed upload: the next first use tries again
+}
+
+void DeviceEngine::count_host_job(int64_t bytes, int64_t start_ns) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start{std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(start_ns))};
+  if (host_pace_) host_pace_->pace(bytes, start);
+  host_step_bytes_ += bytes;
+  host_step_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
 }
 
 int DeviceEngine::model_of(int task) const {
@@ -198,6 +209,15 @@ int DeviceEngine::model_of(int task) const {
 bool DeviceEngine::resident(int model) const {
   const DeviceModel& m = model_at(model);
   return !m.released() && m.resident();
+}
+
+std::vector<int> DeviceEngine::resident_shards(int model) const {
+  const DeviceModel& m = model_at(model);
+  std::vector<int> shards;
+  if (m.released()) return shards;
+  for (int s = 0; s < m.store().num_shards(); ++s)
+    if (m.homed(s)) shards.push_back(s);
+  return shards;
 }
 
 DeviceModel& DeviceEngine::model_at(int model) const {
@@ -331,7 +351,7 @@ void DeviceEngine::release_model(int model) {
   // Visits planned before the task ended must not bring its shards back in.
   std::erase_if(upcoming_, [model](int64_t visit) { return (visit >> 32) == model; });
   m.free_device_memory(compute_point());
-  if (m.resident()) resident_committed_ -= resident_need(m.store());
+  resident_committed_ -= m.committed_bytes();
   m.drop_store();
   std::erase_if(task_models_, [model](const auto& entry) { return entry.second == model; });
 }
@@ -342,9 +362,11 @@ EngineStats DeviceEngine::stats() const {
   stats.high_water_bytes = pool_.high_water();
   stats.host_steps = host_steps_done_.load();
   stats.host_step_seconds = static_cast<double>(host_step_ns_.load()) * 1e-9;
+  stats.host_step_bytes = host_step_bytes_.load();
   stats.grad_copy_seconds = to_host_.busy_seconds();
   stats.weight_copy_seconds = to_device_.busy_seconds();
-  stats.staging_bytes = staging_.host_bytes();
+  for (const auto& m : models_)
+    if (const auto* spilled = dynamic_cast<const SpilledModel*>(m.get())) stats.staging_bytes += spilled->staging_bytes();
   return stats;
 }
 

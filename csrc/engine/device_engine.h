@@ -34,9 +34,9 @@
 #include "engine/clip_norm.h"
 #include "engine/copy_lane.h"
 #include "engine/device_pool.h"
+#include "engine/host_pace.h"
 #include "engine/host_worker.h"
 #include "engine/shard_store.h"
-#include "engine/staging_ring.h"
 
 namespace hydra::engine {
 
@@ -56,6 +56,7 @@ struct EngineStats {
   // the emulated link's pace) or issuing copies (on a GPU).
   int64_t host_steps = 0;
   double host_step_seconds = 0.0;
+  int64_t host_step_bytes = 0;  // host memory the host jobs touched (gradients, masters, optimizer states)
   double grad_copy_seconds = 0.0;
   double weight_copy_seconds = 0.0;
   // Shards acquire() had to copy in itself (no prefetch had brought them), and the host time acquire()
@@ -64,7 +65,7 @@ struct EngineStats {
   int64_t acquire_loads = 0;
   double acquire_wait_seconds = 0.0;
   double grad_wait_seconds = 0.0;  // of which: room for the gradients (earlier gradients still copying out)
-  // Host memory the gradient copies land in (the staging buffers), in bytes.
+  // Host memory the gradient copies land in (each spilled model's landing buffers), in bytes.
   int64_t staging_bytes = 0;
 };
 
@@ -72,8 +73,10 @@ class DeviceEngine {
  public:
   // `host_steps`: the host-step threads, shared by the devices of one run (null: one thread of its own).
   // `link_bytes_per_second` paces a CPU device's copies like a PCIe link (0: memory speed); see CopyLane.
+  // `host_pace`: an emulated host memory bandwidth the host jobs of every device of a run share (null: the
+  // machine's own); see HostPace.
   DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared_ptr<HostWorker> host_steps = nullptr,
-               double link_bytes_per_second = 0.0);
+               double link_bytes_per_second = 0.0, std::shared_ptr<HostPace> host_pace = nullptr);
   ~DeviceEngine();
 
   // kAuto: resident if its whole state fits what the budget has left, else spilled; kResident: resident or
@@ -85,10 +88,16 @@ class DeviceEngine {
   // arriving) is spilled, within the arena already sized. Which device a run's model is resident on is
   // place_models' choice (engine/placement.h).
   // `task`: the scheduler's id of the model's task (-1: none), by which DeviceLoop finds the model (model_of).
-  int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto, int task = -1);
+  // `resident_shards` (kSpilled only, before training starts): shards of the spilled model whose whole state
+  // lives on this device and steps here (see SpilledModel); the model then trains on this device alone.
+  int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto, int task = -1,
+                std::vector<int> resident_shards = {});
   // The model added for the scheduler's task `task` and not released since; -1 when there is none.
   int model_of(int task) const;
   bool resident(int model) const;
+  // The shards whose whole state lives on this device: all of a resident model's, a spilled one's resident
+  // shards (empty for a released model).
+  std::vector<int> resident_shards(int model) const;
   // Models will arrive after training starts: the arena takes the whole budget when it is made, not just
   // what the models added by then could use, so that they have room. Before training starts.
   void expect_arrivals();
@@ -167,6 +176,7 @@ class DeviceEngine {
   friend class DeviceModel;
   friend class ResidentModel;
   friend class SpilledModel;
+  friend class ShardHomes;
   static int64_t key(int model, int shard) { return (static_cast<int64_t>(model) << 32) | shard; }
   DeviceModel& model_at(int model) const;  // throws for a model never added
   DeviceModel& live(int model);         // throws for a released model
@@ -182,6 +192,9 @@ class DeviceEngine {
   // Device memory for the shard, evicting spilled models' cached shards by furthest next use as `need` allows.
   Allocation allocate(int model, int shard, int64_t bytes, Need need);
   void start();  // on first use (and after a failed upload): uploads every resident model
+  // A host job that began at `start_ns` (steady clock) and touched `bytes` of host memory ends: paced by the
+  // emulated host bandwidth, if any, and counted. On a host-step thread.
+  void count_host_job(int64_t bytes, int64_t start_ns);
 
   c10::Device device_;
   bool has_streams_;
@@ -189,17 +202,17 @@ class DeviceEngine {
   std::vector<std::unique_ptr<DeviceModel>> models_;
   std::deque<int64_t> upcoming_;
   std::unordered_map<int, int> task_models_;  // scheduler task id -> model id
-  int64_t resident_committed_ = 0;  // the resident models' whole state
+  int64_t resident_committed_ = 0;  // the resident models' whole state, and spilled models' resident shards'
   int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
   int64_t grad_headroom_ = 0;       // the largest gradient region of a spilled model
   bool arrivals_ = false;           // see expect_arrivals()
   bool uploads_pending_ = false;    // a resident model is not on the device yet (start() uploads it)
   EngineStats stats_;
   // Written by host-step threads, read by stats(): kept apart from stats_, which only the caller's thread touches.
-  std::atomic<int64_t> host_steps_done_{0}, host_step_ns_{0};
+  std::atomic<int64_t> host_steps_done_{0}, host_step_ns_{0}, host_step_bytes_{0};
+  std::shared_ptr<HostPace> host_pace_;
   // Destroyed in reverse order: the lanes first (they finish their copies), then what their jobs use.
   std::shared_ptr<HostWorker> host_steps_;
-  StagingRing staging_;
   CopyLane to_device_, to_host_;
 };
 

@@ -18,8 +18,8 @@ void DeviceModel::check_shard(int shard) const {
 
 void DeviceModel::acquire(int shard, bool with_grads) {
   Visit& visit = visits_.at(shard);
-  // A resident shard's state is always in place: two units of the model may hold it (an evaluation's).
-  TORCH_CHECK(resident() || visit.pins == 0, "shard ", shard, " of model ", id_, " acquired twice on ",
+  // A homed shard's state is always in place: two units of the model may hold it (an evaluation's).
+  TORCH_CHECK(homed(shard) || visit.pins == 0, "shard ", shard, " of model ", id_, " acquired twice on ",
               engine_.device_);
   ++visit.pins;
   try {
@@ -51,6 +51,18 @@ void DeviceModel::bind(int shard, bool with_grads, const std::function<Place(con
     bound.push_back(grad);
   }
   visits_[shard].bound_grads = std::move(bound);
+}
+
+void DeviceModel::bind_homes(const ShardHomes& homes, int shard, bool with_grads) {
+  bind(shard, with_grads, [&](const ParamEntry& e) {
+    return Place{homes.weights(*store_, e.owner), homes.grads(*store_, e.owner), e.master_offset};
+  });
+}
+
+void DeviceModel::count_upload(int shard, int64_t bytes) {
+  count_load(shard);
+  ++engine_.stats_.host_to_device_copies;
+  engine_.stats_.host_to_device_bytes += bytes;
 }
 
 void DeviceModel::note_gradients(int shard) {

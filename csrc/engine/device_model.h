@@ -2,7 +2,7 @@
 // one of two kinds, fixed when it is added:
 //   ResidentModel (engine/resident_model.h): its whole training state lives on the device; steps run there.
 //   SpilledModel (engine/spilled_model.h): weights and gradients visit the device around each shard's
-//   compute; steps run on the host.
+//   compute; steps run on the host. Some of its shards may be resident, as a ResidentModel's all are.
 // What both kinds share lives here: pinning a shard while it computes, pointing the user's parameters at
 // device memory, noting which parameters received a gradient, and the model's chain of host jobs.
 // DeviceEngine owns the models and the device-wide parts they use (memory pool, copy lanes, host-step
@@ -17,6 +17,7 @@
 
 #include "engine/clip_norm.h"
 #include "engine/device_engine.h"
+#include "engine/shard_homes.h"
 
 namespace hydra::engine {
 
@@ -27,7 +28,13 @@ class DeviceModel {
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;
 
+  // The whole model lives on the device.
   virtual bool resident() const = 0;
+  // The shard's whole state lives on the device (engine/shard_homes.h): every shard of a resident model, the
+  // resident shards of a spilled one.
+  virtual bool homed(int shard) const = 0;
+  // Puts the state of the shards that live on the device there (the engine's first use); all or nothing.
+  virtual void upload() {}
   // Pins the shard, makes it computable (its weights, and with_grads room for its gradients) and points the
   // module's parameters at it. A failed acquire holds nothing: a pinned shard could never be evicted.
   void acquire(int shard, bool with_grads);
@@ -61,6 +68,9 @@ class DeviceModel {
   // After free_device_memory: the engine no longer holds the store.
   void drop_store() { store_.reset(); }
   std::vector<int64_t> shard_loads() const;
+  // What the model takes of the device's budget for good (its homes), set by the engine when it is added.
+  int64_t committed_bytes() const { return committed_bytes_; }
+  void set_committed_bytes(int64_t bytes) { committed_bytes_ = bytes; }
 
  protected:
   // Brings the pinned shard's state to the device for its compute and binds it. If it throws, it holds
@@ -79,6 +89,10 @@ class DeviceModel {
   // Tells the store which of the shard's parameters received a gradient since bind() (see Visit).
   void note_gradients(int shard);
   void count_load(int shard) { ++visits_[shard].loads; }
+  // The shard's home was uploaded: one load of `bytes` to the device.
+  void count_upload(int shard, int64_t bytes);
+  // bind() for a shard whose parameters all live in their owners' homes.
+  void bind_homes(const ShardHomes& homes, int shard, bool with_grads);
 
   DeviceEngine& engine_;
 
@@ -95,6 +109,7 @@ class DeviceModel {
   std::shared_ptr<ShardStore> store_;
   std::vector<Visit> visits_;
   std::vector<Fence> jobs_;  // queued copies and host jobs, so errors surface on synchronize
+  int64_t committed_bytes_ = 0;
 };
 
 }  // namespace hydra::engine

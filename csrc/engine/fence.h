@@ -8,8 +8,11 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <algorithm>
+#include <chrono>
 #include <future>
 #include <memory>
+#include <thread>
 
 namespace hydra::engine {
 
@@ -46,10 +49,15 @@ class Fence {
       return false;
     }
   }
-  // Blocks the calling thread until the work is done; rethrows the issuing job's exception.
+  // Blocks the calling thread until the work is done; rethrows the issuing job's exception. The device part is
+  // polled, the thread sleeping between polls (10 us, doubling to at most 100 us): a synchronising wait
+  // (cudaEventSynchronize) spins a core meanwhile, and the host-step threads that wait for gradients would
+  // take the cores and memory bandwidth the host steps need.
   void wait() const {
     const DeviceEvent& event = issued_.get();
-    if (event) event->synchronize();
+    if (!event) return;
+    for (std::chrono::microseconds pause{10}; !event->query(); pause = std::min(2 * pause, kLongestPause))
+      std::this_thread::sleep_for(pause);
   }
   // Blocks until the work is done, whether or not it succeeded: its error is reported through its own fence.
   void wait_done() const {
@@ -74,6 +82,7 @@ class Fence {
   }
 
  private:
+  static constexpr std::chrono::microseconds kLongestPause{100};
   std::shared_future<DeviceEvent> issued_;
 };
 

@@ -4,9 +4,13 @@
 
 namespace hydra::engine {
 
-HostWorker::HostWorker(int threads) {
+HostWorker::HostWorker(int threads, std::function<void()> on_start) {
   if (threads < 1) throw std::invalid_argument("HostWorker: threads must be >= 1, got " + std::to_string(threads));
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  for (int i = 0; i < threads; ++i)
+    threads_.emplace_back([this, on_start] {
+      if (on_start) on_start();
+      run();
+    });
 }
 
 HostWorker::~HostWorker() {

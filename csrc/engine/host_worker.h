@@ -19,7 +19,8 @@ namespace hydra::engine {
 
 class HostWorker {
  public:
-  explicit HostWorker(int threads = 1);
+  // `on_start` runs first on each thread (say, to size the OpenMP team of the thread's jobs).
+  explicit HostWorker(int threads = 1, std::function<void()> on_start = {});
   ~HostWorker();  // finishes the queued jobs, then joins
   HostWorker(const HostWorker&) = delete;
   HostWorker& operator=(const HostWorker&) = delete;

@@ -2,12 +2,22 @@
 //
 // A model is resident on the device with the most room left if, after that, the device still holds the
 // working set of every other model that may spill there (any later model, and the earlier ones already
-// spilled), so an early resident model never leaves a later one without room. Otherwise it is spilled on
-// every device. Models are placed in order; the same arithmetic as DeviceEngine::add_model, which registers
-// each one where it was placed. A resident model keeps its micro-batch's whole autograd graph, which a spilled
-// one does not: `graph_bytes[i]` (empty: none) is what model i needs for it beyond what the budget keeps for
-// a spilled micro-batch already. It must fit beside the model's state, and is kept outside the arena of the
-// device the model is resident on (DeviceEngine::keep_outside_arena).
+// spilled), so an early resident model never leaves a later one without room. Otherwise it is spilled. Models
+// are placed in order; the same arithmetic as DeviceEngine::add_model, which registers each one where it was
+// placed. A resident model keeps its micro-batch's whole autograd graph, which a spilled one does not:
+// `graph_bytes[i]` (empty: none) is what model i needs for it beyond what the budget keeps for a spilled
+// micro-batch already. It must fit beside the model's state, and is kept outside the arena of the device the
+// model is resident on (DeviceEngine::keep_outside_arena).
+//
+// With `resident_ends` (placement "auto") on one device, a model that is spilled keeps its first and last
+// shards resident where their homes fit beside every other model's working set (else its first alone, else its
+// last alone; each with the shards that share a tied weight with it): the first shard's step then runs on the
+// device right after its backward and its weights never leave, so the next step's forward starts without the
+// round trip through the host, and the last shard, whose backward follows its forward at once, is never copied.
+// The homes take arena room that would cache weights, so beside other models that may spill (whose units run
+// while a model's step goes round) they are taken only where every spilled shard's weights still fit cached.
+// With several devices a spilled model runs on any of them, which resident shards would give up: there every
+// spilled model spills whole.
 #pragma once
 
 #include <memory>
@@ -20,7 +30,9 @@
 namespace hydra::engine {
 
 struct Placement {
-  int resident_device = -1;    // -1: spilled on every device
+  int resident_device = -1;    // -1: spilled on every device, or with resident shards on `home_device`
+  int home_device = -1;        // the one device a model trains on: where it is resident or has resident shards
+  std::vector<int> resident_shards;  // of a spilled model: the shards whose state lives on home_device
   std::vector<int> model_ids;  // per device: the model's id in its engine, -1 where it is not registered
 };
 
@@ -31,6 +43,9 @@ struct Placement {
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names,
-                                    const std::vector<int64_t>& graph_bytes = {});
+                                    const std::vector<int64_t>& graph_bytes = {}, bool resident_ends = false);
+
+// The shards `shards` names and every shard that shares a tied weight with one of them, sorted.
+std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> shards);
 
 }  // namespace hydra::engine

@@ -46,7 +46,72 @@ void step_host(ShardStore& store, int shard, const std::vector<StepRange>& range
   if (store.has_grad(shard)) store.grad(shard).zero_();
 }
 
+// The host memory a step of the shard touches: the gradient read (`grad_bytes` an element), the fp32 master and
+// the optimizer states read and written, the bf16 shadow written.
+int64_t step_bytes(const ShardStore& store, int shard, int64_t grad_bytes) {
+  return store.trainable_numel(shard) * (grad_bytes + 8 + 8 * store.optimizer().num_states() + (store.bf16() ? 2 : 0));
+}
+
+// Gradient copies of one model in flight or waiting for their host job: enough for the next shard's copy to
+// start while the previous two are stepped, few enough that host memory stays a few shards' gradients.
+constexpr int kLandingBuffers = 3;
+
 }  // namespace
+
+SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store,
+                           std::vector<int> resident_shards)
+    : DeviceModel(engine, id, std::move(store)),
+      resident_shards_(std::move(resident_shards)),
+      homes_(engine),
+      staging_(kLandingBuffers, /*pinned=*/!engine.device_.is_cpu()) {
+  const std::string error = resident_shards_error(this->store(), resident_shards_);
+  TORCH_CHECK(error.empty(), error);
+  for (int s : resident_shards_) homed_[s] = true;
+}
+
+std::string SpilledModel::resident_shards_error(const ShardStore& store, const std::vector<int>& shards) {
+  const int n = store.num_shards();
+  std::vector<bool> in(n);
+  for (int s : shards) {
+    if (s < 0 || s >= n) return "resident shard " + std::to_string(s) + " of a model of " + std::to_string(n) + " shards";
+    if (in[s]) return "resident shard " + std::to_string(s) + " named twice";
+    in[s] = true;
+  }
+  if (!shards.empty() && static_cast<int>(shards.size()) == n)
+    return "every shard resident: the model is resident, not spilled";
+  // A resident shard's weights live in its home and step on the device; a spilled one's copy reads the host's.
+  // A tied weight used on both sides would be two weights.
+  for (int s = 0; s < n; ++s)
+    for (int source : store.sources(s))
+      if (in[source] != in[s])
+        return "shards " + std::to_string(s) + " and " + std::to_string(source) +
+               " share a tied weight: both must be resident or both spilled";
+  return {};
+}
+
+int64_t SpilledModel::homes_need(const ShardStore& store, const std::vector<int>& shards) {
+  int64_t need = 0;
+  for (int s : shards) need += ShardHomes::need(store, s);
+  return need;
+}
+
+int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<int>& resident_shards) {
+  int64_t largest = 0;
+  for (int s = 0; s < store.num_shards(); ++s)
+    if (std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end())
+      largest = std::max(largest, store.device_numel(s));
+  return largest == 0 ? 0 : 2 * largest * store.element_bytes() + 2 * 512;
+}
+
+bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
+
+void SpilledModel::upload() {
+  if (resident_shards_.empty() || homes_.uploaded()) return;
+  homes_.upload(id(), store(), resident_shards_);
+  for (int s : resident_shards_) count_upload(s, ShardHomes::upload_bytes(store(), s));
+}
+
+void SpilledModel::copy_home() { homes_.copy_home(store()); }
 
 int64_t SpilledModel::weight_bytes(int shard) const { return store().device_numel(shard) * store().element_bytes(); }
 
@@ -63,6 +128,7 @@ int64_t SpilledModel::input_version(int shard) const {
 }
 
 bool SpilledModel::current(int shard) const {
+  if (homed_.at(shard)) return true;
   const Weights& w = weights_.at(shard);
   return w.cached && w.version == input_version(shard);
 }
@@ -127,7 +193,7 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
 }
 
 void SpilledModel::prefetch(int shard) {
-  if (current(shard)) return;
+  if (current(shard)) return;  // a resident shard too
   if (cached(shard)) {
     if (pinned(shard)) return;
     evict(shard);  // a copy from before the shard's last step
@@ -136,6 +202,11 @@ void SpilledModel::prefetch(int shard) {
 }
 
 void SpilledModel::make_computable(int shard, bool with_grads) {
+  if (homed_[shard]) {
+    TORCH_CHECK(homes_.uploaded(), "shard ", shard, " of model ", id(), " acquired before the model's upload");
+    bind_homes(homes_, shard, with_grads);  // its tied weights' owners are resident too
+    return;
+  }
   Weights& w = weights_[shard];
   const bool had_grads = w.grads.valid();
   EngineStats& stats = engine_.stats_;
@@ -185,6 +256,7 @@ void SpilledModel::allocate_grads(int shard) {
 }
 
 void SpilledModel::after_release(int shard) {
+  if (homed_[shard]) return;
   Weights& w = weights_[shard];
   w.last_use = engine_.compute_point();
   if (w.grads.valid()) {  // backward never completed (an error): the gradients are abandoned
@@ -195,6 +267,13 @@ void SpilledModel::after_release(int shard) {
 }
 
 void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool keep) {
+  if (homed_.at(shard)) {  // as a ResidentModel's shard: its step is queued on the compute stream
+    note_gradients(shard);
+    if (!step) return;
+    const std::shared_ptr<const LossGate> gate = store().loss_gate();
+    if (!gate || gate->open()) homes_.step(store(), shard, 1.0, lr_scale);
+    return;
+  }
   Weights& w = weights_.at(shard);
   TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
   note_gradients(shard);
@@ -210,7 +289,7 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
   // it (or when both jobs are gone, however they ended).
   auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
   CopyLane& lane = engine_.to_host_;
-  StagingRing& staging = engine_.staging_;
+  StagingRing& staging = staging_;
   const Fence landed = track(lane.submit({engine_.compute_point()}, [=, &lane, &staging]() -> DeviceEvent {
     *landing = staging.acquire(bytes);
     return lane.copy({{(*landing)->view(dtype, numel), device_grad}});
@@ -234,19 +313,25 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
     // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
     // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
     const bool single_pass = step && !owner->has_grad(shard);
+    const int64_t landed_bytes = owner->gradient_numel(shard) * owner->element_bytes();
+    int64_t touched = 0;
     if (single_pass) {
       owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
     } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
       owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
+      touched += landed_bytes + owner->trainable_numel(shard) * 2;
     } else {
       owner->accumulate_grads(shard, gradient);
+      touched += landed_bytes + owner->trainable_numel(shard) * 8;
     }
     if (step) {
+      const bool zeroes_accumulator = !single_pass && owner->has_grad(shard);
       for (const Fence& copy : readers) copy.wait_done();
       step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
       ++engine.host_steps_done_;
+      touched += step_bytes(*owner, shard, single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2);
     }
-    engine.host_step_ns_ += now_ns() - start;
+    engine.count_host_job(touched, start);
     landing->reset();
     return nullptr;
   });
@@ -260,6 +345,7 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
 }
 
 std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr_scale) {
+  if (!resident_shards_.empty()) return clip_and_step_here(max_norm, lr_scale);
   auto norm = std::make_shared<ClipNorm>(max_norm);
   std::shared_ptr<ShardStore> owner = store_ptr();
   // After every gradient job of the step (the model's jobs run in their order), on a host-step thread.
@@ -278,6 +364,28 @@ std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr
     return nullptr;
   });
   for (int s = store().num_shards() - 1; s >= 0; --s) step(s, norm, lr_scale);
+  return norm;
+}
+
+std::shared_ptr<ClipNorm> SpilledModel::clip_and_step_here(double max_norm, double lr_scale) {
+  synchronize();  // every gradient job done: the spilled shards' gradients wait in the store
+  ShardStore& store = this->store();
+  std::vector<at::Tensor> grads = homes_.trainable_grads(store);
+  for (int s = 0; s < store.num_shards(); ++s)
+    if (!homed_[s]) grads.push_back(store.pending_grad(s).narrow(0, 0, store.trainable_numel(s)));
+  auto norm = std::make_shared<ClipNorm>(max_norm);
+  norm->set(std::sqrt(squared_norm(grads)));
+  if (!norm->finite()) {  // no shard steps: the weights stay those of the last completed step
+    discard_grads();
+    return norm;
+  }
+  for (int s = store.num_shards() - 1; s >= 0; --s) {
+    if (homed_[s]) {
+      homes_.step(store, s, norm->scale(), lr_scale);
+    } else {
+      step(s, norm, lr_scale);
+    }
+  }
   return norm;
 }
 
@@ -301,9 +409,10 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
     }
     for (const Fence& copy : readers) copy.wait_done();
     const int64_t start = now_ns();
+    const bool zeroes_accumulator = owner->has_grad(shard);
     step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor());
     ++engine.host_steps_done_;
-    engine.host_step_ns_ += now_ns() - start;
+    engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
     return nullptr;
   });
   owner->set_last_step(shard, done);
@@ -315,11 +424,14 @@ void SpilledModel::discard_grads() {
   store().forget_gradients();
   for (int s = 0; s < store().num_shards(); ++s)
     if (store().has_grad(s)) store().grad(s).zero_();
+  homes_.zero_grads(store());
 }
 
-void SpilledModel::free_device_memory(const Fence& /*issued*/) {
+void SpilledModel::free_device_memory(const Fence& issued) {
   for (int s = 0; s < static_cast<int>(weights_.size()); ++s)
     if (cached(s)) evict(s);
+  homes_.free(issued);
+  staging_.free_buffers();  // after synchronize(): no copy or job holds one
 }
 
 }  // namespace hydra::engine

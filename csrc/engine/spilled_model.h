@@ -1,26 +1,52 @@
 // A model whose training state stays on the host: a shard's weights are copied to the device for its compute
 // (prefetched ahead of it, and kept while the budget allows, evicted by furthest next use), its gradients are
-// copied out as soon as its backward is issued, and its optimizer step runs on a host-step thread once they
-// have landed, overlapping the compute of other shards.
+// copied out as soon as its backward is issued into one of the model's few landing buffers, and its optimizer
+// step runs on a host-step thread once they have landed, overlapping the compute of other shards.
 //
 // A weight copy waits only for the steps of the shards it reads (its own, and its tied parameters' owners');
 // a step waits for its gradient copy and for copies still reading the weights it rewrites.
+//
+// Some shards may be *resident* instead: their whole state has a home on the device (engine/shard_homes.h)
+// and steps there, as a ResidentModel's shards do, with no copy at all. The first shard resident takes the
+// step boundary's round trip (its gradient out, its host step, its weights back in before the next forward)
+// off the model's chain. A tied weight's owner and borrowers are all resident or all spilled.
 #pragma once
 
+#include <string>
+
 #include "engine/device_model.h"
+#include "engine/shard_homes.h"
+#include "engine/staging_ring.h"
 
 namespace hydra::engine {
 
 class SpilledModel final : public DeviceModel {
  public:
-  using DeviceModel::DeviceModel;
+  // `resident_shards`: the shards whose state lives on the device (ShardHomes), closed under ties
+  // (resident_shards_error).
+  SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store, std::vector<int> resident_shards = {});
+  // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or a tied
+  // weight with users on both sides), or empty when they can.
+  static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
+  // What the resident shards' homes take of the budget.
+  static int64_t homes_need(const ShardStore& store, const std::vector<int>& shards);
+  // The working set of the spilled shards: the largest one's weights and gradients, aligned.
+  static int64_t spilled_need(const ShardStore& store, const std::vector<int>& resident_shards);
+
   bool resident() const override { return false; }
+  bool homed(int shard) const override;
+  const std::vector<int>& resident_shards() const { return resident_shards_; }
+  void upload() override;
+  void copy_home() override;
   void backward_done(int shard, bool step, double lr_scale, bool keep) override;
   std::shared_ptr<ClipNorm> clip_and_step(double max_norm, double lr_scale) override;
   void discard_grads() override;
   void free_device_memory(const Fence& issued) override;
+  // Host memory its gradient copies land in.
+  int64_t staging_bytes() const { return staging_.host_bytes(); }
 
-  // For the engine's prefetch and eviction.
+  // For the engine's prefetch and eviction: a resident shard is never cached (nothing to evict) and always
+  // current.
   bool cached(int shard) const { return weights_.at(shard).cached; }
   bool pinned(int shard) const { return pins(shard) > 0; }
   // A cached copy of the shard that no step has made stale since.
@@ -55,7 +81,16 @@ class SpilledModel final : public DeviceModel {
   int64_t input_version(int shard) const;  // of what a copy of the shard reads
   std::vector<Fence> pending_steps(int shard) const;
   at::Tensor grad_view(int shard) const;
+  // clip_and_step for a model with resident shards: their gradients are on the device, so the norm is taken
+  // here once every gradient job is done, and each shard steps where it lives.
+  std::shared_ptr<ClipNorm> clip_and_step_here(double max_norm, double lr_scale);
   std::vector<Weights> weights_ = std::vector<Weights>(store().num_shards());
+  std::vector<int> resident_shards_;
+  std::vector<bool> homed_ = std::vector<bool>(store().num_shards());
+  ShardHomes homes_;
+  // The host buffers this model's gradient copies land in, held until the host job reading one is done: its
+  // own, so that one model's copies never wait for another model's host steps to give a buffer back.
+  StagingRing staging_;
 };
 
 }  // namespace hydra::engine

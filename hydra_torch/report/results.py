@@ -27,6 +27,18 @@ class TaskResult:
     moves: list[str] = field(default_factory=list)  # on a cluster: each move to another node, and why
     node: str | None = None      # on a cluster: the node that trained it last
     total_steps: int = 0         # the steps it was to take: all its epochs' steps, or max_steps if fewer
+    resident_shards: list[int] = field(default_factory=list)  # shards whose whole state stayed on the device and
+                                 # stepped there: every shard of a resident task, a spilled one's resident ends
+
+    @property
+    def placement(self) -> str:
+        """Where its state lived: "resident", "spilled", or "spilled, shards 0, 5 resident"."""
+        if self.resident:
+            return "resident"
+        if self.resident_shards:
+            return "spilled, shard" + ("s " if len(self.resident_shards) > 1 else " ") + \
+                ", ".join(map(str, self.resident_shards)) + " resident"
+        return "spilled"
 
     @property
     def ok(self) -> bool:
@@ -148,6 +160,7 @@ class Results:
         for t in self.tasks:
             status = (f"failed: {t.error}" if not t.ok else f"cut short by {t.cut_short}" if t.cut_short
                       else f"stopped: {t.stopped}" if t.stopped else "ok")
+            status += f" ({t.placement})"
             if t.replans:
                 status += f" (re-planned {len(t.replans)}x after running out of memory)"
             if t.moves:

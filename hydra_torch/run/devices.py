@@ -63,10 +63,24 @@ def pinned(pin_memory, devices) -> bool:
     return bool(pin_memory)
 
 
-def host_step_threads(host_threads) -> int:
-    if host_threads is None:
-        # Host steps stream through memory: a few threads saturate it, and the rest of the cores issue compute.
-        return max(1, min(4, (os.cpu_count() or 1) // 2))
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
+# What each accelerator needs of the host's cores: its worker (issuing the compute) and its two copy lanes.
+CORES_PER_ACCELERATOR = 3
+
+
+def host_step_threads(host_threads, devices=()) -> tuple[int, int]:
+    """The host-step threads, and the OpenMP team each one's jobs open (0: the process's default, every core).
+
+    With accelerators, the cores their workers and copy lanes need are held back and the steps get the rest:
+    at most 4 threads (host steps stream through memory: a few saturate it), whose teams together fill those
+    cores instead of each opening a team of every core. On CPU devices the compute takes the cores the steps
+    would: half of them, at most 4, as teams of the default size."""
+    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
+                                     or host_threads < 1):
         raise ValueError(f"host_threads must be a positive int, got {host_threads!r}")
-    return host_threads
+    cores = os.cpu_count() or 1
+    accelerators = sum(1 for d in devices if d.type != "cpu")
+    if not accelerators:
+        return host_threads or max(1, min(4, cores // 2)), 0
+    spare = max(1, cores - CORES_PER_ACCELERATOR * accelerators)
+    threads = host_threads or min(4, spare)
+    return threads, max(1, spare // threads)

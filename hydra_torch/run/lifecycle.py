@@ -22,22 +22,26 @@ def make_store(runner, pin: bool):
     return store
 
 
-def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0):
+def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, placement: str = "auto"):
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
-    there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it). The
-    engines' budgets are memory_budget less `kept_outside`, which a refusal says."""
+    there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it). With
+    `placement="auto"` on one device a spilled task keeps its first and last shards resident where they fit
+    (engine/placement.h). The engines' budgets are memory_budget less `kept_outside`, which a refusal says."""
     stores = [make_store(runner, pin) for runner in runners]
     try:
-        placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes))
+        placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
+                                 placement == "auto")
     except RuntimeError as error:
         kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
                 f"set and one micro-batch's saved inputs)" if kept_outside else "")
         raise ValueError(str(error) + kept) from None
-    for runner, (device, model_ids) in zip(runners, placed):
+    for runner, (device, home, resident_shards, model_ids) in zip(runners, placed):
         runner.model_ids = {d: model for d, model in enumerate(model_ids) if model >= 0}
+        runner.resident_shards = list(range(runner.n)) if device >= 0 else list(resident_shards)
+        if home >= 0:
+            runner.home = home if len(engines) > 1 else None
         if device >= 0:
-            runner.home = device if len(engines) > 1 else None
             runner.keep_graphs = runner.resident = True
 
 
@@ -80,4 +84,5 @@ def task_result(runner, engines, trace, start: float) -> TaskResult:
                       detached(runner.error),
                       busy_time=sum(e.end - e.start for e in units), host_bytes=runner.store.host_bytes,
                       cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped,
-                      replans=list(runner.replans), total_steps=runner.task.total_steps)
+                      replans=list(runner.replans), total_steps=runner.task.total_steps,
+                      resident_shards=list(runner.resident_shards))

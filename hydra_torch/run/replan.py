@@ -57,7 +57,8 @@ def _replan(slot, unit, runner) -> str | None:
             return f"a copy of its state in smaller shards would not fit in host memory: {refused}"
     if slot.checkpoints is not None:
         slot.checkpoints.wait(runner)  # the writer may be reading the state about to move
-    was = f"spilled in {runner.n} shards" if not runner.resident else "resident"
+    was = "resident" if runner.resident else f"spilled in {runner.n} shards" + (
+        f", shards {', '.join(map(str, runner.resident_shards))} resident" if runner.resident_shards else "")
     with interrupts.deferred():  # a second Ctrl-C must not leave the task between two plans
         why_not = _move(slot, runner, groups)
     if why_not is not None:

@@ -43,6 +43,7 @@ class TaskRunner:
         self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
         self.store = None                     # its _C.ShardStore, once placed
         self.resident = False                 # its whole training state lives on one device
+        self.resident_shards: list[int] = []  # the shards whose whole state lives there (a spilled task's ends)
         self.result = None                    # its TaskResult, once it has left the run
         self.home: int | None = None          # the slot it is pinned to: its resident state's, or after a re-plan
                                               # the only device with room for it; None: any device
@@ -287,6 +288,7 @@ class TaskRunner:
                           if b is not None] for group in groups]
         self._rng.draws = {}  # keyed by shard: which sections draw from the CPU generator
         self.model_ids, self.home, self.resident, self.keep_graphs = {}, None, False, False
+        self.resident_shards = []
         self.micro_batches = count_micro_batches(task, self.steps)
 
     def discard_unfinished_step(self, engines):

@@ -6,6 +6,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -59,6 +60,28 @@ TEST(HostWorker, RunsJobsInSubmissionOrder) {
   ASSERT_EQ(order.size(), 200u);
   for (int i = 0; i < 200; ++i) EXPECT_EQ(order[i], i);
   for (const Fence& f : fences) EXPECT_TRUE(f.ready());
+}
+
+TEST(HostWorker, OnStartRunsOnEveryThreadBeforeAnyOfItsJobs) {
+  std::mutex mutex;
+  std::set<std::thread::id> started;
+  HostWorker worker(3, [&] {
+    std::lock_guard<std::mutex> lock(mutex);
+    started.insert(std::this_thread::get_id());
+  });
+  std::vector<Fence> fences;
+  std::atomic<int> unstarted{0};
+  for (int i = 0; i < 50; ++i) {
+    fences.push_back(worker.submit([&]() -> DeviceEvent {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!started.count(std::this_thread::get_id())) ++unstarted;
+      return nullptr;
+    }));
+  }
+  worker.drain();
+  EXPECT_EQ(unstarted.load(), 0);
+  std::lock_guard<std::mutex> lock(mutex);
+  EXPECT_LE(started.size(), 3u);
 }
 
 TEST(HostWorker, DrainWaitsForRunningAndQueuedJobs) {

@@ -1,0 +1,61 @@
+"""The host's memory lane: the bytes host steps touch, counted, and on an emulated host memory bandwidth
+(hydra_torch.testing.emulated_host) paced as on a machine whose memory is that fast."""
+import time
+
+import pytest
+import torch
+
+import hydra_torch as ht
+from hydra_torch import testing
+
+
+def mlp_task(**options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    data = [(torch.randn(8, 64), torch.randn(8, 64)) for _ in range(4)]
+    task = ht.ModelTask(model, data=data, loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out.float(), batch[1]),
+                        **options)
+    return task, sum(p.numel() for p in model.parameters())
+
+
+def train_spilled(task):
+    results = ht.train([task], devices="cpu", memory_budget=3 * 64 * 65 * 4 + 65536, progress=False,
+                       placement="host")
+    assert results[0].ok and results[0].placement == "spilled", results[0]
+    return results
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_bytes_a_host_step_touches_are_counted(precision, accumulate):
+    # A step reads and writes the fp32 master and AdamW's two moments (24 bytes a parameter) and in bf16 writes
+    # the shadow (2). With one micro-batch it reads the gradient where it landed (4, or 2 in bf16): 28 either
+    # way. With two, each gradient is summed into the fp32 accumulator (the gradient read, the accumulator read
+    # and written: 8), and the step reads the accumulator and zeroes it (8).
+    task, params = mlp_task(precision=precision, accumulate=accumulate)
+    stats = train_spilled(task).stats[0]
+    landed, shadow = (4, 0) if precision == "fp32" else (2, 2)
+    per_step = landed + 24 + shadow if accumulate == 1 else accumulate * (landed + 8) + 8 + 24 + shadow
+    assert stats["host_step_bytes"] == len(task.data) // accumulate * params * per_step
+
+
+def test_on_an_emulated_host_steps_take_their_bytes_over_its_bandwidth():
+    task, _ = mlp_task()
+    plain = train_spilled(task).stats[0]
+    rate = plain["host_step_bytes"] / 0.5  # every step together: half a second on the emulated host
+    task, _ = mlp_task()
+    start = time.perf_counter()
+    with testing.emulated_host(rate):
+        stats = train_spilled(task).stats[0]
+    took = time.perf_counter() - start
+    assert stats["host_step_bytes"] == plain["host_step_bytes"]
+    # The steps share one memory lane: one after another, each at least its bytes over the rate.
+    assert stats["host_step_seconds"] >= 0.5 * 0.999 and took >= 0.5
+    assert testing.host_bytes_per_second() == 0.0, "the emulation ends with its block"
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "9e10"])
+def test_an_emulated_host_bandwidth_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match="emulated_host: bytes_per_second must be a positive number"):
+        with testing.emulated_host(bad):
+            pass
