@@ -59,3 +59,25 @@ def test_an_emulated_host_bandwidth_must_be_a_positive_number(bad):
     with pytest.raises(ValueError, match="emulated_host: bytes_per_second must be a positive number"):
         with testing.emulated_host(bad):
             pass
+
+
+def test_host_step_threads_open_teams_of_their_share_of_the_cores():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # what a thread's first parallel call would otherwise size its team to
+        assert ht._C.HostSteps(1, 1).openmp_threads() == 1
+        assert ht._C.HostSteps(2, 0).openmp_threads() == 2, "0: the process's count"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_with_gpus_host_steps_get_the_cores_their_workers_and_lanes_leave(monkeypatch):
+    from hydra_torch.run import devices
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 16)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert devices.host_step_threads(None, [gpu]) == (4, 3)  # 16 - 3 cores: 4 threads of 3
+    assert devices.host_step_threads(None, [gpu, torch.device("cuda", 1)]) == (4, 2)
+    assert devices.host_step_threads(2, [gpu]) == (2, 6)
+    assert devices.host_step_threads(None, [cpu]) == (4, 0), "CPU devices: the compute takes the cores"
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 4)
+    assert devices.host_step_threads(None, [gpu]) == (1, 1)

@@ -78,6 +78,13 @@ def test_bf16_resident_ends_track_every_shard_spilled():
     assert all(p.dtype == torch.float32 for p in ends.parameters())
 
 
+def test_a_bf16_task_that_sums_micro_batches_keeps_its_ends_spilled():
+    """A resident shard would sum its micro-batches' gradients in its bf16 buffer; spilled, they sum in fp32."""
+    result = train(tied_transformer(), token_batches(4), "auto", precision="bf16", accumulate=2)[0]
+    assert result.placement == "spilled"
+    assert train(tied_transformer(), token_batches(4), "auto", precision="bf16")[0].placement == ENDS
+
+
 def test_a_frozen_weight_in_the_resident_shards_keeps_its_value():
     data = token_batches(6)
     ends, spilled = tied_transformer(), tied_transformer()

@@ -111,11 +111,34 @@ PYBIND11_MODULE(_C, m) {
              TORCH_CHECK(team_threads >= 0, "HostSteps: team_threads must be >= 0, got ", team_threads);
              std::function<void()> on_start;
 #ifdef _OPENMP
-             if (team_threads > 0) on_start = [team_threads] { omp_set_num_threads(team_threads); };
+             if (team_threads > 0) {
+               on_start = [team_threads] {
+                 // ATen sizes a thread's team once, at its first parallel call (to torch.set_num_threads' count
+                 // when that was ever called), in libtorch and, inlined, in this module: both first, then ours.
+                 at::get_num_threads();
+                 at::internal::lazy_init_num_threads();
+                 omp_set_num_threads(team_threads);
+               };
+             }
 #endif
              return std::make_shared<HostWorker>(threads, std::move(on_start));
            }),
            py::arg("threads"), py::arg("team_threads") = 0)
+      // The OpenMP team a host step opens: what a job on one of the threads sees after an ATen op.
+      .def(
+          "openmp_threads",
+          [](HostWorker& worker) {
+            auto seen = std::make_shared<int>(1);
+            worker
+                .submit([seen]() -> hydra::engine::DeviceEvent {
+                  at::ones({4096}).mul_(2.0).sum();  // through libtorch's parallel_for, as a step's ops go
+                  *seen = at::get_num_threads();
+                  return nullptr;
+                })
+                .wait();
+            return *seen;
+          },
+          release_gil())
       .def_property_readonly("threads", &HostWorker::threads);
 
   // An emulated host memory bandwidth the host steps of a run's engines share (engine/host_pace.h).
@@ -209,7 +232,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "place_models",
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
-         const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes, bool resident_ends) {
+         const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes,
+         const std::vector<bool>& resident_ends) {
         std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>>> placed;
         for (hydra::engine::Placement& p :
              hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends))
@@ -217,5 +241,5 @@ PYBIND11_MODULE(_C, m) {
         return placed;
       },
       py::arg("engines"), py::arg("stores"), py::arg("names"), py::arg("graph_bytes") = std::vector<int64_t>{},
-      py::arg("resident_ends") = false, release_gil());
+      py::arg("resident_ends") = std::vector<bool>{}, release_gil());
 }

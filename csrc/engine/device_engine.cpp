@@ -19,6 +19,10 @@ namespace hydra::engine {
 
 namespace {
 
+// Gradient copies in flight or waiting for their host job, per device: enough for the next shard's copy to
+// start while the previous two are stepped, few enough that host memory stays a few shards' gradients.
+constexpr int kStagingBuffers = 3;
+
 }  // namespace
 
 DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared_ptr<HostWorker> host_steps,
@@ -28,6 +32,7 @@ DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared
       pool_(device, budget_bytes),
       host_pace_(std::move(host_pace)),
       host_steps_(host_steps ? std::move(host_steps) : std::make_shared<HostWorker>(1)),
+      staging_(kStagingBuffers, /*pinned=*/!device.is_cpu()),
       to_device_(device, link_bytes_per_second),
       to_host_(device, link_bytes_per_second) {
   stats_.budget_bytes = budget_bytes;
@@ -365,8 +370,7 @@ EngineStats DeviceEngine::stats() const {
   stats.host_step_bytes = host_step_bytes_.load();
   stats.grad_copy_seconds = to_host_.busy_seconds();
   stats.weight_copy_seconds = to_device_.busy_seconds();
-  for (const auto& m : models_)
-    if (const auto* spilled = dynamic_cast<const SpilledModel*>(m.get())) stats.staging_bytes += spilled->staging_bytes();
+  stats.staging_bytes = staging_.host_bytes();
   return stats;
 }
 

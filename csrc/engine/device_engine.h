@@ -37,6 +37,7 @@
 #include "engine/host_pace.h"
 #include "engine/host_worker.h"
 #include "engine/shard_store.h"
+#include "engine/staging_ring.h"
 
 namespace hydra::engine {
 
@@ -65,7 +66,7 @@ struct EngineStats {
   int64_t acquire_loads = 0;
   double acquire_wait_seconds = 0.0;
   double grad_wait_seconds = 0.0;  // of which: room for the gradients (earlier gradients still copying out)
-  // Host memory the gradient copies land in (each spilled model's landing buffers), in bytes.
+  // Host memory the gradient copies land in (the staging buffers), in bytes.
   int64_t staging_bytes = 0;
 };
 
@@ -213,6 +214,7 @@ class DeviceEngine {
   std::shared_ptr<HostPace> host_pace_;
   // Destroyed in reverse order: the lanes first (they finish their copies), then what their jobs use.
   std::shared_ptr<HostWorker> host_steps_;
+  StagingRing staging_;
   CopyLane to_device_, to_host_;
 };
 

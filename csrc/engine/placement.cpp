@@ -53,12 +53,14 @@ int64_t cached_bytes(const ShardStore& store, const std::vector<int>& resident_s
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names,
-                                    const std::vector<int64_t>& graph_bytes, bool resident_ends) {
+                                    const std::vector<int64_t>& graph_bytes, const std::vector<bool>& resident_ends) {
   TORCH_CHECK(!engines.empty(), "place_models: no devices");
   TORCH_CHECK(names.size() == stores.size(), "place_models: ", stores.size(), " stores but ", names.size(), " names");
   TORCH_CHECK(graph_bytes.empty() || graph_bytes.size() == stores.size(), "place_models: ", stores.size(),
               " stores but ", graph_bytes.size(), " graph sizes");
   for (const int64_t bytes : graph_bytes) TORCH_CHECK(bytes >= 0, "place_models: a graph of ", bytes, " bytes");
+  TORCH_CHECK(resident_ends.empty() || resident_ends.size() == stores.size(), "place_models: ", stores.size(),
+              " stores but ", resident_ends.size(), " resident_ends");
   const size_t n = stores.size();
   std::vector<int64_t> resident(n), spilled(n), free;
   for (size_t i = 0; i < n; ++i) {
@@ -93,7 +95,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
         free[device] -= resident[i] + graph;
         continue;
       }
-      if (resident_ends && engines.size() == 1) {
+      if (!resident_ends.empty() && resident_ends[i] && engines.size() == 1) {
         for (const std::vector<int>& shards : resident_end_choices(*stores[i])) {
           const int64_t homes = SpilledModel::homes_need(*stores[i], shards);
           const int64_t own = SpilledModel::spilled_need(*stores[i], shards);

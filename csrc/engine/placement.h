@@ -9,7 +9,7 @@
 // micro-batch already. It must fit beside the model's state, and is kept outside the arena of the device the
 // model is resident on (DeviceEngine::keep_outside_arena).
 //
-// With `resident_ends` (placement "auto") on one device, a model that is spilled keeps its first and last
+// Where `resident_ends[i]` (placement "auto") on one device, model i, if spilled, keeps its first and last
 // shards resident where their homes fit beside every other model's working set (else its first alone, else its
 // last alone; each with the shards that share a tied weight with it): the first shard's step then runs on the
 // device right after its backward and its weights never leave, so the next step's forward starts without the
@@ -43,7 +43,8 @@ struct Placement {
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names,
-                                    const std::vector<int64_t>& graph_bytes = {}, bool resident_ends = false);
+                                    const std::vector<int64_t>& graph_bytes = {},
+                                    const std::vector<bool>& resident_ends = {});
 
 // The shards `shards` names and every shard that shares a tied weight with one of them, sorted.
 std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> shards);

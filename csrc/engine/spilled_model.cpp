@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 
 #include "engine/gradient_norm.h"
 #include "engine/optimizer_step.h"
@@ -52,18 +53,11 @@ int64_t step_bytes(const ShardStore& store, int shard, int64_t grad_bytes) {
   return store.trainable_numel(shard) * (grad_bytes + 8 + 8 * store.optimizer().num_states() + (store.bf16() ? 2 : 0));
 }
 
-// Gradient copies of one model in flight or waiting for their host job: enough for the next shard's copy to
-// start while the previous two are stepped, few enough that host memory stays a few shards' gradients.
-constexpr int kLandingBuffers = 3;
-
 }  // namespace
 
 SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store,
                            std::vector<int> resident_shards)
-    : DeviceModel(engine, id, std::move(store)),
-      resident_shards_(std::move(resident_shards)),
-      homes_(engine),
-      staging_(kLandingBuffers, /*pinned=*/!engine.device_.is_cpu()) {
+    : DeviceModel(engine, id, std::move(store)), resident_shards_(std::move(resident_shards)), homes_(engine) {
   const std::string error = resident_shards_error(this->store(), resident_shards_);
   TORCH_CHECK(error.empty(), error);
   for (int s : resident_shards_) homed_[s] = true;
@@ -289,7 +283,7 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
   // it (or when both jobs are gone, however they ended).
   auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
   CopyLane& lane = engine_.to_host_;
-  StagingRing& staging = staging_;
+  StagingRing& staging = engine_.staging_;
   const Fence landed = track(lane.submit({engine_.compute_point()}, [=, &lane, &staging]() -> DeviceEvent {
     *landing = staging.acquire(bytes);
     return lane.copy({{(*landing)->view(dtype, numel), device_grad}});
@@ -309,7 +303,7 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
       return nullptr;
     }
     const at::Tensor gradient = (*landing)->view(dtype, numel);
-    const int64_t start = now_ns();
+    int64_t start = now_ns();
     // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
     // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
     const bool single_pass = step && !owner->has_grad(shard);
@@ -326,7 +320,9 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
     }
     if (step) {
       const bool zeroes_accumulator = !single_pass && owner->has_grad(shard);
+      const int64_t waiting = now_ns();
       for (const Fence& copy : readers) copy.wait_done();
+      start += now_ns() - waiting;  // waiting for copies to finish reading is not host memory traffic
       step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
       ++engine.host_steps_done_;
       touched += step_bytes(*owner, shard, single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2);
@@ -368,13 +364,24 @@ std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr
 }
 
 std::shared_ptr<ClipNorm> SpilledModel::clip_and_step_here(double max_norm, double lr_scale) {
-  synchronize();  // every gradient job done: the spilled shards' gradients wait in the store
-  ShardStore& store = this->store();
-  std::vector<at::Tensor> grads = homes_.trainable_grads(store);
-  for (int s = 0; s < store.num_shards(); ++s)
-    if (!homed_[s]) grads.push_back(store.pending_grad(s).narrow(0, 0, store.trainable_numel(s)));
   auto norm = std::make_shared<ClipNorm>(max_norm);
-  norm->set(std::sqrt(squared_norm(grads)));
+  ShardStore& store = this->store();
+  try {
+    synchronize();  // every gradient job done: the spilled shards' gradients wait in the store
+    std::vector<at::Tensor> grads = homes_.trainable_grads(store);
+    for (int s = 0; s < store.num_shards(); ++s)
+      if (!homed_[s]) grads.push_back(store.pending_grad(s).narrow(0, 0, store.trainable_numel(s)));
+    norm->set(std::sqrt(squared_norm(grads)));
+  } catch (...) {
+    // A gradient job failed (or the norm could not be taken): no shard steps, and the reading says why, as a
+    // norm taken by a host job does; the model's next synchronize() reports the error again, as it would the
+    // failed job's own.
+    norm->fail(std::current_exception());
+    std::promise<DeviceEvent> failed;
+    failed.set_exception(std::current_exception());
+    track(Fence(failed.get_future().share()));
+    return norm;
+  }
   if (!norm->finite()) {  // no shard steps: the weights stay those of the last completed step
     discard_grads();
     return norm;
@@ -431,7 +438,6 @@ void SpilledModel::free_device_memory(const Fence& issued) {
   for (int s = 0; s < static_cast<int>(weights_.size()); ++s)
     if (cached(s)) evict(s);
   homes_.free(issued);
-  staging_.free_buffers();  // after synchronize(): no copy or job holds one
 }
 
 }  // namespace hydra::engine

@@ -1,7 +1,7 @@
 // A model whose training state stays on the host: a shard's weights are copied to the device for its compute
 // (prefetched ahead of it, and kept while the budget allows, evicted by furthest next use), its gradients are
-// copied out as soon as its backward is issued into one of the model's few landing buffers, and its optimizer
-// step runs on a host-step thread once they have landed, overlapping the compute of other shards.
+// copied out as soon as its backward is issued, and its optimizer step runs on a host-step thread once they
+// have landed, overlapping the compute of other shards.
 //
 // A weight copy waits only for the steps of the shards it reads (its own, and its tied parameters' owners');
 // a step waits for its gradient copy and for copies still reading the weights it rewrites.
@@ -16,7 +16,6 @@
 
 #include "engine/device_model.h"
 #include "engine/shard_homes.h"
-#include "engine/staging_ring.h"
 
 namespace hydra::engine {
 
@@ -42,8 +41,6 @@ class SpilledModel final : public DeviceModel {
   std::shared_ptr<ClipNorm> clip_and_step(double max_norm, double lr_scale) override;
   void discard_grads() override;
   void free_device_memory(const Fence& issued) override;
-  // Host memory its gradient copies land in.
-  int64_t staging_bytes() const { return staging_.host_bytes(); }
 
   // For the engine's prefetch and eviction: a resident shard is never cached (nothing to evict) and always
   // current.
@@ -88,9 +85,6 @@ class SpilledModel final : public DeviceModel {
   std::vector<int> resident_shards_;
   std::vector<bool> homed_ = std::vector<bool>(store().num_shards());
   ShardHomes homes_;
-  // The host buffers this model's gradient copies land in, held until the host job reading one is done: its
-  // own, so that one model's copies never wait for another model's host steps to give a buffer back.
-  StagingRing staging_;
 };
 
 }  // namespace hydra::engine

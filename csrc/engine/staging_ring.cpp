@@ -54,12 +54,6 @@ int64_t StagingRing::host_bytes() const {
   return total;
 }
 
-void StagingRing::free_buffers() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < buffers_.size(); ++i)
-    if (free_[i]) buffers_[i] = at::Tensor();  // a leased one stays its holder's until given back
-}
-
 void StagingRing::give_back(int index) {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -1,4 +1,4 @@
-// Host buffers that a spilled model's gradient copies land in. Each is held from its copy until the host step
+// Host buffers that a device's gradient copies land in. Each is held from its copy until the host step
 // that reads it is done; a fixed number of them bounds the host memory they take, and a copy that finds
 // none free waits (host steps that fall behind slow the copies down, not the other way round).
 #pragma once
@@ -34,8 +34,6 @@ class StagingRing {
   // Blocks until a buffer is free; grows it to `bytes` when smaller.
   std::unique_ptr<Lease> acquire(int64_t bytes);
   int64_t host_bytes() const;
-  // Frees the buffers not leased now (each is allocated again when next acquired).
-  void free_buffers();
 
  private:
   void give_back(int index);

@@ -22,6 +22,12 @@ def make_store(runner, pin: bool):
     return store
 
 
+def may_keep_ends(task) -> bool:
+    """Whether "auto" may keep the task's ends resident. Not a bf16 task that sums micro-batches: a resident
+    shard's gradients add up in its bf16 buffer (as autograd adds them), a spilled one's in an fp32 accumulator."""
+    return not (task.precision == "bf16" and task.accumulate > 1)
+
+
 def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, placement: str = "auto"):
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
@@ -31,7 +37,7 @@ def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, pl
     stores = [make_store(runner, pin) for runner in runners]
     try:
         placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
-                                 placement == "auto")
+                                 [placement == "auto" and may_keep_ends(runner.task) for runner in runners])
     except RuntimeError as error:
         kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
                 f"set and one micro-batch's saved inputs)" if kept_outside else "")

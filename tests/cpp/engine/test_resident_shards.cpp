@@ -1,12 +1,14 @@
 // A spilled model's resident shards (SpilledModel, engine/shard_homes.h): their state lives on the device and
 // steps there, the other shards' on the host; the model ends as it would with every shard spilled.
 #include "device_engine_helpers.h"
+#include "engine/clip_norm.h"
 #include "engine/placement.h"
 #include "engine/spilled_model.h"
 
 namespace engine_test {
 namespace {
 
+using hydra::engine::ClipNorm;
 using hydra::engine::closed_under_ties;
 using hydra::engine::place_models;
 
@@ -73,6 +75,31 @@ TEST(ResidentShards, AreUploadedOnceAndNeverEvictedOrCopiedBack) {
   engine.finish(m);
 }
 
+TEST(ResidentShards, AfterAFailedHostJobAClippedStepTakesNoNormAndStepsNoShard) {
+  // Shard 1 (spilled) steps on the host and its job fails (the op rejects a negative learning rate): the norm
+  // taken for the resident shards' sake must report it, and no shard may step.
+  OptimizerSpec bad;
+  bad.lr = -1.0;
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30)}, false, bad);
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {0, 2});
+  engine.plan(m, {2, 1, 0});
+  for (int s : {2, 1, 0}) {
+    engine.acquire(m, s, true);
+    write_grads(*store, s);
+    engine.backward_done(m, s, /*step=*/s == 1);  // shard 1's job throws
+    engine.release(m, s);
+  }
+  const at::Tensor before = store->master(0).clone();
+  const std::shared_ptr<ClipNorm> norm = engine.clip_and_step(m, /*max_norm=*/1.0);
+  EXPECT_THROW(norm->value(), c10::Error);
+  EXPECT_THROW(engine.synchronize(m), c10::Error) << "the failed job is reported again";
+  engine.finish(m);  // the resident shards' state home
+  EXPECT_TRUE(at::equal(store->master(0), before)) << "a resident shard stepped after its model's failed job";
+  EXPECT_EQ(store->steps_taken(0), 0);
+  EXPECT_EQ(store->steps_taken(2), 0);
+}
+
 TEST(ResidentShards, ATiedWeightSplitAcrossPlacementsIsRefusedChangingNothing) {
   auto store = make_store(EndsTied().shards());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
@@ -107,17 +134,17 @@ TEST(Placement, OnOneDeviceASpilledModelKeepsItsEndsResidentWhereTheyFit) {
   ASSERT_LT(homes + working_set, DeviceEngine::resident_need(*store));
   for (bool ends : {false, true}) {
     DeviceEngine engine(kCpu, homes + working_set);
-    const auto placed = place_models({&engine}, {store}, {"m"}, {}, ends);
+    const auto placed = place_models({&engine}, {store}, {"m"}, {}, {ends});
     EXPECT_EQ(placed[0].resident_device, -1);
     EXPECT_EQ(placed[0].resident_shards, ends ? std::vector<int>({0, 3}) : std::vector<int>{});
     EXPECT_EQ(placed[0].home_device, ends ? 0 : -1);
     EXPECT_EQ(engine.resident_shards(0), placed[0].resident_shards);
   }
   DeviceEngine tight(kCpu, homes + working_set - 1);  // the ends do not fit: spilled whole
-  EXPECT_TRUE(place_models({&tight}, {store}, {"m"}, {}, true)[0].resident_shards.empty());
+  EXPECT_TRUE(place_models({&tight}, {store}, {"m"}, {}, {true})[0].resident_shards.empty());
   DeviceEngine a(kCpu, 4 * (homes + working_set)), b(kCpu, 4 * (homes + working_set));
   auto big = make_store({linear_shard(0, 400), linear_shard(1, 400), linear_shard(2, 400)});
-  const auto two = place_models({&a, &b}, {big}, {"big"}, {}, true);
+  const auto two = place_models({&a, &b}, {big}, {"big"}, {}, {true});
   EXPECT_TRUE(two[0].resident_shards.empty()) << "on several devices a spilled model runs anywhere";
   EXPECT_EQ(two[0].model_ids, (std::vector<int>{0, 0}));
 }
@@ -136,11 +163,11 @@ TEST(Placement, BesideAnotherSpilledModelEndsAreResidentOnlyWhereEveryWeightStay
   const int64_t cache_room = homes + working_set + cached(*second, {0, 1, 2, 3}) + cached(*first, {1, 2});
   ASSERT_LT(cache_room, DeviceEngine::resident_need(*first) + working_set) << "neither model fits whole";
   DeviceEngine tight(kCpu, cache_room - 1);
-  auto placed = place_models({&tight}, {first, second}, {"a", "b"}, {}, true);
+  auto placed = place_models({&tight}, {first, second}, {"a", "b"}, {}, {true, true});
   EXPECT_TRUE(placed[0].resident_shards.empty()) << "its homes would take room that caches the other's weights";
   EXPECT_TRUE(placed[1].resident_shards.empty());
   DeviceEngine roomy(kCpu, cache_room);
-  placed = place_models({&roomy}, {first, second}, {"a", "b"}, {}, true);
+  placed = place_models({&roomy}, {first, second}, {"a", "b"}, {}, {true, true});
   EXPECT_EQ(placed[0].resident_shards, (std::vector<int>{0, 3}));
 }
 
