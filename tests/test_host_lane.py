@@ -61,6 +61,8 @@ def test_an_emulated_host_bandwidth_must_be_a_positive_number(bad):
             pass
 
 
+@pytest.mark.skipif(not ht._C.HostSteps.sizes_openmp_teams,
+                    reason="this build of the extension has no OpenMP (the ThreadSanitizer test build)")
 def test_host_step_threads_open_teams_of_their_share_of_the_cores():
     before = torch.get_num_threads()
     try:

@@ -124,6 +124,16 @@ PYBIND11_MODULE(_C, m) {
              return std::make_shared<HostWorker>(threads, std::move(on_start));
            }),
            py::arg("threads"), py::arg("team_threads") = 0)
+      // Whether team_threads takes effect: this build parallelises with OpenMP (the ThreadSanitizer test build
+      // does not, so its host steps keep the default team).
+      .def_property_readonly_static("sizes_openmp_teams",
+                                    [](py::object) {
+#ifdef _OPENMP
+                                      return true;
+#else
+                                      return false;
+#endif
+                                    })
       // The OpenMP team a host step opens: what a job on one of the threads sees after an ATen op.
       .def(
           "openmp_threads",
