@@ -26,6 +26,7 @@ from hydra_torch.selection.arrivals import Arrivals, OpenRun
 from hydra_torch.selection.rules import Selection
 from hydra_torch.state import checkpoint, checkpoint_dirs, interrupts, task_rng
 from hydra_torch.state.checkpoint_writer import Checkpointer
+from hydra_torch.models import frozen_base
 from hydra_torch.task import ModelTask, check_own_models
 
 
@@ -183,6 +184,7 @@ def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placeme
     check_own_models(tasks)
     for task in tasks:
         task.check_unchanged()
+    frozen_base.check(tasks)
     if selection is not None:
         if not isinstance(selection, Selection):
             raise TypeError(f"selection must be a hydra_torch.SuccessiveHalving(...), got {type(selection).__name__}")
@@ -378,6 +380,7 @@ def _results(runners, engines, workers, start, devices, wall, checkpoints) -> Re
     results = Results([r.result for r in runners], names, stats, sorted(trace, key=lambda e: e.start), wall,
                       checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
     results.interrupted = stop.name
+    results.bases = {r.base.base.name: r.base.summary(engines) for r in runners if r.base is not None}
     for runner in runners:
         runner.task.stop_reason = None  # a request ends with the call
         runner.task.ended.set()

@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from hydra_torch.models import sharding
+from hydra_torch.models import frozen_base, sharding
+from hydra_torch.models.frozen_base import FrozenBase
 from hydra_torch.models.hf import adapt
 from hydra_torch.recipe import optim, schedules
 from hydra_torch.recipe import param_groups as param_groups_
@@ -80,7 +81,8 @@ def check_own_models(tasks):
             other = owners.setdefault(id(p), task.name)
             if other != task.name:
                 raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
-                                 "each task needs a model of its own (copy.deepcopy it)")
+                                 "each task needs a model of its own (copy.deepcopy it; to hold frozen weights "
+                                 "they have in common once, pass both base=ht.FrozenBase())")
 
 
 def _first_change(kind: str, built: dict[str, tuple], now: dict[str, tuple]) -> str | None:
@@ -128,6 +130,8 @@ class ModelTask:
     no_grad, the modules in eval mode, after every ``eval_every`` steps and after the last step, as units of
     their own, so one model's evaluation overlaps others' training. Results keep the curve
     (``TaskResult.eval_losses``); evaluation draws no random numbers from the task's training streams.
+    base: a hydra_torch.FrozenBase this task's frozen weights are shared with: the tasks built with it hold
+    them once on the host and once on a device (a LoRA sweep over one pretrained model; see FrozenBase).
     precision: "fp32" or "bf16" compute (weights and gradients on the device); master weights and optimizer
     state are fp32 either way, and the trained weights come back in the parameters' own dtype. Default: the
     model's dtype (an fp32 model computes in fp32, a bf16 one in bf16).
@@ -141,7 +145,7 @@ class ModelTask:
                  accumulate: int = 1, clip_grad_norm: float | None = None,
                  inputs: Callable[[Any], Any] | None = None, max_steps: int | None = None, lr_schedule=None,
                  warmup_steps: int = 0, param_groups=None, eval_data: Iterable | None = None,
-                 eval_every: int | None = None):
+                 eval_every: int | None = None, base: FrozenBase | None = None):
         optimizer = optim.AdamW() if optimizer is None else optimizer
         if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
             raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
@@ -199,6 +203,13 @@ class ModelTask:
                 if not p.is_floating_point():
                     raise ValueError(f"model parameters must be floating point, found {p.dtype}")
         precision = _precision(params, precision)
+        if base is not None and not isinstance(base, FrozenBase):
+            raise TypeError(f"base must be a hydra_torch.FrozenBase, got {type(base).__name__}")
+        # id -> name of each frozen weight the base holds for this task (ht.train checks the tasks agree on them)
+        weights_of_base = frozen_base.base_weights(pieces, params) if base is not None else {}
+        if base is not None and not weights_of_base:
+            raise ValueError(f"the model has no frozen parameters to share in {base!r}: a base holds the weights "
+                             "its tasks keep frozen (requires_grad=False)")
         if len(data) == 0:
             raise ValueError("data is empty: a task needs at least one batch")
         one_shot = isinstance(data, collections.abc.Iterator)  # iterating it again would find it spent
@@ -222,6 +233,8 @@ class ModelTask:
         self.pieces = pieces
         self.modules = groups
         self.shard_params = params
+        self.base = base
+        self.base_weights = weights_of_base
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.data = data

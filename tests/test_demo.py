@@ -79,6 +79,7 @@ def test_demo_compares_lora_ranks_on_one_base(capsys):
     assert code == 0 and "best configuration: r" in out
     names = set(re.findall(r"^(r\d+-lr\S+)\s", out, re.MULTILINE))
     assert names == {"r2-lr0.001", "r2-lr0.003", "r8-lr0.001", "r8-lr0.003"}
+    assert "shared base 'llama'" in out and "for 4 configurations" in out  # one base, held once
 
 
 def test_demo_refuses_pretrained_weights_of_another_family():

@@ -232,3 +232,22 @@ def test_a_build_task_that_kills_the_driver_makes_optimize_raise_once_every_tria
     # The trial still training when the driver died ran to its end and was told.
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE", "FAIL"]
     assert all(len(t.intermediate_values) == 4 for t in study.trials[:2])
+
+
+def test_trials_of_one_frozen_base_share_it_as_they_join():
+    import copy
+
+    torch.manual_seed(0)
+    pretrained = tied_transformer(seed=0, blocks=2)
+    for layer in list(pretrained)[:2]:
+        layer.requires_grad_(False)
+    base = ht.FrozenBase("pretrained")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+
+    def build_on_base(trial):
+        lr = trial.suggest_float("lr", 1e-4, 1e-2, log=True)
+        return ht.ModelTask(copy.deepcopy(pretrained), optimizer=ht.optim.AdamW(lr=lr), loss_fn=lm_loss, data=DATA,
+                            eval_data=VALID, eval_every=4, name=f"trial{trial.number}", base=base)
+    results = optimize(study, build_on_base, n_trials=5, concurrent=2, devices="cpu")
+    assert len(results) == 5 and all(r.error is None for r in results)
+    assert results.bases["pretrained"]["tasks"] == [f"trial{i}" for i in range(5)]

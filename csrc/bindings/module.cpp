@@ -90,6 +90,12 @@ PYBIND11_MODULE(_C, m) {
       .def("grad", &ShardStore::grad)
       .def("has_grad", &ShardStore::has_grad)
       .def_property_readonly("host_bytes", &ShardStore::host_bytes)
+      .def("layout_params",  // the parameters of the shard's layout, in its order (owned, then borrowed)
+           [](const ShardStore& store, int shard) {
+             std::vector<at::Tensor> params;
+             for (const hydra::engine::ParamEntry& e : store.layout(shard)) params.push_back(e.param);
+             return params;
+           })
       .def("param_states",
            [](ShardStore& store) {
              std::vector<std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t>> states;
@@ -176,13 +182,13 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "add_model",
           [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident, int task,
-             std::vector<int> resident_shards) {
+             std::vector<int> resident_shards, int base) {
             return engine.add_model(std::move(store),
                                     allow_resident ? DeviceEngine::Residency::kAuto : DeviceEngine::Residency::kSpilled,
-                                    task, std::move(resident_shards));
+                                    task, std::move(resident_shards), base);
           },
           py::arg("store"), py::arg("allow_resident") = true, py::arg("task") = -1,
-          py::arg("resident_shards") = std::vector<int>{})
+          py::arg("resident_shards") = std::vector<int>{}, py::arg("base") = -1)
       .def("model_of", &DeviceEngine::model_of, py::arg("task"))
       .def("resident", &DeviceEngine::resident)
       .def("resident_shards", &DeviceEngine::resident_shards)
@@ -205,6 +211,8 @@ PYBIND11_MODULE(_C, m) {
       .def("snapshot", &DeviceEngine::snapshot, release_gil())
       .def("finish", &DeviceEngine::finish, release_gil())
       .def("release_model", &DeviceEngine::release_model, release_gil())
+      .def("add_base", &DeviceEngine::add_base, py::arg("store"))
+      .def("use_base", &DeviceEngine::use_base, py::arg("model"), py::arg("base"), py::arg("params"))
       .def("expect_arrivals", &DeviceEngine::expect_arrivals)
       .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
@@ -243,13 +251,13 @@ PYBIND11_MODULE(_C, m) {
       "place_models",
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
          const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes,
-         const std::vector<bool>& resident_ends) {
+         const std::vector<bool>& resident_ends, const std::vector<int>& bases) {
         std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>>> placed;
         for (hydra::engine::Placement& p :
-             hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends))
+             hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends, bases))
           placed.emplace_back(p.resident_device, p.home_device, std::move(p.resident_shards), std::move(p.model_ids));
         return placed;
       },
       py::arg("engines"), py::arg("stores"), py::arg("names"), py::arg("graph_bytes") = std::vector<int64_t>{},
-      py::arg("resident_ends") = std::vector<bool>{}, release_gil());
+      py::arg("resident_ends") = std::vector<bool>{}, py::arg("bases") = std::vector<int>{}, release_gil());
 }

@@ -13,18 +13,19 @@ namespace hydra {
 
 namespace {
 
-// (num_shards, micro_batches, device or None, shard costs[, eval_after, eval_batches])
+// (num_shards, micro_batches, device or None, shard costs[, eval_after, eval_batches[, base]])
 core::TaskSpec task_spec(const py::tuple& task) {
-  if (task.size() != 4 && task.size() != 6) {
+  if (task.size() != 4 && task.size() != 6 && task.size() != 7) {
     throw py::value_error("Scheduler: a task is (num_shards, micro_batches, device, shard_costs"
-                          "[, eval_after, eval_batches]), got " + std::to_string(task.size()) + " items");
+                          "[, eval_after, eval_batches[, base]]), got " + std::to_string(task.size()) + " items");
   }
   core::TaskSpec spec{task[0].cast<int>(), task[1].cast<int64_t>(), task[2].cast<std::optional<int>>(),
                       task[3].cast<std::vector<double>>()};
-  if (task.size() == 6) {
+  if (task.size() >= 6) {
     spec.eval_after = task[4].cast<std::vector<int64_t>>();
     spec.eval_batches = task[5].cast<int64_t>();
   }
+  if (task.size() == 7) spec.base = task[6].cast<int>();
   return spec;
 }
 

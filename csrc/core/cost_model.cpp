@@ -101,7 +101,16 @@ CostModel::TaskState CostModel::make_state(const TaskSpec& spec) const {
   state.cost.assign(static_cast<size_t>(spec.num_shards), 1.0);
   for (size_t s = 0; s < spec.shard_costs.size(); ++s) state.cost[s] = spec.shard_costs[s] * cost_scale_;
   const auto positions = static_cast<size_t>(units_per_micro_batch(spec.num_shards) + spec.num_shards);
-  state.stats.resize(positions);
+  // The observations of the tasks of its base with its shards, if there are any, else its own.
+  for (const TaskState& other : tasks_)
+    if (spec.base >= 0 && other.spec.base == spec.base && other.spec.num_shards == spec.num_shards) {
+      state.observed = other.observed;
+      break;
+    }
+  if (!state.observed) {
+    state.observed = std::make_shared<Observed>();
+    state.observed->stats.resize(positions);
+  }
   state.estimate.resize(positions);
   state.suffix.resize(positions);
   return state;
@@ -132,15 +141,16 @@ void CostModel::observe(int task, int shard, Phase phase, double seconds) {
                                 std::to_string(seconds));
   }
   TaskState& state = tasks_[static_cast<size_t>(task)];
-  KeyStats& key = state.stats[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))];
+  Observed& observed = *state.observed;
+  KeyStats& key = observed.stats[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))];
   if (key.count == 0) {
     key.first = seconds;
-    ++state.observed_keys;
+    ++observed.observed_keys;
   } else {
     key.sum_after_first += seconds;
   }
   ++key.count;
-  state.dirty = true;
+  for (TaskState& sharing : tasks_) sharing.dirty = sharing.dirty || sharing.observed == state.observed;
   global_forward_sum_ += seconds / phase_weight(phase) / state.cost[static_cast<size_t>(shard)];
   ++global_forward_count_;
   ++global_version_;
@@ -153,7 +163,9 @@ double CostModel::global_forward_seconds() const {
 
 const CostModel::TaskState& CostModel::refreshed(int task) const {
   const TaskState& state = tasks_[static_cast<size_t>(task)];
-  const bool uses_global_prior = state.observed_keys == 0;
+  const std::vector<KeyStats>& stats = state.observed->stats;
+  const int64_t observed_keys = state.observed->observed_keys;
+  const bool uses_global_prior = observed_keys == 0;
   if (!state.dirty && (!uses_global_prior || state.global_version == global_version_)) return state;
 
   // Priors, per unit of shard cost, most specific first: this task's observed units of the same phase;
@@ -163,23 +175,23 @@ const CostModel::TaskState& CostModel::refreshed(int task) const {
   std::array<double, kPhaseWeight.size()> phase_rate_sum{};
   std::array<int64_t, kPhaseWeight.size()> phase_count{};
   double forward_rate_sum = 0.0;
-  for (int64_t p = 0; p < static_cast<int64_t>(state.stats.size()); ++p) {
-    const KeyStats& key = state.stats[static_cast<size_t>(p)];
+  for (int64_t p = 0; p < static_cast<int64_t>(stats.size()); ++p) {
+    const KeyStats& key = stats[static_cast<size_t>(p)];
     if (key.count == 0) continue;
     const Phase phase = phase_at(n, p);
     phase_rate_sum[static_cast<size_t>(phase)] += key.mean() / cost_at(p);
     ++phase_count[static_cast<size_t>(phase)];
     forward_rate_sum += key.mean() / phase_weight(phase) / cost_at(p);
   }
-  const double task_forward_rate = state.observed_keys > 0
-                                       ? forward_rate_sum / static_cast<double>(state.observed_keys)
+  const double task_forward_rate = observed_keys > 0
+                                       ? forward_rate_sum / static_cast<double>(observed_keys)
                                        : global_forward_seconds();
 
   double running = 0.0;
   const int64_t per = units_per_micro_batch(n);
-  for (int64_t p = static_cast<int64_t>(state.stats.size()) - 1; p >= 0; --p) {
+  for (int64_t p = static_cast<int64_t>(stats.size()) - 1; p >= 0; --p) {
     if (p == per - 1) running = 0.0;  // a micro-batch's suffix ends with it, before the evaluation positions
-    const KeyStats& key = state.stats[static_cast<size_t>(p)];
+    const KeyStats& key = stats[static_cast<size_t>(p)];
     const auto phase = static_cast<size_t>(phase_at(n, p));
     double value;
     if (key.count > 0) {
@@ -207,7 +219,8 @@ double CostModel::estimate(int task, int shard, Phase phase) const {
 int64_t CostModel::observations(int task, int shard, Phase phase) const {
   check_key(task, shard, phase);
   const TaskState& state = tasks_[static_cast<size_t>(task)];
-  return state.stats[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))].count;
+  return state.observed->stats[static_cast<size_t>(position_in_micro_batch(state.spec.num_shards, shard, phase))]
+      .count;
 }
 
 double CostModel::remaining_seconds(int task, int64_t next_index) const {

@@ -6,10 +6,16 @@
 // phase's cost relative to a forward pass (kPhaseWeight). So a task nothing has been timed of yet is
 // ranked by its size relative to the tasks already timed, not as if it were as small as they are. Not
 // thread-safe, const methods included (they refresh a cache): the Scheduler calls it under its mutex.
+//
+// Tasks of one frozen base (TaskSpec::base) with the same shards share their observations: they run the same
+// base's layers with adapters of their own, so a unit of one times the same unit of the others, and LRTF ranks
+// them by the units they have left rather than by whose noisy first samples came in (which would run one of them
+// through its step while the base shards the others need next are evicted).
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/unit.h"
@@ -59,11 +65,15 @@ class CostModel {
     double sum_after_first = 0.0;
     double mean() const { return count == 1 ? first : sum_after_first / static_cast<double>(count - 1); }
   };
+  // Observations of units, indexed by position_in_micro_batch: a task's own, or its base's (shared).
+  struct Observed {
+    std::vector<KeyStats> stats;
+    int64_t observed_keys = 0;
+  };
   struct TaskState {
     TaskSpec spec;
     std::vector<double> cost;  // per shard, normalised
-    std::vector<KeyStats> stats;  // indexed by position_in_micro_batch
-    int64_t observed_keys = 0;
+    std::shared_ptr<Observed> observed;
     // Cache, valid while !dirty and (the task has its own observations or global_version matches).
     mutable bool dirty = true;
     mutable uint64_t global_version = 0;

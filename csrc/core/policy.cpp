@@ -57,6 +57,15 @@ size_t Policy::choose_lrtf(std::span<const Candidate> candidates) const {
   for (size_t i = 1; i < candidates.size(); ++i) {
     if (better(candidates[i], candidates[best])) best = i;
   }
+  // Within the wider band, a task reading the base shard just used here saves that shard's copy.
+  const double base_floor = candidates[best].remaining_seconds * (1.0 - kBaseAffinityBand);
+  std::optional<size_t> sharing;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& c = candidates[i];
+    if (c.reads_cached_base && c.remaining_seconds >= base_floor && (!sharing || better(c, candidates[*sharing])))
+      sharing = i;
+  }
+  if (sharing) return *sharing;
   if (candidates[best].ran_last_here) return best;
   // Estimates are noisy at the percent level, so a 1% difference is not worth a cold shard fetch.
   const double floor = candidates[best].remaining_seconds * (1.0 - kLrtfAffinityBand);

@@ -10,6 +10,12 @@
 // Affinity: among candidates whose score ties (lrtf: within kLrtfAffinityBand of the best; fifo: equal
 // ready time), the task whose last unit ran on this device wins, since its shards may still be resident
 // there. round_robin has no ties; random ignores affinity (it is the unbiased baseline).
+//
+// Shared bases (lrtf): a task whose next unit reads the frozen base shard the device's last unit read (a task of
+// the same base, on the same shard) wins among those within kBaseAffinityBand of the best, before the affinity
+// above: the tasks of a base then run a shard back to back and its weights are copied in once for all of them.
+// The band is wider than the tie band because the gain is a whole shard's copy, and the tasks of a sweep
+// have nearly equal remaining times, one unit apart each.
 #pragma once
 
 #include <cstddef>
@@ -32,11 +38,13 @@ struct Candidate {
   double remaining_seconds;  // only read by lrtf
   uint64_t ready_sequence;   // smaller: ready earlier
   bool ran_last_here;        // the task's previous unit ran on the asking device
+  bool reads_cached_base = false;  // its next unit reads the base shard the asking device's last unit read
 };
 
 class Policy {
  public:
   static constexpr double kLrtfAffinityBand = 0.01;  // relative
+  static constexpr double kBaseAffinityBand = 0.05;  // relative
 
   Policy(PolicyKind kind, int num_tasks, int num_devices, uint64_t seed);
 

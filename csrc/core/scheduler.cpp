@@ -41,7 +41,8 @@ Scheduler::Scheduler(std::vector<TaskSpec> tasks, int num_devices, PolicyKind po
       policy_(policy, static_cast<int>(tasks.size()), num_devices, seed),
       saved_(static_cast<int>(tasks.size()), num_devices),
       committed_(static_cast<size_t>(num_devices)),
-      starved_(static_cast<size_t>(num_devices), true) {
+      starved_(static_cast<size_t>(num_devices), true),
+      last_base_shard_(static_cast<size_t>(num_devices), {-1, -1}) {
   tasks_.reserve(tasks.size());
   for (const TaskSpec& spec : tasks) {
     tasks_.push_back(TaskState{spec, total_units(spec)});
@@ -99,7 +100,8 @@ std::optional<Unit> Scheduler::take_locked(int device) {
       if (pass == 0 && reserved_elsewhere(t, device)) continue;
       if (pass < 2 && task.held) continue;
       const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
-      candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device});
+      candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device,
+                                      reads_base_shard(t, task.next_index, last_base_shard_[static_cast<size_t>(device)])});
     }
     if (!candidates_.empty()) break;
   }
@@ -119,7 +121,13 @@ Unit Scheduler::take_task(int device, int chosen) {
   task.last_device = device;
   const Unit unit = unit_at(chosen, task.spec, task.next_index);
   if (starts_micro_batch(unit)) saved_.start(chosen, device);
+  last_base_shard_[static_cast<size_t>(device)] = {task.spec.base, unit.shard};
   return unit;
+}
+
+bool Scheduler::reads_base_shard(int task, int64_t index, std::pair<int, int> last) const {
+  const TaskSpec& spec = tasks_[static_cast<size_t>(task)].spec;
+  return spec.base >= 0 && spec.base == last.first && unit_at(task, spec, index).shard == last.second;
 }
 
 bool Scheduler::saved_bytes_admit(int task, int device) const {

@@ -174,6 +174,10 @@ class Scheduler {
   bool plans_committed_ = false;  // commit_plan was ever called: until then decisions skip the checks above
   // Per device: it has not been handed a unit yet, or its last request found nothing ready (see plan_share).
   std::vector<bool> starved_;
+  // Per device: (base, shard) of the last unit handed to it, base -1 when its task has none (see TaskSpec::base).
+  std::vector<std::pair<int, int>> last_base_shard_;
+  // Whether the task's unit at `index` reads the base shard `last` names (Candidate::reads_cached_base).
+  bool reads_base_shard(int task, int64_t index, std::pair<int, int> last) const;
 
   mutable std::mutex mutex_;
   std::condition_variable ready_;

@@ -101,6 +101,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
            saved_.admits(load, p.task, device);
   };
   std::vector<Candidate> candidates;
+  std::pair<int, int> last_base_shard = last_base_shard_[static_cast<size_t>(device)];
   // The committed plan first, as far as it still holds (see commit_plan), then the policy.
   const auto& committed = committed_[static_cast<size_t>(device)];
   auto kept = committed.begin();
@@ -127,7 +128,8 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
         const Planned& p = planned[i];
         if (!eligible(p) || (p.held && !all_held) || !admitted(p)) continue;
         const double remaining = needs_estimates ? cost_model_.remaining_seconds(p.task, p.index) : 0.0;
-        candidates.push_back(Candidate{p.task, remaining, p.ready, p.ran_last_here});
+        candidates.push_back(
+            Candidate{p.task, remaining, p.ready, p.ran_last_here, reads_base_shard(p.task, p.index, last_base_shard)});
         positions.push_back(i);
       }
       if (candidates.empty()) break;
@@ -138,6 +140,7 @@ std::vector<Unit> Scheduler::plan(int device, int count) const {
       in_plan.push_back(p.task);
     const Unit unit = unit_at(p.task, tasks_[static_cast<size_t>(p.task)].spec, p.index);
     units.push_back(unit);
+    last_base_shard = {tasks_[static_cast<size_t>(p.task)].spec.base, unit.shard};
     if (starts_micro_batch(unit)) started_here.emplace_back(p.task, saved_.add(load, p.task));
     if (ends_micro_batch(unit)) {
       auto here = std::ranges::find_if(started_here, [&](const auto& s) { return s.first == p.task; });

@@ -6,6 +6,7 @@
 #include <queue>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "core/scheduler.h"
 
@@ -32,7 +33,19 @@ struct DeviceState {
   int last_shard = -1;
   double last_end = 0.0;
   double last_compute = 0.0;
+  std::pair<int, int> base_shard{-1, -1};  // (base, shard) of the last base shard copied here
 };
+
+// Seconds to copy the unit's base shard, 0 where `kept` (the device's last base shard) is it; `kept` becomes it.
+double base_copy(const SimulationConfig& config, const Unit& unit, std::pair<int, int>& kept,
+                 SimulationResult& result) {
+  const int base = config.tasks.at(static_cast<size_t>(unit.task)).base;
+  if (base < 0 || !config.base_transfer || kept == std::pair<int, int>{base, unit.shard}) return 0.0;
+  kept = {base, unit.shard};
+  const double seconds = checked(config.base_transfer(unit.task, unit.shard, unit.phase), "transfer");
+  result.base_transfer_seconds += seconds;
+  return seconds;
+}
 
 struct Completion {
   double time;
@@ -44,10 +57,12 @@ struct Completion {
   }
 };
 
-double exposed_transfer(const SimulationConfig& config, const DeviceState& device, const Unit& unit, double now) {
+double exposed_transfer(const SimulationConfig& config, DeviceState& device, const Unit& unit, double now,
+                        SimulationResult& result) {
   if (!config.transfer) return 0.0;
   if (device.ran_before && device.last_task == unit.task && device.last_shard == unit.shard) return 0.0;
-  const double transfer = checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer");
+  const double transfer = checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer") +
+                          base_copy(config, unit, device.base_shard, result);
   if (device.ran_before && device.last_end == now) return std::max(0.0, transfer - device.last_compute);
   return transfer;
 }
@@ -57,6 +72,7 @@ bool has_backward(Phase phase) { return phase == Phase::kForwardBackward || phas
 // A device's host-to-device copy lane under Prefetch::kAlongPlan.
 struct CopyLane {
   double free_at = 0.0;
+  std::pair<int, int> base_shard{-1, -1};  // (base, shard) of the last base shard it copied
   std::vector<std::pair<Unit, double>> landing;  // planned units whose copy was issued, and when it lands
 
   double copy(double now, double seconds, SimulationResult& result) {
@@ -80,7 +96,9 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
     start = std::max(now, issued->second);
     lane.landing.erase(issued);
   } else if (!same_shard) {
-    start = lane.copy(now, checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer"), result);
+    const double seconds = checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer") +
+                           base_copy(config, unit, lane.base_shard, result);
+    start = lane.copy(now, seconds, result);
   }
   const std::vector<Unit> planned = scheduler.commit_plan(device, config.prefetch_units);
   std::erase_if(lane.landing, [&](const auto& entry) {
@@ -94,7 +112,8 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
     if (back_to_back || std::any_of(lane.landing.begin(), lane.landing.end(),
                                     [&](const auto& entry) { return entry.first == p; }))
       continue;
-    const double seconds = checked(config.transfer(p.task, p.shard, p.phase), "transfer");
+    const double seconds = checked(config.transfer(p.task, p.shard, p.phase), "transfer") +
+                           base_copy(config, p, lane.base_shard, result);
     lane.landing.emplace_back(p, lane.copy(now, seconds, result));
   }
   return start;
@@ -119,7 +138,7 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       const double compute = unit_compute(config.compute, *unit);
       CopyLane& lane = lanes[static_cast<size_t>(d)];
       const double exposed = along_plan ? start_along_plan(config, scheduler, d, device, lane, *unit, now, result) - now
-                                        : exposed_transfer(config, device, *unit, now);
+                                        : exposed_transfer(config, device, *unit, now, result);
       result.exposed_transfer_seconds += exposed;
       const double end = now + exposed + compute;
       if (along_plan && config.gradient_transfer && has_backward(unit->phase)) {
@@ -139,7 +158,7 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       events.pop();
       scheduler.complete(done.device, done.unit, done.compute);
       DeviceState& device = devices[static_cast<size_t>(done.device)];
-      device = DeviceState{false, true, done.unit.task, done.unit.shard, done.time, done.compute};
+      device = DeviceState{false, true, done.unit.task, done.unit.shard, done.time, done.compute, device.base_shard};
     }
     result.makespan = now;
   }

@@ -23,6 +23,10 @@
 // its shard has landed. A copy for a unit the plan no longer holds is dropped (its lane time was spent). The
 // same shard back to back needs no copy. Gradients go out on a device-to-host lane of their own, which the
 // result accounts for; the compute never waits for it.
+//
+// Shared bases: a task with TaskSpec::base >= 0 reads its shard's frozen base weights too, whose copy
+// (`base_transfer`) a device makes once for every task of that base while it keeps it: it keeps the last base
+// shard it copied (one), so tasks of a base that run a shard back to back copy it once.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +56,7 @@ struct SimulationConfig {
   Prefetch prefetch = Prefetch::kPreviousUnit;
   int prefetch_units = 4;            // kAlongPlan: copies issued or landed ahead of use, at most
   UnitSeconds gradient_transfer;     // kAlongPlan: gradients out after a unit with a backward; empty: none
+  UnitSeconds base_transfer;         // the unit's base shard in, for tasks with a base; empty: free
 };
 
 struct TraceEntry {
@@ -67,6 +72,7 @@ struct SimulationResult {
   double exposed_transfer_seconds = 0.0;  // devices waiting for weights
   double transfer_seconds = 0.0;          // kAlongPlan: busy time of the host-to-device lanes, dropped copies too
   double gradient_transfer_seconds = 0.0;  // kAlongPlan: busy time of the device-to-host lanes
+  double base_transfer_seconds = 0.0;      // of which (or of the exposed time, kPreviousUnit): base shards copied
   std::vector<TraceEntry> trace;  // in dispatch order
 };
 

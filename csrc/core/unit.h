@@ -40,6 +40,9 @@ struct TaskSpec {
   // (strictly ascending, within [0, micro_batches]; 0 evaluates before the first micro-batch).
   std::vector<int64_t> eval_after = {};
   int64_t eval_batches = 0;
+  // The frozen base the task shares with others (>= 0), whose shard s holds frozen weights of the task's shard
+  // s: a unit of a task of the same base on the same shard just run on a device left them cached there.
+  int base = -1;
 };
 
 // A training micro-batch's first unit (F(0), or FB(0) with one shard) and last (B(0), or that FB(0)): between

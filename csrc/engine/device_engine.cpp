@@ -58,6 +58,12 @@ int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
 
 int64_t DeviceEngine::spilled_need(const ShardStore& store) { return SpilledModel::spilled_need(store, {}); }
 
+int64_t DeviceEngine::cached_bytes(const ShardStore& store) {
+  int64_t bytes = 0;
+  for (int s = 0; s < store.num_shards(); ++s) bytes += store.device_numel(s) * store.element_bytes() + 512;
+  return bytes;
+}
+
 int64_t DeviceEngine::resident_need(const ShardStore& store) {
   int64_t need = 0;
   for (int s = 0; s < store.num_shards(); ++s) need += ShardHomes::need(store, s);
@@ -65,8 +71,11 @@ int64_t DeviceEngine::resident_need(const ShardStore& store) {
 }
 
 int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency, int task,
-                            std::vector<int> resident_shards) {
+                            std::vector<int> resident_shards, int base) {
   TORCH_CHECK(store, "add_model: no store");
+  const ShardStore* base_of = base >= 0 ? &base_store(base) : nullptr;
+  TORCH_CHECK(!base_of || base_of->num_shards() == store->num_shards(), "add_model: a base of ",
+              base_of ? base_of->num_shards() : 0, " shards for a model of ", store->num_shards());
   TORCH_CHECK(resident_shards.empty() || residency == Residency::kSpilled,
               "add_model: resident shards are a spilled model's");
   if (const std::string error = SpilledModel::resident_shards_error(*store, resident_shards); !error.empty())
@@ -76,25 +85,36 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   // resident shards'.
   const int64_t resident = resident_need(*store);
   const int64_t homes = SpilledModel::homes_need(*store, resident_shards);
-  const int64_t spilled = SpilledModel::spilled_need(*store, resident_shards);
+  const int64_t spilled = SpilledModel::spilled_need(*store, resident_shards, base_of);
   const int64_t reserve = std::max(spilled_reserve_, spilled);
+  // Resident, its units still hold their base shards.
+  std::vector<int> every_shard(store->num_shards());
+  for (int s = 0; s < store->num_shards(); ++s) every_shard[s] = s;
+  const int64_t resident_reserve = std::max(spilled_reserve_, SpilledModel::spilled_need(*store, every_shard, base_of));
   // Once training has started the arena is sized: a model arriving then is spilled, within the arena.
   const bool arriving = pool_.started();
   const int64_t room = arriving ? pool_.capacity() : pool_.budget();
   TORCH_CHECK(!arriving || homes == 0, "add_model: training has started: an arriving model has no resident shards");
   TORCH_CHECK(resident_committed_ + homes + reserve <= room, "memory budget too small: the largest shard needs ",
-              spilled, " bytes on the device (its weights and gradients)",
-              homes > 0 ? " beside its resident shards' " + std::to_string(homes) + " bytes" : std::string(), " but only ",
-              room - resident_committed_, " of the ", arriving ? "device's arena's " : "budget's ", room,
+              spilled, " bytes on the device (its weights and gradients", base_of ? ", and its base's" : "", ")",
+              homes > 0 ? " beside its resident shards' " + std::to_string(homes) + " bytes" : std::string(),
+              " but only ", room - resident_committed_, " of the ", arriving ? "device's arena's " : "budget's ", room,
               " bytes are left; raise memory_budget or cut the model into smaller shards");
-  const bool fits = !arriving && resident_committed_ + spilled_reserve_ + resident <= pool_.budget();
+  // Resident beside a base, the base's shards stay cached for good (SpilledModel::keep_cached): committed too.
+  const int64_t kept_base = base_of && !this->spilled(base)->kept_cached() ? cached_bytes(*base_of) : 0;
+  const bool fits = !arriving && resident_committed_ + resident_reserve + resident + kept_base <= pool_.budget();
   TORCH_CHECK(residency != Residency::kResident || fits, "add_model: the whole training state needs ", resident,
-              " bytes beside ", resident_committed_ + spilled_reserve_, " already promised, but the budget is ",
+              " bytes beside ", resident_committed_ + resident_reserve, " already promised, but the budget is ",
               pool_.budget(), arriving ? " and training has started" : "");
   const int id = static_cast<int>(models_.size());
   const bool resident_here = fits && residency != Residency::kSpilled;
   const int64_t committed = resident_here ? resident : homes;
   if (resident_here) {
+    spilled_reserve_ = resident_reserve;
+    if (kept_base > 0) {  // the base's, not the model's: it stays when the model leaves (a re-plan spills it)
+      this->spilled(base)->keep_cached();
+      resident_committed_ += kept_base;
+    }
     models_.push_back(std::make_unique<ResidentModel>(*this, id, std::move(store)));
   } else {
     spilled_reserve_ = reserve;
@@ -105,22 +125,25 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   models_.back()->set_committed_bytes(committed);
   uploads_pending_ = uploads_pending_ || committed > 0;
   if (task >= 0) task_models_[task] = id;
-  if (arriving) return static_cast<int>(models_.size()) - 1;
-  // The arena need not exceed what all models could ever hold: resident state, or every spilled weight
-  // cached plus one shard's gradients.
-  int64_t demand = 0;
+  if (base_of) base_uses_[id] = BaseUse{base, {}};
+  if (!arriving) size_arena();
+  return id;
+}
+
+void DeviceEngine::size_arena() {
+  int64_t demand = spilled_reserve_;  // a unit's working set, with its base shard where it has one
   for (const auto& m : models_) {
     if (m->released()) continue;
     const ShardStore& store = m->store();
     demand += m->committed_bytes();
     if (m->resident()) continue;
-    const std::vector<int>& homed = static_cast<const SpilledModel&>(*m).resident_shards();
-    demand += SpilledModel::spilled_need(store, homed);
+    const SpilledModel& spilled = static_cast<const SpilledModel&>(*m);
+    // A base's working set is in its users' (add_model's `base`).
+    if (!spilled.frozen_base()) demand += SpilledModel::spilled_need(store, spilled.resident_shards());
     for (int s = 0; s < store.num_shards(); ++s)
-      if (!m->homed(s)) demand += store.device_numel(s) * store.element_bytes() + 512;
+      if (!m->homed(s)) demand += store.device_numel(s) * store.element_bytes() + 512;  // as cached_bytes
   }
   pool_.set_demand(arrivals_ ? pool_.budget() : std::min(demand, pool_.budget()));
-  return static_cast<int>(models_.size()) - 1;
 }
 
 void DeviceEngine::keep_outside_arena(int64_t bytes) {
@@ -150,7 +173,11 @@ Fence DeviceEngine::compute_point() const {
 
 void DeviceEngine::plan(const std::vector<std::pair<int, int>>& visits) {
   upcoming_.clear();
-  for (const auto& [model, shard] : visits) upcoming_.push_back(key(model, shard));
+  for (const auto& [model, shard] : visits) {
+    // Each user's visit is a next use of its base shard, held (and so copied in) before the user's own.
+    if (const BaseUse* use = base_use(model, shard)) upcoming_.push_back(key(use->base, shard));
+    upcoming_.push_back(key(model, shard));
+  }
 }
 
 void DeviceEngine::plan(int model, const std::vector<int>& shards) {
@@ -168,7 +195,7 @@ Allocation DeviceEngine::allocate(int model, int shard, int64_t bytes, Need need
     for (int m = 0; m < static_cast<int>(models_.size()); ++m)
       if (const SpilledModel* candidate = spilled(m))
         for (int s = 0; s < candidate->store().num_shards(); ++s)
-          if (candidate->cached(s)) candidates.push_back({key(m, s), candidate->pinned(s)});
+          if (candidate->cached(s)) candidates.push_back({key(m, s), candidate->pinned(s) || candidate->kept_cached()});
     std::optional<int64_t> victim = core::furthest_next_use(candidates, upcoming_);
     if (need == Need::kPrefetchAhead) victim.reset();  // only into free memory: measured, evicting there churns
     if (victim && need == Need::kPrefetch) {
@@ -251,6 +278,7 @@ SpilledModel* DeviceEngine::spilled(int model) {
 void DeviceEngine::prefetch(int model, int shard) {
   start();
   live(model, shard);
+  if (const BaseUse* use = base_use(model, shard)) spilled(use->base)->prefetch(shard);
   if (SpilledModel* m = spilled(model)) m->prefetch(shard);
 }
 
@@ -276,10 +304,26 @@ void DeviceEngine::prefetch_ahead(int64_t max_bytes) {
 
 void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   DeviceModel& m = live(model, shard);
-  auto it = std::find(upcoming_.begin(), upcoming_.end(), key(model, shard));
-  if (it != upcoming_.end()) upcoming_.erase(it);
+  const BaseUse* use = base_use(model, shard);
+  for (int64_t visit : {key(model, shard), use ? key(use->base, shard) : int64_t{-1}}) {
+    auto it = std::find(upcoming_.begin(), upcoming_.end(), visit);
+    if (it != upcoming_.end()) upcoming_.erase(it);
+  }
   start();
-  m.acquire(shard, with_grads);
+  if (!use) {
+    m.acquire(shard, with_grads);
+    return;
+  }
+  // The base shard first: pinned, it stays while the model's own shard may evict others to come in.
+  SpilledModel& base = *spilled(use->base);
+  base.acquire(shard, /*with_grads=*/false);
+  try {
+    base.bind_frozen(shard, use->params[shard]);
+    m.acquire(shard, with_grads);
+  } catch (...) {
+    base.release(shard);
+    throw;
+  }
 }
 
 bool DeviceEngine::waits_for_step(int model, int shard) {
@@ -292,6 +336,7 @@ void DeviceEngine::release(int model, int shard) {
   DeviceModel& m = model_at(model);
   m.check_shard(shard);
   m.release(shard);
+  if (const BaseUse* use = base_use(model, shard)) spilled(use->base)->release(shard);
 }
 
 std::shared_ptr<LossGate> DeviceEngine::watch_loss(int model, const at::Tensor& loss) {
@@ -350,6 +395,8 @@ void DeviceEngine::finish(int model) {
 void DeviceEngine::release_model(int model) {
   DeviceModel& m = model_at(model);
   if (m.released()) return;
+  for (const auto& [user, use] : base_uses_)
+    TORCH_CHECK(use.base != model, "release_model: model ", user, " still uses base ", model);
   m.synchronize();
   for (int s = 0; s < m.store().num_shards(); ++s)
     TORCH_CHECK(m.pins(s) == 0, "release_model: shard ", s, " of model ", model, " is still acquired");
@@ -357,8 +404,11 @@ void DeviceEngine::release_model(int model) {
   std::erase_if(upcoming_, [model](int64_t visit) { return (visit >> 32) == model; });
   m.free_device_memory(compute_point());
   resident_committed_ -= m.committed_bytes();
+  if (const SpilledModel* base = spilled(model); base && base->kept_cached())
+    resident_committed_ -= cached_bytes(m.store());  // a base a resident model kept cached
   m.drop_store();
   std::erase_if(task_models_, [model](const auto& entry) { return entry.second == model; });
+  base_uses_.erase(model);
 }
 
 EngineStats DeviceEngine::stats() const {

@@ -91,8 +91,22 @@ class DeviceEngine {
   // `task`: the scheduler's id of the model's task (-1: none), by which DeviceLoop finds the model (model_of).
   // `resident_shards` (kSpilled only, before training starts): shards of the spilled model whose whole state
   // lives on this device and steps here (see SpilledModel); the model then trains on this device alone.
+  // `base`: the frozen base (add_base) the model uses, whose shard each of its units holds beside its own (counted
+  // in its working set); use_base then names the model's parameters the base binds.
   int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto, int task = -1,
-                std::vector<int> resident_shards = {});
+                std::vector<int> resident_shards = {}, int base = -1);
+  // Registers the frozen weights that several models share (a sweep's pretrained base) as a model of their own:
+  // `store` holds them once on the host, cut as its users are (its shard s is the shared weights of each
+  // user's shard s), with nothing trainable. On the device each of its shards is copied in, cached and evicted
+  // as a spilled model's is, once for all its users: a unit of a user holds its base shard beside its own, and
+  // the plan's visits of every user count as the base shard's next uses. Its users' working sets make room for
+  // it (add_model's `base`). Returns its id.
+  int add_base(std::shared_ptr<ShardStore> store);
+  // The store of base `base`; throws unless it is a base added here and not released.
+  const ShardStore& base_store(int base);
+  // Model `model`, added with `base`, binds `params[s]` (its own parameters that base shard s holds, one per
+  // entry of its layout) to the base's copy in its units. Throws, changing nothing, when they do not match.
+  void use_base(int model, int base, std::vector<std::vector<at::Tensor>> params);
   // The model added for the scheduler's task `task` and not released since; -1 when there is none.
   int model_of(int task) const;
   bool resident(int model) const;
@@ -111,6 +125,8 @@ class DeviceEngine {
   static int64_t resident_bytes(const ShardStore& store);
   // What add_model checks against the budget: the above plus the arena's alignment of each region.
   static int64_t spilled_need(const ShardStore& store);
+  // Arena bytes that cache every shard of the model's weights at once (each region aligned).
+  static int64_t cached_bytes(const ShardStore& store);
   static int64_t resident_need(const ShardStore& store);
 
   // The shard visits expected next on this device, in order, replacing the previous plan; eviction looks
@@ -193,6 +209,15 @@ class DeviceEngine {
   // Device memory for the shard, evicting spilled models' cached shards by furthest next use as `need` allows.
   Allocation allocate(int model, int shard, int64_t bytes, Need need);
   void start();  // on first use (and after a failed upload): uploads every resident model
+  // The arena need not exceed what all models could ever hold: resident state, or every spilled weight cached
+  // plus one shard's working set.
+  void size_arena();
+  // The base shard a unit of `model` on `shard` holds beside its own, or null.
+  struct BaseUse {
+    int base;
+    std::vector<std::vector<at::Tensor>> params;  // per base shard, the model's own parameters it binds (use_base)
+  };
+  const BaseUse* base_use(int model, int shard) const;
   // A host job that began at `start_ns` (steady clock) and touched `bytes` of host memory ends: paced by the
   // emulated host bandwidth, if any, and counted. On a host-step thread.
   void count_host_job(int64_t bytes, int64_t start_ns);
@@ -203,8 +228,9 @@ class DeviceEngine {
   std::vector<std::unique_ptr<DeviceModel>> models_;
   std::deque<int64_t> upcoming_;
   std::unordered_map<int, int> task_models_;  // scheduler task id -> model id
+  std::unordered_map<int, BaseUse> base_uses_;  // model id -> the frozen base it uses
   int64_t resident_committed_ = 0;  // the resident models' whole state, and spilled models' resident shards'
-  int64_t spilled_reserve_ = 0;     // the largest working set (one shard's weights and gradients) of a spilled model
+  int64_t spilled_reserve_ = 0;     // the largest working set of a unit (a spilled shard's weights and gradients, its base shard)
   int64_t grad_headroom_ = 0;       // the largest gradient region of a spilled model
   bool arrivals_ = false;           // see expect_arrivals()
   bool uploads_pending_ = false;    // a resident model is not on the device yet (start() uploads it)

@@ -18,8 +18,7 @@ void DeviceModel::check_shard(int shard) const {
 
 void DeviceModel::acquire(int shard, bool with_grads) {
   Visit& visit = visits_.at(shard);
-  // A homed shard's state is always in place: two units of the model may hold it (an evaluation's).
-  TORCH_CHECK(homed(shard) || visit.pins == 0, "shard ", shard, " of model ", id_, " acquired twice on ",
+  TORCH_CHECK(visit.pins == 0 || may_pin_again(shard), "shard ", shard, " of model ", id_, " acquired twice on ",
               engine_.device_);
   ++visit.pins;
   try {

@@ -78,6 +78,9 @@ class DeviceModel {
   virtual void make_computable(int shard, bool with_grads) = 0;
   // The shard is unpinned (pins(shard) counts what is left).
   virtual void after_release(int shard) {}
+  // Whether a pinned shard may be pinned again by another unit: a homed shard's state is always in place (an
+  // evaluation's unit may hold it too), and a shared frozen base's shard serves every task that uses it.
+  virtual bool may_pin_again(int shard) const { return homed(shard); }
   // Where bind() points one parameter: a flat weight buffer (and gradient buffer) and the parameter's offset.
   struct Place {
     at::Tensor weights, grads;

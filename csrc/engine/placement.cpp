@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <set>
 
 #include "engine/spilled_model.h"
 
@@ -53,7 +54,8 @@ int64_t cached_bytes(const ShardStore& store, const std::vector<int>& resident_s
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names,
-                                    const std::vector<int64_t>& graph_bytes, const std::vector<bool>& resident_ends) {
+                                    const std::vector<int64_t>& graph_bytes, const std::vector<bool>& resident_ends,
+                                    const std::vector<int>& bases) {
   TORCH_CHECK(!engines.empty(), "place_models: no devices");
   TORCH_CHECK(names.size() == stores.size(), "place_models: ", stores.size(), " stores but ", names.size(), " names");
   TORCH_CHECK(graph_bytes.empty() || graph_bytes.size() == stores.size(), "place_models: ", stores.size(),
@@ -61,11 +63,21 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
   for (const int64_t bytes : graph_bytes) TORCH_CHECK(bytes >= 0, "place_models: a graph of ", bytes, " bytes");
   TORCH_CHECK(resident_ends.empty() || resident_ends.size() == stores.size(), "place_models: ", stores.size(),
               " stores but ", resident_ends.size(), " resident_ends");
+  TORCH_CHECK(bases.empty() || bases.size() == stores.size(), "place_models: ", stores.size(), " stores but ",
+              bases.size(), " bases");
   const size_t n = stores.size();
-  std::vector<int64_t> resident(n), spilled(n), free;
+  std::vector<const ShardStore*> base(n);
+  for (size_t i = 0; i < n; ++i)
+    if (!bases.empty() && bases[i] >= 0) base[i] = &engines[0]->base_store(bases[i]);
+  auto base_id = [&](size_t i) { return bases.empty() ? -1 : bases[i]; };
+  std::vector<int64_t> resident(n), spilled(n), held(n), free;
+  std::vector<std::set<int>> kept(engines.size());  // per device: the bases a resident model keeps cached
   for (size_t i = 0; i < n; ++i) {
     resident[i] = DeviceEngine::resident_need(*stores[i]);
-    spilled[i] = DeviceEngine::spilled_need(*stores[i]);
+    spilled[i] = SpilledModel::spilled_need(*stores[i], {}, base[i]);
+    std::vector<int> every_shard(stores[i]->num_shards());
+    for (int s = 0; s < stores[i]->num_shards(); ++s) every_shard[s] = s;
+    held[i] = SpilledModel::spilled_need(*stores[i], every_shard, base[i]);  // resident, its base shards
   }
   for (const DeviceEngine* engine : engines) free.push_back(engine->free_bytes());
   std::vector<Placement> placed(n);
@@ -78,7 +90,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
       if (j == i || (j < i && placed[j].resident_device >= 0)) continue;
       alone = false;
       const std::vector<int> homed = j < i ? placed[j].resident_shards : std::vector<int>{};
-      may_spill = std::max(may_spill, j > i ? spilled[j] : SpilledModel::spilled_need(*stores[j], homed));
+      may_spill = std::max(may_spill, j > i ? spilled[j] : SpilledModel::spilled_need(*stores[j], homed, base[j]));
       others_cached += cached_bytes(*stores[j], homed);
     }
     const int device = static_cast<int>(std::max_element(free.begin(), free.end()) - free.begin());
@@ -86,19 +98,26 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
     p.model_ids.assign(engines.size(), -1);
     const int64_t graph = graph_bytes.empty() ? 0 : graph_bytes[i];
     try {
-      if (resident[i] + graph + may_spill <= free[device]) {
+      // A model of a frozen base is resident only where the whole base still fits cached beside it: the base's
+      // copies, once for every model that uses it, are worth more than the model's own (its adapters, say).
+      const int64_t base_cached = base[i] ? cached_bytes(*base[i], {}) : 0;
+      // The first resident model of a base on a device commits the base's cache there (DeviceEngine::add_model).
+      const bool base_kept = base[i] && kept[device].count(bases[i]);
+      if (resident[i] + graph + std::max(may_spill, held[i]) + base_cached <= free[device]) {
         // add_model's own check is implied: what it has reserved for earlier spilled models is within
         // may_spill, and what earlier resident models took is what `free` no longer counts.
-        p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident, i);
+        p.model_ids[device] =
+            engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident, i, {}, base_id(i));
         engines[device]->keep_outside_arena(graph);
         p.resident_device = p.home_device = device;
-        free[device] -= resident[i] + graph;
+        free[device] -= resident[i] + graph + (base[i] && !base_kept ? base_cached : 0);
+        if (base[i]) kept[device].insert(bases[i]);
         continue;
       }
       if (!resident_ends.empty() && resident_ends[i] && engines.size() == 1) {
         for (const std::vector<int>& shards : resident_end_choices(*stores[i])) {
           const int64_t homes = SpilledModel::homes_need(*stores[i], shards);
-          const int64_t own = SpilledModel::spilled_need(*stores[i], shards);
+          const int64_t own = SpilledModel::spilled_need(*stores[i], shards, base[i]);
           const int64_t working_set = std::max(may_spill, own);
           if (homes + working_set > free[device]) continue;
           // Homes take arena room that caches weights. Alone, the model's step boundary is exposed (nothing
@@ -106,10 +125,10 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
           // round, only where every spilled shard's weights stay cached beside them (measured:
           // bench_link_bound.py, four models at copy / forward 2 took 16% longer with one model's ends resident).
           const bool room_to_cache =
-              homes + working_set + others_cached + cached_bytes(*stores[i], shards) <= free[device];
+              homes + working_set + others_cached + base_cached + cached_bytes(*stores[i], shards) <= free[device];
           if (!alone && !room_to_cache) continue;
-          p.model_ids[device] =
-              engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled, static_cast<int>(i), shards);
+          p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled,
+                                                           static_cast<int>(i), shards, base_id(i));
           p.home_device = device;
           p.resident_shards = shards;
           free[device] -= homes;
@@ -118,7 +137,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
         if (p.home_device >= 0) continue;
       }
       for (size_t d = 0; d < engines.size(); ++d)
-        p.model_ids[d] = engines[d]->add_model(stores[i], DeviceEngine::Residency::kSpilled, i);
+        p.model_ids[d] = engines[d]->add_model(stores[i], DeviceEngine::Residency::kSpilled, i, {}, base_id(i));
     } catch (const c10::Error& error) {
       TORCH_CHECK(false, "task '", names[i], "': ", error.what_without_backtrace());
     }

@@ -18,6 +18,10 @@
 // while a model's step goes round) they are taken only where every spilled shard's weights still fit cached.
 // With several devices a spilled model runs on any of them, which resident shards would give up: there every
 // spilled model spills whole.
+//
+// `bases[i]` (empty: none) is the frozen base model i uses (DeviceEngine::add_base, the same id on every engine),
+// or -1: its units hold their base shards beside their own, which its working set counts, and it is resident
+// (or keeps resident ends) only where the whole base still fits cached beside it.
 #pragma once
 
 #include <memory>
@@ -44,7 +48,8 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names,
                                     const std::vector<int64_t>& graph_bytes = {},
-                                    const std::vector<bool>& resident_ends = {});
+                                    const std::vector<bool>& resident_ends = {},
+                                    const std::vector<int>& bases = {});
 
 // The shards `shards` names and every shard that shares a tied weight with one of them, sorted.
 std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> shards);

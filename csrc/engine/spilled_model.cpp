@@ -56,10 +56,15 @@ int64_t step_bytes(const ShardStore& store, int shard, int64_t grad_bytes) {
 }  // namespace
 
 SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store,
-                           std::vector<int> resident_shards)
-    : DeviceModel(engine, id, std::move(store)), resident_shards_(std::move(resident_shards)), homes_(engine) {
+                           std::vector<int> resident_shards, bool frozen_base)
+    : DeviceModel(engine, id, std::move(store)),
+      resident_shards_(std::move(resident_shards)),
+      frozen_base_(frozen_base),
+      homes_(engine) {
   const std::string error = resident_shards_error(this->store(), resident_shards_);
   TORCH_CHECK(error.empty(), error);
+  TORCH_CHECK(!frozen_base || (resident_shards_.empty() && this->store().total_trainable_numel() == 0),
+              "a frozen base has no trainable weights and no resident shards");
   for (int s : resident_shards_) homed_[s] = true;
 }
 
@@ -89,12 +94,16 @@ int64_t SpilledModel::homes_need(const ShardStore& store, const std::vector<int>
   return need;
 }
 
-int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<int>& resident_shards) {
-  int64_t largest = 0;
-  for (int s = 0; s < store.num_shards(); ++s)
-    if (std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end())
-      largest = std::max(largest, store.device_numel(s));
-  return largest == 0 ? 0 : 2 * largest * store.element_bytes() + 2 * 512;
+int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
+                                   const ShardStore* base) {
+  int64_t need = 0;
+  for (int s = 0; s < store.num_shards(); ++s) {
+    const bool spilled = std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end();
+    const int64_t own = spilled && store.device_numel(s) > 0 ? 2 * store.device_numel(s) * store.element_bytes() + 2 * 512 : 0;
+    const int64_t held = base && base->device_numel(s) > 0 ? base->device_numel(s) * base->element_bytes() + 512 : 0;
+    need = std::max(need, own + held);
+  }
+  return need;
 }
 
 bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
@@ -218,6 +227,7 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     }
     w.ready.order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
+    if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
     const at::Tensor grads = with_grads ? grad_view(shard) : at::Tensor();
     // Every parameter the shard uses is in its own copy, tied ones included.
@@ -229,6 +239,18 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     }
     throw;
   }
+}
+
+void SpilledModel::bind_frozen(int shard, const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(frozen_base_ && pinned(shard), "bind_frozen: shard ", shard, " of model ", id(),
+              " is not an acquired shard of a frozen base");
+  const std::vector<ParamEntry>& layout = store().layout(shard);
+  TORCH_CHECK(params.size() == layout.size(), "bind_frozen: ", params.size(), " parameters for the ", layout.size(),
+              " of shard ", shard);
+  const at::Tensor weights =
+      engine_.pool_.view(weights_[shard].weights, store().compute_dtype(), store().device_numel(shard));
+  for (size_t i = 0; i < layout.size(); ++i)
+    params[i].set_data(weights.narrow(0, layout[i].device_offset, layout[i].numel).view(params[i].sizes()));
 }
 
 void SpilledModel::allocate_grads(int shard) {

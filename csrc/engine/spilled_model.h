@@ -22,18 +22,33 @@ namespace hydra::engine {
 class SpilledModel final : public DeviceModel {
  public:
   // `resident_shards`: the shards whose state lives on the device (ShardHomes), closed under ties
-  // (resident_shards_error).
-  SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store, std::vector<int> resident_shards = {});
+  // (resident_shards_error). `frozen_base`: the model is the frozen weights several tasks share
+  // (DeviceEngine::add_base): it has no parameters of its own to bind, its shards are bound to each user's
+  // parameters in turn (bind_frozen), and units of several users may hold one of them at once.
+  SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store, std::vector<int> resident_shards = {},
+               bool frozen_base = false);
   // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or a tied
   // weight with users on both sides), or empty when they can.
   static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
   // What the resident shards' homes take of the budget.
   static int64_t homes_need(const ShardStore& store, const std::vector<int>& shards);
-  // The working set of the spilled shards: the largest one's weights and gradients, aligned.
-  static int64_t spilled_need(const ShardStore& store, const std::vector<int>& resident_shards);
+  // The working set of the spilled shards: the largest one's weights and gradients, aligned. With the frozen
+  // `base` the model uses (DeviceEngine::add_base), a unit holds its base shard beside its own: the most a
+  // shard needs of both (a resident shard's unit holds its base shard alone).
+  static int64_t spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
+                              const ShardStore* base = nullptr);
 
   bool resident() const override { return false; }
   bool homed(int shard) const override;
+  bool frozen_base() const { return frozen_base_; }
+  // A frozen base that a resident model uses: its shards, once copied in, are never evicted (DeviceEngine::allocate
+  // passes them over). The resident model's kept autograd graphs hold tensors saved from their copies (a
+  // transposed weight, say) from its forward until its backward, which must still find them there.
+  void keep_cached() { kept_ = true; }
+  bool kept_cached() const { return kept_; }
+  // A frozen base's acquired shard: points `params` (one per entry of its layout, a user's own parameters)
+  // at its weights on the device.
+  void bind_frozen(int shard, const std::vector<at::Tensor>& params);
   const std::vector<int>& resident_shards() const { return resident_shards_; }
   void upload() override;
   void copy_home() override;
@@ -61,6 +76,7 @@ class SpilledModel final : public DeviceModel {
  protected:
   void make_computable(int shard, bool with_grads) override;
   void after_release(int shard) override;
+  bool may_pin_again(int shard) const override { return frozen_base_ || homed(shard); }
 
  private:
   struct Weights {
@@ -83,6 +99,8 @@ class SpilledModel final : public DeviceModel {
   std::shared_ptr<ClipNorm> clip_and_step_here(double max_norm, double lr_scale);
   std::vector<Weights> weights_ = std::vector<Weights>(store().num_shards());
   std::vector<int> resident_shards_;
+  const bool frozen_base_;
+  bool kept_ = false;
   std::vector<bool> homed_ = std::vector<bool>(store().num_shards());
   ShardHomes homes_;
 };

@@ -2,7 +2,7 @@
 
     python -m hydra_torch.demo                      # small defaults: a few minutes on 2 CPU cores
     python -m hydra_torch.demo --arch qwen3         # the same with another family (llama, mistral, gemma2, ...)
-    python -m hydra_torch.demo --arch llama --lora-ranks 4 16   # LoRA ranks x learning rates on one base (needs peft)
+    python -m hydra_torch.demo --arch llama --lora-ranks 4 16   # LoRA ranks x learning rates on one shared base (peft)
     python -m hydra_torch.demo --halving 20         # stop the worse configurations early (successive halving)
     python -m hydra_torch.demo --search 12          # an Optuna search over width and learning rate instead
     python -m hydra_torch.demo --width 1600 --layers 48 --heads 25 --seq 1024 --batch 8 \\
@@ -32,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-ranks", type=int, nargs="+", metavar="R",
                    help="compare LoRA adapters of these ranks (x --lrs) on one base of --width instead of widths "
                         "(needs peft)")
+    p.add_argument("--separate-bases", action="store_true",
+                   help="with --lora-ranks: give each configuration its own copy of the base instead of sharing one "
+                        "(ht.FrozenBase), to compare")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="learning rates to compare")
     p.add_argument("--widths", type=int, nargs="+", default=[96, 128], help="embedding widths to compare")
     p.add_argument("--width", type=int, help="one width (overrides --widths)")
@@ -144,11 +147,15 @@ def main(argv=None):
 
     eval_every = max(1, args.steps // 5)
 
+    # The LoRA configurations' frozen base, held once on the host and copied once to a device for all of them.
+    base = ht.FrozenBase(args.arch) if args.lora_ranks and not args.separate_bases else None
+
     def task_for(width, lr, seed, name, rank=None):
         model = (make_model(width, args, vocab_size, seed=seed) if rank is None else
                  make_lora(rank, args.seed, args, vocab_size, seed=seed))
         return ht.ModelTask(model, data=train_data, eval_data=valid_data, eval_every=eval_every,
-                            optimizer=ht.optim.AdamW(lr=lr), name=name, precision=args.precision)
+                            optimizer=ht.optim.AdamW(lr=lr), name=name, precision=args.precision,
+                            base=base if rank is not None else None)
 
     devices = args.devices.split(",") if args.devices else default_devices()
     if args.search:
@@ -194,6 +201,9 @@ def main(argv=None):
     utilisation = ", ".join(f"{d} {100 * u:.0f}%" for d, u in results.utilisation().items())
     print(f"all configurations: {total / results.wall_time:.0f} tokens/s over {results.wall_time:.1f} s; "
           f"devices busy: {utilisation}")
+    for name, held in results.bases.items():
+        print(f"shared base {name!r}: {held['host_bytes'] / 1e6:.1f} MB on the host for {len(held['tasks'])} "
+              f"configurations, {held['copied_bytes'] / 1e6:.1f} MB copied to the devices")
     if args.chart:
         results.plot_schedule(args.chart)
         print(f"schedule chart: {args.chart}")

@@ -119,11 +119,12 @@ def host_state_bytes(task) -> int:
     with clipping in bf16. A shard owning a parameter that another shard uses (a tied embedding) sums both
     shards' gradients: in bf16 with one micro-batch a step and no clipping, the borrower's waits as it landed
     where every parameter has at most one borrower, else in an fp32 accumulator. A tied parameter counts once. A
-    frozen parameter (requires_grad=False: a LoRA model's base) holds its master (and bf16 shadow) alone."""
+    frozen parameter (requires_grad=False: a LoRA model's base) holds its master (and bf16 shadow) alone; one its
+    FrozenBase holds is counted once for all its tasks, by base_bytes."""
     owner, numel, tied_owners, trainable = {}, {}, set(), set()
     borrowers = collections.Counter()
     for s, shard in enumerate(task.shard_params):
-        for p in {id(p): p for p in shard}.values():
+        for p in {id(p): p for p in shard if id(p) not in task.base_weights}.values():
             owner.setdefault(id(p), s)
             numel[id(p)] = p.numel()
             if p.requires_grad:
@@ -145,9 +146,24 @@ def host_state_bytes(task) -> int:
                for key, n in numel.items())
 
 
-def check_host_memory(tasks) -> None:
-    """Refuses, before anything is allocated, tasks whose host state together exceeds what the host has."""
+def base_bytes(task) -> int:
+    """What the task's FrozenBase holds on the host, once for all its tasks: each weight's fp32 master, and
+    its bf16 shadow in bf16 (a tied weight once)."""
+    numel = {key: p.numel() for shard in task.shard_params for p in shard if (key := id(p)) in task.base_weights}
+    return sum(numel.values()) * (6 if task.precision == "bf16" else 4)
+
+
+def _one_per_base(tasks, held) -> list:
+    """A task of each base the tasks share that is not among `held` (the bases a running call holds already)."""
+    held = {id(base) for base in held}
+    return list({id(task.base): task for task in tasks if task.base is not None and id(task.base) not in held}.values())
+
+
+def check_host_memory(tasks, bases_held=()) -> None:
+    """Refuses, before anything is allocated, tasks whose host state together exceeds what the host has; the
+    FrozenBases in `bases_held` are held already."""
     need = sum(host_state_bytes(task) for task in tasks)
+    need += sum(base_bytes(task) for task in _one_per_base(tasks, bases_held))
     available = available_host_bytes()
     if need > available:
         raise MemoryError(f"the tasks' host training state needs {format_bytes(need)} (fp32 masters, optimizer "

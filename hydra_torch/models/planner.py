@@ -152,6 +152,19 @@ def apply_plan(task, plan_: Plan) -> None:
     task.graph_bytes = sum(plan_.piece_activation_bytes)
 
 
+def cut_like(task, other) -> None:
+    """Re-cuts `task` (not yet training) where `other`, a model of the same layers, is cut: the tasks of a
+    FrozenBase are cut alike. What the planner measured of `task` stays."""
+    if len(task.pieces) != len(other.pieces):
+        raise ValueError(f"tasks {other.name!r} and {task.name!r} share {other.base!r} but have {len(other.pieces)} "
+                         f"and {len(task.pieces)} layers")
+    starts = [0]
+    for group in other.modules[:-1]:
+        starts.append(starts[-1] + len(group))
+    task.modules = sharding.split(task.pieces, starts)
+    task.shard_params = sharding.shard_parameters(task.modules)
+
+
 def plan_for_devices(tasks, devices, budgets, reserve_bytes: int = 0) -> None:
     """Cuts the tasks whose shards are left to the planner (`auto_shards`) for the smallest budget among the
     devices (a spilled model may run on any of them). Every device's arena leaves out the largest working set
@@ -165,6 +178,13 @@ def plan_for_devices(tasks, devices, budgets, reserve_bytes: int = 0) -> None:
     reserve = max([reserve_bytes] + [m.reserve_bytes for m in measured])
     for task, m in zip(planned, measured):
         apply_plan(task, cut(task, m, budgets[smallest], reserve_bytes=reserve))
+    # The tasks of a FrozenBase are cut alike (its shards are theirs): those left to the planner as its first is.
+    first = {}
+    for task in tasks:
+        if task.base is not None:
+            reference = first.setdefault(id(task.base), task)
+            if task is not reference and task.auto_shards:
+                cut_like(task, reference)
 
 
 def piece_weight_bytes(piece: torch.nn.Module, bf16: bool) -> int:

@@ -109,6 +109,9 @@ class Results:
     interrupted: str | None = None  # the signal that stopped every task at a step boundary ("Ctrl-C", "SIGTERM")
     models: dict = field(default_factory=dict)  # on a cluster: name -> the driver's model, holding the trained weights
     checkpoint_failures: int = 0  # checkpoints that could not be written (a full disk, say); training went on
+    # FrozenBase name -> {"tasks": its tasks' names, "host_bytes": what it holds once for all of them,
+    # "copied_bytes": what was copied of it to the devices}
+    bases: dict = field(default_factory=dict)
 
     def __iter__(self):
         return iter(self.tasks)

@@ -7,17 +7,19 @@ import warnings
 from hydra_torch._loader import native as _C
 from hydra_torch.report.errors import detached
 from hydra_torch.report.results import TaskResult
+from hydra_torch.run import bases
 
 
 def make_store(runner, pin: bool):
     """The task's host training state (fp32 master, optimizer state), with its parameter groups' options."""
     task = runner.task
-    store = _C.ShardStore(task.shard_params, task.optimizer.spec(), task.precision == "bf16", pin)
+    store = _C.ShardStore(bases.own_params(task), task.optimizer.spec(), task.precision == "bf16", pin)
     if pin and not store.pinned:
         warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
                       "synchronous and slower", RuntimeWarning, stacklevel=4)
     for param, lr, weight_decay in task.param_options.values():
-        store.set_param_options(param, lr, weight_decay)
+        if id(param) not in task.base_weights:  # a base's weights are frozen: no group applies to them
+            store.set_param_options(param, lr, weight_decay)
     runner.store = store
     return store
 
@@ -33,11 +35,14 @@ def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, pl
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
     there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it). With
     `placement="auto"` on one device a spilled task keeps its first and last shards resident where they fit
-    (engine/placement.h). The engines' budgets are memory_budget less `kept_outside`, which a refusal says."""
+    (engine/placement.h). The engines' budgets are memory_budget less `kept_outside`, which a refusal says.
+    The frozen bases the tasks share (ht.FrozenBase) are held and registered first (hydra_torch.run.bases)."""
+    held = bases.hold(runners, engines, pin)
     stores = [make_store(runner, pin) for runner in runners]
     try:
         placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
-                                 [placement == "auto" and may_keep_ends(runner.task) for runner in runners])
+                                 [placement == "auto" and may_keep_ends(runner.task) for runner in runners],
+                                 [runner.base.group if runner.base is not None else -1 for runner in runners])
     except RuntimeError as error:
         kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
                 f"set and one micro-batch's saved inputs)" if kept_outside else "")
@@ -49,6 +54,9 @@ def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, pl
             runner.home = home if len(engines) > 1 else None
         if device >= 0:
             runner.keep_graphs = runner.resident = True
+    for base in held:
+        for runner in base.members:
+            base.attach(runner, engines)
 
 
 def home_slot(runner) -> int:
@@ -60,6 +68,8 @@ def bring_home(runner, engines, checkpoints=None):
     """After the task's last unit, all devices idle: waits for its host jobs, writes the weights back into
     its model (also when a job failed: the error goes into runner.error) and writes its final checkpoint."""
     if not runner.model_ids:  # no engine holds it: a re-plan failed after its weights came home
+        if runner.base is not None:
+            runner.base.point_home(runner)
         runner.restore_buffers()
         return
     home = home_slot(runner)
@@ -77,6 +87,8 @@ def bring_home(runner, engines, checkpoints=None):
         engines[home].finish(runner.model_ids[home])  # writes the weights back even when it raises
     except Exception as error:
         runner.error = runner.error or error
+    if runner.base is not None:
+        runner.base.point_home(runner)
     runner.restore_buffers()
     if checkpoints is not None and runner.error is None and runner.at_step_boundary():
         checkpoints.submit(runner, final=True)

@@ -50,6 +50,8 @@ def _replan(slot, unit, runner) -> str | None:
     groups = runner.task.modules if runner.resident else sharding.halved(runner.task.modules)
     if groups is None:
         return "every shard is a single layer already"
+    if groups is not runner.task.modules and runner.base is not None:
+        return f"it shares {runner.task.base!r}, which is cut as its other tasks are"
     if groups is not runner.task.modules:
         try:  # the new plan's state is made beside the old one's, which is freed once it has been copied
             memory.check_host_memory([runner.task])
@@ -103,8 +105,17 @@ def _move(slot, runner, groups) -> str | None:
         _carry_state(old, store)
         del old
     ids = {}
-    errors = on_devices(slots, lambda s: ids.__setitem__(
-        s.index, s.engine.add_model(store, allow_resident=False, task=runner.index)), own=slot)
+    def add(s):
+        model = s.engine.add_model(store, allow_resident=False, task=runner.index,
+                                   base=runner.base.ids[s.index] if runner.base is not None else -1)
+        if runner.base is not None:
+            try:
+                runner.base.attach_model(runner, s.engine, s.index, model)
+            except Exception:
+                s.engine.release_model(model)
+                raise
+        ids[s.index] = model
+    errors = on_devices(slots, add, own=slot)
     if not ids:
         return f"no device can take it in {runner.n} shards: {errors[0]}"
     # Some devices' arenas are taken (by resident tasks, say), or their workers have ended: it trains on one

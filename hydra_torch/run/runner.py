@@ -42,6 +42,7 @@ class TaskRunner:
         self.compute_dtype = task.compute_dtype
         self.model_ids: dict[int, int] = {}   # device slot -> the task's id in that device's engine
         self.store = None                     # its _C.ShardStore, once placed
+        self.base = None                      # the HeldBase holding its frozen base weights (run/bases.py), if any
         self.resident = False                 # its whole training state lives on one device
         self.resident_shards: list[int] = []  # the shards whose whole state lives there (a spilled task's ends)
         self.result = None                    # its TaskResult, once it has left the run
@@ -99,9 +100,10 @@ class TaskRunner:
 
     def scheduler_spec(self, shard_costs) -> tuple:
         """What the scheduler plans the rest of the task from: (shards, micro-batches, device, shard costs,
-        micro-batches after which an evaluation pass runs, batches per pass)."""
+        micro-batches after which an evaluation pass runs, batches per pass, the frozen base it shares or -1)."""
+        base = self.base.group if self.base is not None else -1
         if self.stopped:  # by a selection rule, in an earlier run or as this one resumed it
-            return self.n, 0, self.home, shard_costs, [], 0
+            return self.n, 0, self.home, shard_costs, [], 0, base
         evaluated = {step for step, _ in self.eval_losses}
         pending = [k for k in self.eval_at if k > self.steps or (k == self.steps and k not in evaluated)]
         cumulative = [0]
@@ -109,7 +111,7 @@ class TaskRunner:
             cumulative.append(cumulative[-1] + size)
         after = [cumulative[k] - cumulative[self.steps] for k in pending]
         batches = len(self.task.eval_data) if after else 0
-        return self.n, self.micro_batches, self.home, shard_costs, after, batches
+        return self.n, self.micro_batches, self.home, shard_costs, after, batches, base
 
     @property
     def rng(self) -> TaskRng:

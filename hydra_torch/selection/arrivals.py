@@ -95,7 +95,7 @@ class OpenRun:
 
     def add(self, task):
         from hydra_torch.models import memory, planner, sharding
-        from hydra_torch.run import lifecycle
+        from hydra_torch.run import bases, lifecycle
         from hydra_torch.run.runner import TaskRunner
         from hydra_torch.task import ModelTask, check_own_models
 
@@ -107,7 +107,8 @@ class OpenRun:
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             task.check_unchanged()
-            memory.check_host_memory([task])
+            held = bases.held_for(self.runners, task) if task.base is not None else None
+            memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
             planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
             need, kept = (task.working_set_bytes, task.boundary_bytes), self.kept_outside
             if need[0] > kept[0] or need[1] > kept[1]:
@@ -120,17 +121,38 @@ class OpenRun:
             task.stopped_on_request = False
             task.ended.clear()
             runner = TaskRunner(task, len(self.runners), self.start_rng)
-            if self.selection is not None:  # may refuse the task (no eval_data, say): before any engine holds it
-                self.selection.arrive(runner)
+            joined = held is not None
+            if joined:  # checked against it (and cut as its tasks are) before any engine holds the task
+                held.admit(runner)
+            try:
+                if self.selection is not None:  # may refuse the task (no eval_data, say): before any engine holds it
+                    self.selection.arrive(runner)
+            except Exception:
+                if joined:
+                    held.members.remove(runner)
+                raise
+            if task.base is not None and not joined:  # the run's first task of this base
+                held = bases.HeldBase(task.base, [runner], self.pin)
+                self._on_every_device(lambda slot: held.ids.__setitem__(slot.index, slot.engine.add_base(held.store)))
             store = lifecycle.make_store(runner, self.pin)
-            errors = self._on_every_device(lambda slot: runner.model_ids.__setitem__(
-                slot.index, slot.engine.add_model(store, allow_resident=False, task=runner.index)))
+
+            def add(slot):
+                model = slot.engine.add_model(store, allow_resident=False, task=runner.index,
+                                              base=held.ids[slot.index] if held is not None else -1)
+                runner.model_ids[slot.index] = model
+                if held is not None:
+                    held.attach_model(runner, slot.engine, slot.index, model)
+            errors = self._on_every_device(add)
             if errors or self._workers_gone.is_set():
                 self._on_every_device(lambda slot: slot.index in runner.model_ids
                                       and slot.engine.release_model(runner.model_ids[slot.index]))
+                if joined:
+                    held.members.remove(runner)
                 if not errors:
                     raise RunClosedError("the run ended while the task was joining it")
                 raise ValueError(f"task {task.name!r} cannot join the run: {errors[0]}")
+            if held is not None:
+                held.point_home(runner)
             self.runners.append(runner)
             self.scheduler.add_task(runner.scheduler_spec(sharding.shard_costs(task.modules)))
             return runner
@@ -180,6 +202,8 @@ class OpenRun:
                 gone()
 
         def gone():
+            if runner.base is not None:
+                runner.base.point_home(runner)
             runner.restore_buffers()
             with self.trace_lock:
                 trace = list(self.trace)

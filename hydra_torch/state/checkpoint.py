@@ -102,8 +102,14 @@ def _schedule_record(task) -> dict:
 
 
 def _parameters(task) -> dict[str, nn.Parameter]:
+    """What a checkpoint holds a state of: the task's own parameters, not those its FrozenBase holds (frozen, they
+    are the pretrained weights the resumed tasks are built from again)."""
     names, _ = named_parameters(task)
-    return {names[id(p)]: p for group in task.shard_params for p in group}
+    return {names[id(p)]: p for group in task.shard_params for p in group if id(p) not in task.base_weights}
+
+
+def _base_name(task) -> str | None:
+    return task.base.name if task.base is not None else None
 
 
 def _check_fits(manifest: dict, task, where: str):
@@ -111,6 +117,13 @@ def _check_fits(manifest: dict, task, where: str):
     the task now takes."""
     if manifest["task"] != task.name:
         raise ValueError(f"{where} holds the checkpoint of task {manifest['task']!r}, not of task {task.name!r}")
+    if manifest.get("base") != _base_name(task):
+        recorded, now = manifest.get("base"), _base_name(task)
+        raise ValueError(f"{where} was written " + (f"sharing the frozen base {recorded!r}" if recorded else
+                         "without a shared base") + ", and the task now " +
+                         (f"shares {now!r}" if now else "shares none") +
+                         ": resume it as it was built (base=ht.FrozenBase(name=...) with the same name), or use "
+                         "another checkpoint_dir")
     shapes = {name: list(p.shape) for name, p in _parameters(task).items()}
     theirs = {name: entry["shape"] for name, entry in manifest["params"].items()}
     if theirs != shapes:
@@ -244,7 +257,7 @@ def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
     manifest = {"format": FORMAT, "task": task.name, "steps": runner.steps, "epochs_done": runner.epochs_done,
                 "losses": list(runner.losses), "eval_losses": [list(e) for e in runner.eval_losses],
                 "stopped": runner.stopped, "rung_reports": [list(r) for r in runner.rung_reports], "params": params,
-                "ties": ties, "optimizer": _optimizer_record(task), **_schedule_record(task),
+                "ties": ties, "base": _base_name(task), "optimizer": _optimizer_record(task), **_schedule_record(task),
                 "precision": task.precision, "data_length": len(task.data), "accumulate": task.accumulate,
                 "time": time.time()}
     return tensors, manifest

@@ -54,6 +54,7 @@ _OPTIONAL = {
     "rung_reports": ("a list of [rung, metric] pairs", _pairs),
     "lr_schedule": ("null or a str", lambda v: v is None or isinstance(v, str)),
     "warmup_steps": ("an int >= 0", _count),
+    "base": ("null or a str", lambda v: v is None or isinstance(v, str)),  # the FrozenBase's name
 }
 
 

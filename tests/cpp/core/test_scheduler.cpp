@@ -216,6 +216,50 @@ TEST(Policy, LrtfPrefersTheResidentTaskOnlyWithinOnePercent) {
   EXPECT_EQ(tie[policy.choose(0, tie)].task, 1);
 }
 
+TEST(Policy, LrtfRunsATaskReadingTheCachedBaseShardWithinFivePercentFirst) {
+  const Policy policy(PolicyKind::kLrtf, 4, 1, 0);
+  // The base's reader wins over the best, and over the task that ran here last, within 5%.
+  const std::vector<Candidate> near = {
+      {0, 100.0, 0, true, false}, {1, 96.0, 0, false, true}, {2, 97.0, 0, false, true}, {3, 99.9, 0, false, false}};
+  EXPECT_EQ(near[policy.choose(0, near)].task, 2);
+  const std::vector<Candidate> far = {{0, 100.0, 0, false, false}, {1, 94.0, 0, false, true}};
+  EXPECT_EQ(far[policy.choose(0, far)].task, 0);
+  const Policy fifo(PolicyKind::kFifo, 2, 1, 0);  // only LRTF knows it
+  const std::vector<Candidate> ready = {{0, 100.0, 0, false, false}, {1, 100.0, 1, false, true}};
+  EXPECT_EQ(ready[fifo.choose(0, ready)].task, 0);
+}
+
+TEST(Scheduler, TasksOfABaseRunAShardBackToBack) {
+  // Task 0 costs 5% more a unit: LRTF alone would run its next shard after its first; with a base, the
+  // other tasks' first shard (the base shard just used) goes first, and the plan forecasts the same.
+  for (const int base : {-1, 0}) {
+    std::vector<TaskSpec> specs;
+    for (int t = 0; t < 3; ++t) {
+      TaskSpec s{2, 10, std::nullopt, {t == 0 ? 1.05 : 1.0, t == 0 ? 1.05 : 1.0}};
+      s.base = base;
+      specs.push_back(s);
+    }
+    Scheduler scheduler(specs, 1, PolicyKind::kLrtf);
+    const auto first = scheduler.next(0);
+    ASSERT_TRUE(first);
+    EXPECT_EQ(first->task, 0);
+    const std::vector<Unit> plan = scheduler.plan(0, 2);  // what follows the running unit
+    scheduler.complete(0, *first, std::nullopt);
+    const auto second = scheduler.next(0);
+    ASSERT_TRUE(second && plan.size() == 2);
+    EXPECT_EQ(plan[0], *second);
+    if (base < 0) {
+      EXPECT_EQ(second->task, 0);
+      EXPECT_EQ(second->shard, 1);
+    } else {
+      EXPECT_EQ(second->task, 1);
+      EXPECT_EQ(second->shard, 0);
+      EXPECT_EQ(plan[1].task, 2);
+      EXPECT_EQ(plan[1].shard, 0);
+    }
+  }
+}
+
 TEST(Policy, FifoTakesTheEarliestReadyThenTheResidentTask) {
   const Policy policy(PolicyKind::kFifo, 3, 1, 0);
   const std::vector<Candidate> waiting = {{0, 9.0, 5, true}, {1, 1.0, 2, false}, {2, 1.0, 3, false}};

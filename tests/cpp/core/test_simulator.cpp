@@ -99,6 +99,40 @@ TEST(Simulator, DoubleBufferingHidesTransfersBehindTheDevicesPreviousUnit) {
   EXPECT_DOUBLE_EQ(simulate(config).exposed_transfer_seconds, 1.5 + 0.5 + 0.5 + 0.0 + 0.5 + 0.5);
 }
 
+TEST(Simulator, TasksOfABaseCopyItsShardsOnceForAShardRunBackToBack) {
+  // Eight tasks of four shards, each shard's base weights 10x its own; copies along the plan. Shared, LRTF runs
+  // the tasks a shard back to back and the device copies each base shard once for all of them; separate, every
+  // visit copies its own.
+  for (const bool shared : {false, true}) {
+    SimulationConfig config;
+    for (int t = 0; t < 8; ++t) {
+      TaskSpec spec{4, 2, std::nullopt};
+      spec.base = shared ? 0 : -1;
+      config.tasks.push_back(spec);
+    }
+    config.compute = [](int, int, Phase) { return 1.0; };
+    config.prefetch = Prefetch::kAlongPlan;
+    if (shared) {
+      config.transfer = [](int, int, Phase) { return 0.1; };
+      config.base_transfer = [](int, int, Phase) { return 1.0; };
+    } else {
+      config.transfer = [](int, int, Phase) { return 1.1; };
+    }
+    const SimulationResult result = simulate(config);
+    expect_valid_trace(config, result);
+    const double visits = 8 * 2 * 7;  // units; back-to-back visits of one shard copy nothing either way
+    if (shared) {
+      EXPECT_GT(result.base_transfer_seconds, 0.0);
+      EXPECT_LE(result.base_transfer_seconds, 1.2 / 8 * visits) << "base shards copied once a shard run";
+      EXPECT_LE(result.makespan, visits * 1.0 * 1.05) << "compute-bound";
+    } else {
+      EXPECT_EQ(result.base_transfer_seconds, 0.0);
+      EXPECT_GE(result.transfer_seconds, 1.1 * visits * 0.9);
+      EXPECT_GE(result.makespan, 1.1 * visits * 0.9) << "copy-bound";
+    }
+  }
+}
+
 TEST(Simulator, RestrictedTasksStayOnTheirDevice) {
   SimulationConfig config = toy(Mode::kSharp);
   config.tasks[0].device = 1;
