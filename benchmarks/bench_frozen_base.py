@@ -106,7 +106,8 @@ def main():
         shared, unshared = med[True], med[False]
         own = shared["copied"] - shared["base_copied"]  # the tasks' own weights, the same either way
         base_unshared = unshared["copied"] - own
-        print(f"| {budget / 1e6:.1f} MB | {k} | {shared['copied'] / steps / 1e6:.2f} MB | {unshared['copied'] / steps / 1e6:.2f} MB | "
+        print(f"| {budget / 1e6:.1f} MB | {k} | {shared['copied'] / steps / 1e6:.2f} MB | "
+              f"{unshared['copied'] / steps / 1e6:.2f} MB | "
               f"{shared['base_copied'] / base_unshared:.3f} | {1.2 / k:.3f} | "
               f"{(shared['tokens'] / shared['wall']) / (unshared['tokens'] / unshared['wall']):.2f} |")
 

@@ -11,6 +11,6 @@ from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError
 from hydra_torch.selection.rules import SuccessiveHalving
 from hydra_torch.task import ModelTask
 
-__all__ = ["ModelTask", "FrozenBase", "train", "plan", "Plan", "optim", "ops", "Results", "TaskResult", "NonFiniteLossError",
-           "NonFiniteGradNormError", "SuccessiveHalving"]
+__all__ = ["ModelTask", "FrozenBase", "train", "plan", "Plan", "optim", "ops", "Results", "TaskResult",
+           "NonFiniteLossError", "NonFiniteGradNormError", "SuccessiveHalving"]
 __version__ = "0.1.0"

@@ -100,8 +100,8 @@ std::optional<Unit> Scheduler::take_locked(int device) {
       if (pass == 0 && reserved_elsewhere(t, device)) continue;
       if (pass < 2 && task.held) continue;
       const double remaining = needs_estimates ? cost_model_.remaining_seconds(t, task.next_index) : 0.0;
-      candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device,
-                                      reads_base_shard(t, task.next_index, last_base_shard_[static_cast<size_t>(device)])});
+      const bool reads_base = reads_base_shard(t, task.next_index, last_base_shard_[static_cast<size_t>(device)]);
+      candidates_.push_back(Candidate{t, remaining, task.ready_sequence, task.last_device == device, reads_base});
     }
     if (!candidates_.empty()) break;
   }

@@ -230,7 +230,7 @@ class DeviceEngine {
   std::unordered_map<int, int> task_models_;  // scheduler task id -> model id
   std::unordered_map<int, BaseUse> base_uses_;  // model id -> the frozen base it uses
   int64_t resident_committed_ = 0;  // the resident models' whole state, and spilled models' resident shards'
-  int64_t spilled_reserve_ = 0;     // the largest working set of a unit (a spilled shard's weights and gradients, its base shard)
+  int64_t spilled_reserve_ = 0;     // a unit's largest working set: a spilled shard's weights, gradients, base shard
   int64_t grad_headroom_ = 0;       // the largest gradient region of a spilled model
   bool arrivals_ = false;           // see expect_arrivals()
   bool uploads_pending_ = false;    // a resident model is not on the device yet (start() uploads it)

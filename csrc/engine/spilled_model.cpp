@@ -99,8 +99,10 @@ int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<in
   int64_t need = 0;
   for (int s = 0; s < store.num_shards(); ++s) {
     const bool spilled = std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end();
-    const int64_t own = spilled && store.device_numel(s) > 0 ? 2 * store.device_numel(s) * store.element_bytes() + 2 * 512 : 0;
-    const int64_t held = base && base->device_numel(s) > 0 ? base->device_numel(s) * base->element_bytes() + 512 : 0;
+    const int64_t numel = spilled ? store.device_numel(s) : 0;
+    const int64_t own = numel > 0 ? 2 * numel * store.element_bytes() + 2 * 512 : 0;  // weights and gradients
+    const int64_t base_numel = base ? base->device_numel(s) : 0;
+    const int64_t held = base_numel > 0 ? base_numel * base->element_bytes() + 512 : 0;  // the base's weights
     need = std::max(need, own + held);
   }
   return need;
