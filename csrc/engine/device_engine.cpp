@@ -58,12 +58,6 @@ int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
 
 int64_t DeviceEngine::spilled_need(const ShardStore& store) { return SpilledModel::spilled_need(store, {}); }
 
-int64_t DeviceEngine::cached_bytes(const ShardStore& store) {
-  int64_t bytes = 0;
-  for (int s = 0; s < store.num_shards(); ++s) bytes += store.device_numel(s) * store.element_bytes() + 512;
-  return bytes;
-}
-
 int64_t DeviceEngine::resident_need(const ShardStore& store) {
   int64_t need = 0;
   for (int s = 0; s < store.num_shards(); ++s) need += ShardHomes::need(store, s);
@@ -88,9 +82,7 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   const int64_t spilled = SpilledModel::spilled_need(*store, resident_shards, base_of);
   const int64_t reserve = std::max(spilled_reserve_, spilled);
   // Resident, its units still hold their base shards.
-  std::vector<int> every_shard(store->num_shards());
-  for (int s = 0; s < store->num_shards(); ++s) every_shard[s] = s;
-  const int64_t resident_reserve = std::max(spilled_reserve_, SpilledModel::spilled_need(*store, every_shard, base_of));
+  const int64_t resident_reserve = std::max(spilled_reserve_, SpilledModel::base_shard_need(base_of));
   // Once training has started the arena is sized: a model arriving then is spilled, within the arena.
   const bool arriving = pool_.started();
   const int64_t room = arriving ? pool_.capacity() : pool_.budget();
@@ -101,7 +93,7 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
               " but only ", room - resident_committed_, " of the ", arriving ? "device's arena's " : "budget's ", room,
               " bytes are left; raise memory_budget or cut the model into smaller shards");
   // Resident beside a base, the base's shards stay cached for good (SpilledModel::keep_cached): committed too.
-  const int64_t kept_base = base_of && !this->spilled(base)->kept_cached() ? cached_bytes(*base_of) : 0;
+  const int64_t kept_base = base_of && !this->spilled(base)->kept_cached() ? SpilledModel::cached_need(*base_of) : 0;
   const bool fits = !arriving && resident_committed_ + resident_reserve + resident + kept_base <= pool_.budget();
   TORCH_CHECK(residency != Residency::kResident || fits, "add_model: the whole training state needs ", resident,
               " bytes beside ", resident_committed_ + resident_reserve, " already promised, but the budget is ",
@@ -140,8 +132,7 @@ void DeviceEngine::size_arena() {
     const SpilledModel& spilled = static_cast<const SpilledModel&>(*m);
     // A base's working set is in its users' (add_model's `base`).
     if (!spilled.frozen_base()) demand += SpilledModel::spilled_need(store, spilled.resident_shards());
-    for (int s = 0; s < store.num_shards(); ++s)
-      if (!m->homed(s)) demand += store.device_numel(s) * store.element_bytes() + 512;  // as cached_bytes
+    demand += SpilledModel::cached_need(store, spilled.resident_shards());
   }
   pool_.set_demand(arrivals_ ? pool_.budget() : std::min(demand, pool_.budget()));
 }
@@ -405,7 +396,7 @@ void DeviceEngine::release_model(int model) {
   m.free_device_memory(compute_point());
   resident_committed_ -= m.committed_bytes();
   if (const SpilledModel* base = spilled(model); base && base->kept_cached())
-    resident_committed_ -= cached_bytes(m.store());  // a base a resident model kept cached
+    resident_committed_ -= SpilledModel::cached_need(m.store());  // a base a resident model kept cached
   m.drop_store();
   std::erase_if(task_models_, [model](const auto& entry) { return entry.second == model; });
   base_uses_.erase(model);

@@ -125,8 +125,6 @@ class DeviceEngine {
   static int64_t resident_bytes(const ShardStore& store);
   // What add_model checks against the budget: the above plus the arena's alignment of each region.
   static int64_t spilled_need(const ShardStore& store);
-  // Arena bytes that cache every shard of the model's weights at once (each region aligned).
-  static int64_t cached_bytes(const ShardStore& store);
   static int64_t resident_need(const ShardStore& store);
 
   // The shard visits expected next on this device, in order, replacing the previous plan; eviction looks

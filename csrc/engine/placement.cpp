@@ -40,15 +40,6 @@ std::vector<std::vector<int>> resident_end_choices(const ShardStore& store) {
   return choices;
 }
 
-// Bytes of the arena that cache every spilled shard's weights of the model at once.
-int64_t cached_bytes(const ShardStore& store, const std::vector<int>& resident_shards) {
-  int64_t bytes = 0;
-  for (int s = 0; s < store.num_shards(); ++s)
-    if (std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end())
-      bytes += store.device_numel(s) * store.element_bytes() + 512;
-  return bytes;
-}
-
 }  // namespace
 
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
@@ -75,9 +66,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
   for (size_t i = 0; i < n; ++i) {
     resident[i] = DeviceEngine::resident_need(*stores[i]);
     spilled[i] = SpilledModel::spilled_need(*stores[i], {}, base[i]);
-    std::vector<int> every_shard(stores[i]->num_shards());
-    for (int s = 0; s < stores[i]->num_shards(); ++s) every_shard[s] = s;
-    held[i] = SpilledModel::spilled_need(*stores[i], every_shard, base[i]);  // resident, its base shards
+    held[i] = SpilledModel::base_shard_need(base[i]);  // resident, its units hold their base shards
   }
   for (const DeviceEngine* engine : engines) free.push_back(engine->free_bytes());
   std::vector<Placement> placed(n);
@@ -91,7 +80,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
       alone = false;
       const std::vector<int> homed = j < i ? placed[j].resident_shards : std::vector<int>{};
       may_spill = std::max(may_spill, j > i ? spilled[j] : SpilledModel::spilled_need(*stores[j], homed, base[j]));
-      others_cached += cached_bytes(*stores[j], homed);
+      others_cached += SpilledModel::cached_need(*stores[j], homed);
     }
     const int device = static_cast<int>(std::max_element(free.begin(), free.end()) - free.begin());
     Placement& p = placed[i];
@@ -100,7 +89,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
     try {
       // A model of a frozen base is resident only where the whole base still fits cached beside it: the base's
       // copies, once for every model that uses it, are worth more than the model's own (its adapters, say).
-      const int64_t base_cached = base[i] ? cached_bytes(*base[i], {}) : 0;
+      const int64_t base_cached = base[i] ? SpilledModel::cached_need(*base[i]) : 0;
       // The first resident model of a base on a device commits the base's cache there (DeviceEngine::add_model).
       const bool base_kept = base[i] && kept[device].count(bases[i]);
       if (resident[i] + graph + std::max(may_spill, held[i]) + base_cached <= free[device]) {
@@ -125,7 +114,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
           // round, only where every spilled shard's weights stay cached beside them (measured:
           // bench_link_bound.py, four models at copy / forward 2 took 16% longer with one model's ends resident).
           const bool room_to_cache =
-              homes + working_set + others_cached + base_cached + cached_bytes(*stores[i], shards) <= free[device];
+              homes + working_set + others_cached + base_cached + SpilledModel::cached_need(*stores[i], shards) <= free[device];
           if (!alone && !room_to_cache) continue;
           p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled,
                                                            static_cast<int>(i), shards, base_id(i));

@@ -108,6 +108,22 @@ int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<in
   return need;
 }
 
+int64_t SpilledModel::base_shard_need(const ShardStore* base) {
+  int64_t need = 0;
+  if (base)
+    for (int s = 0; s < base->num_shards(); ++s)
+      if (base->device_numel(s) > 0) need = std::max(need, base->device_numel(s) * base->element_bytes() + 512);
+  return need;
+}
+
+int64_t SpilledModel::cached_need(const ShardStore& store, const std::vector<int>& resident_shards) {
+  int64_t bytes = 0;
+  for (int s = 0; s < store.num_shards(); ++s)
+    if (std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end())
+      bytes += store.device_numel(s) * store.element_bytes() + 512;
+  return bytes;
+}
+
 bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
 
 void SpilledModel::upload() {

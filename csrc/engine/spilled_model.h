@@ -37,6 +37,10 @@ class SpilledModel final : public DeviceModel {
   // shard needs of both (a resident shard's unit holds its base shard alone).
   static int64_t spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
                               const ShardStore* base = nullptr);
+  // What a resident model's unit holds of its frozen `base` (none: 0): its largest shard, aligned.
+  static int64_t base_shard_need(const ShardStore* base);
+  // Arena bytes that cache the weights of every shard but the resident ones at once (each region aligned).
+  static int64_t cached_need(const ShardStore& store, const std::vector<int>& resident_shards = {});
 
   bool resident() const override { return false; }
   bool homed(int shard) const override;

@@ -62,7 +62,8 @@ def base_weights(pieces, shard_params) -> dict[int, str]:
     return weights
 
 
-def _by_name(task) -> dict[str, torch.Tensor]:
+def weights_by_name(task) -> dict[str, torch.Tensor]:
+    """The task's own parameters of its base, by name."""
     params = {id(p): p for shard in task.shard_params for p in shard}
     return {name: params[key] for key, name in task.base_weights.items()}
 
@@ -84,7 +85,7 @@ def check(tasks) -> None:
 
 def _check_members(base, members) -> None:
     first = members[0]
-    reference = _by_name(first)
+    reference = weights_by_name(first)
     for task in members:
         check_task(base, task, first, reference)
 
@@ -92,7 +93,7 @@ def _check_members(base, members) -> None:
 def check_task(base, task, first, reference) -> None:
     """Raises ValueError unless `task` holds the weights of `base` that `reference` (name -> tensor) holds, frozen
     and equal, in the precision of its first task `first`."""
-    weights = _by_name(task)
+    weights = weights_by_name(task)
     trained = sorted(name for name, p in weights.items() if p.requires_grad)
     if trained:  # frozen when the task was built, trainable now
         raise ValueError(f"task {task.name!r} trains {trained[0]}, a weight of {base!r}, which its tasks share "

@@ -9,6 +9,8 @@ import re
 
 import torch
 
+from hydra_torch.models import frozen_base
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -149,8 +151,8 @@ def host_state_bytes(task) -> int:
 def base_bytes(task) -> int:
     """What the task's FrozenBase holds on the host, once for all its tasks: each weight's fp32 master, and
     its bf16 shadow in bf16 (a tied weight once)."""
-    numel = {key: p.numel() for shard in task.shard_params for p in shard if (key := id(p)) in task.base_weights}
-    return sum(numel.values()) * (6 if task.precision == "bf16" else 4)
+    numel = sum(p.numel() for p in frozen_base.weights_by_name(task).values())
+    return numel * (6 if task.precision == "bf16" else 4)
 
 
 def _one_per_base(tasks, held) -> list:

@@ -68,9 +68,8 @@ class HeldBase:
 
     def point_home(self, runner):
         """The task's base parameters back on the host copy (after a unit left them on a device's)."""
-        params = _params_by_id(runner.task)
-        for key, name in runner.task.base_weights.items():
-            params[key].data = self.values[name]
+        for name, param in frozen_base.weights_by_name(runner.task).items():
+            param.data = self.values[name]
 
     def summary(self, engines) -> dict:
         """What Results.bases says of it: its tasks, its host bytes and the bytes copied of it to the devices."""
@@ -82,13 +81,8 @@ class HeldBase:
 
     def _params_of(self, runner) -> list[list]:
         """The task's own parameters of each base shard, in the order of its layout."""
-        params = _params_by_id(runner.task)
-        by_name = {name: params[key] for key, name in runner.task.base_weights.items()}
+        by_name = frozen_base.weights_by_name(runner.task)
         return [[by_name[name] for name in shard] for shard in self.layout]
-
-
-def _params_by_id(task) -> dict:
-    return {id(p): p for shard in task.shard_params for p in shard}
 
 
 def hold(runners, engines, pin: bool) -> list[HeldBase]:
