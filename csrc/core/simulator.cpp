@@ -1,30 +1,21 @@
 #include "core/simulator.h"
 
 #include <algorithm>
-#include <cmath>
-#include <numeric>
 #include <queue>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 #include "core/scheduler.h"
+#include "core/simulator_units.h"
 
 namespace hydra::core {
 
 namespace {
 
-double checked(double seconds, const char* what) {
-  if (!(seconds >= 0.0) || !std::isfinite(seconds)) {
-    throw std::invalid_argument(std::string("simulate: ") + what + " time must be finite and >= 0, got " +
-                                std::to_string(seconds));
-  }
-  return seconds;
-}
-
-double unit_compute(const UnitSeconds& compute, const Unit& unit) {
-  return checked(compute(unit.task, unit.shard, unit.phase), "compute");
-}
+using simulated::checked;
+using simulated::has_backward;
+using simulated::unit_compute;
 
 struct DeviceState {
   bool busy = false;
@@ -67,39 +58,107 @@ double exposed_transfer(const SimulationConfig& config, DeviceState& device, con
   return transfer;
 }
 
-bool has_backward(Phase phase) { return phase == Phase::kForwardBackward || phase == Phase::kBackward; }
 
 // A device's host-to-device copy lane under Prefetch::kAlongPlan.
 struct CopyLane {
   double free_at = 0.0;
   std::pair<int, int> base_shard{-1, -1};  // (base, shard) of the last base shard it copied
   std::vector<std::pair<Unit, double>> landing;  // planned units whose copy was issued, and when it lands
+  std::vector<std::pair<Unit, double>> states;   // steps: planned kDevice steps whose master and moments were issued
 
-  double copy(double now, double seconds, SimulationResult& result) {
-    free_at = std::max(now, free_at) + seconds;
+  double copy(double now, double seconds, SimulationResult& result, double not_before = 0.0) {
+    free_at = std::max({now, free_at, not_before}) + seconds;
     result.transfer_seconds += seconds;
     return free_at;
   }
 };
 
-// When `unit`, dispatched to `device` at `now`, may start: once its shard has landed. Then the lane copies the
-// shards of the units the scheduler plans next for the device (a plan it commits to), as far as
-// `prefetch_units` allows. Each visit of a shard has a copy of its own, but the same shard back to back.
-double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, int device,
-                        const DeviceState& state, CopyLane& lane, const Unit& unit, double now,
-                        SimulationResult& result) {
-  double start = now;
-  const bool same_shard = state.ran_before && state.last_task == unit.task && state.last_shard == unit.shard;
+// Per (task, shard) under SimulationConfig::steps: steps issued so far, and when the latest step's weights are on
+// the host to copy in.
+struct ShardSteps {
+  int64_t issued = 0;
+  double ready = 0.0;
+};
+
+struct StepState {
+  std::vector<std::vector<ShardSteps>> shards;
+  double host_free = 0.0;  // the host lane, all devices'
+
+  explicit StepState(const SimulationConfig& config) {
+    for (const StepSchedule& schedule : config.steps) shards.emplace_back(schedule.places.size());
+  }
+  ShardSteps& of(const Unit& unit) { return shards[static_cast<size_t>(unit.task)][static_cast<size_t>(unit.shard)]; }
+};
+
+StepPlace place_of(const SimulationConfig& config, const Unit& unit) {
+  return config.steps.empty() ? StepPlace::kHost
+                              : config.steps[static_cast<size_t>(unit.task)].places[static_cast<size_t>(unit.shard)];
+}
+
+const ShardLanes& lanes_of(const SimulationConfig& config, const Unit& unit) {
+  return config.steps[static_cast<size_t>(unit.task)].lanes[static_cast<size_t>(unit.shard)];
+}
+
+bool copies_weights(const SimulationConfig& config, const Unit& unit) {
+  return place_of(config, unit) != StepPlace::kResident;
+}
+
+double weights_seconds(const SimulationConfig& config, const Unit& unit) {
+  if (!config.steps.empty()) return lanes_of(config, unit).weights_in;
+  return checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer");
+}
+
+// The unit starts a step after a host step of its shard: a copy the device holds from before is stale.
+bool after_host_step(const SimulationConfig& config, const Unit& unit) {
+  if (config.steps.empty() || place_of(config, unit) != StepPlace::kHost || unit.phase == Phase::kBackward) return false;
+  return unit.micro_batch > 0 && unit.micro_batch % config.steps[static_cast<size_t>(unit.task)].accumulate == 0;
+}
+
+double ready_at(const SimulationConfig& config, StepState& steps, const Unit& unit) {
+  return config.steps.empty() ? 0.0 : steps.of(unit).ready;
+}
+
+// Every step before the unit's has been issued and is done by `now`: the weights it reads are there to copy. A
+// prefetch waits for that, so that a copy lane never stands still behind a step while other copies could run.
+bool weights_ready(const SimulationConfig& config, StepState& steps, const Unit& unit, double now) {
+  if (config.steps.empty()) return true;
+  const bool issued = steps.of(unit).issued >= unit.micro_batch / config.steps[static_cast<size_t>(unit.task)].accumulate;
+  return issued && ready_at(config, steps, unit) <= now;
+}
+
+// When `unit`, dispatched to `device` at `now`, may start: once its shard has landed.
+double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLane& lane, StepState& steps,
+                const Unit& unit, double now, SimulationResult& result) {
+  const bool same_shard = state.ran_before && state.last_task == unit.task && state.last_shard == unit.shard &&
+                          !after_host_step(config, unit);
   auto issued = std::find_if(lane.landing.begin(), lane.landing.end(),
                              [&](const auto& entry) { return entry.first == unit; });
   if (issued != lane.landing.end()) {
-    start = std::max(now, issued->second);
+    const double start = std::max(now, issued->second);
     lane.landing.erase(issued);
-  } else if (!same_shard) {
-    const double seconds = checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer") +
-                           base_copy(config, unit, lane.base_shard, result);
-    start = lane.copy(now, seconds, result);
+    return start;
   }
+  if (same_shard || !copies_weights(config, unit)) return now;
+  const double seconds = weights_seconds(config, unit) + base_copy(config, unit, lane.base_shard, result);
+  return lane.copy(now, seconds, result, ready_at(config, steps, unit));
+}
+
+bool ends_step(const SimulationConfig& config, const Unit& unit) {
+  const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
+  return (unit.micro_batch + 1) % accumulate == 0 ||
+         unit.micro_batch + 1 == config.tasks[static_cast<size_t>(unit.task)].micro_batches;
+}
+
+// The unit's backward ends a step of a shard stepped on the device: its master and moments come in for it.
+bool steps_on_device(const SimulationConfig& config, const Unit& unit) {
+  return !config.steps.empty() && has_backward(unit.phase) && place_of(config, unit) == StepPlace::kDevice &&
+         ends_step(config, unit);
+}
+
+// The lane copies the shards of the units the scheduler plans next for the device (a plan it commits to), as far
+// as `prefetch_units` allows. Each visit of a shard has a copy of its own, but the same shard back to back.
+void prefetch_plan(const SimulationConfig& config, Scheduler& scheduler, int device, CopyLane& lane, StepState& steps,
+                   const Unit& unit, double now, SimulationResult& result) {
   const std::vector<Unit> planned = scheduler.commit_plan(device, config.prefetch_units);
   std::erase_if(lane.landing, [&](const auto& entry) {
     return std::none_of(planned.begin(), planned.end(), [&](const Unit& p) { return p == entry.first; });
@@ -107,16 +166,72 @@ double start_along_plan(const SimulationConfig& config, Scheduler& scheduler, in
   const Unit* previous = &unit;
   for (const Unit& p : planned) {
     if (static_cast<int>(lane.landing.size()) >= config.prefetch_units) break;
-    const bool back_to_back = p.task == previous->task && p.shard == previous->shard;
+    const bool back_to_back = p.task == previous->task && p.shard == previous->shard && !after_host_step(config, p);
     previous = &p;
-    if (back_to_back || std::any_of(lane.landing.begin(), lane.landing.end(),
-                                    [&](const auto& entry) { return entry.first == p; }))
+    if (back_to_back || !copies_weights(config, p) || !weights_ready(config, steps, p, now) ||
+        std::any_of(lane.landing.begin(), lane.landing.end(), [&](const auto& entry) { return entry.first == p; }))
       continue;
-    const double seconds = checked(config.transfer(p.task, p.shard, p.phase), "transfer") +
-                           base_copy(config, p, lane.base_shard, result);
-    lane.landing.emplace_back(p, lane.copy(now, seconds, result));
+    const double seconds = weights_seconds(config, p) + base_copy(config, p, lane.base_shard, result);
+    lane.landing.emplace_back(p, lane.copy(now, seconds, result, ready_at(config, steps, p)));
+    if (steps_on_device(config, p)) lane.states.emplace_back(p, lane.copy(now, lanes_of(config, p).state_in, result));
   }
-  return start;
+}
+
+// A kDevice shard's master and moments for the backward that ends its step: when they land (-1: no such step).
+// Prefetched behind the backward's own weights where the plan held it, else issued with it.
+double state_in(const SimulationConfig& config, CopyLane& lane, const Unit& unit, double now,
+                SimulationResult& result) {
+  if (!steps_on_device(config, unit)) return -1.0;
+  auto issued = std::find_if(lane.states.begin(), lane.states.end(), [&](const auto& e) { return e.first == unit; });
+  if (issued != lane.states.end()) {
+    const double landed = issued->second;
+    lane.states.erase(issued);
+    return landed;
+  }
+  return lane.copy(now, lanes_of(config, unit).state_in, result);
+}
+
+// What follows a unit that computed until `end`: its gradient out and, where it ends a step, the step. Returns
+// when the device is free: after a device step, where one runs.
+double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
+                  double& gradient_lane, StepState& steps, SimulationResult& result) {
+  if (!has_backward(unit.phase)) return end;
+  auto out = [&](double after, double seconds) {
+    gradient_lane = std::max(after, gradient_lane) + seconds;
+    result.gradient_transfer_seconds += seconds;
+    return gradient_lane;
+  };
+  if (config.steps.empty()) {
+    if (config.gradient_transfer) out(end, checked(config.gradient_transfer(unit.task, unit.shard, unit.phase), "transfer"));
+    return end;
+  }
+  const ShardLanes& lanes = lanes_of(config, unit);
+  const bool step = ends_step(config, unit);
+  ShardSteps& shard = steps.of(unit);
+  switch (place_of(config, unit)) {
+    case StepPlace::kHost: {
+      const double landed = out(end, lanes.gradient_out);
+      const double seconds = step ? lanes.host_step : lanes.host_accumulate;
+      steps.host_free = std::max(landed, steps.host_free) + seconds;
+      result.host_seconds += seconds;
+      if (step) shard = ShardSteps{shard.issued + 1, steps.host_free};
+      return end;
+    }
+    case StepPlace::kDevice: {
+      if (!step) return end;
+      result.exposed_transfer_seconds += std::max(0.0, state_landed - end);
+      const double stepped = std::max(end, state_landed) + lanes.device_step;
+      result.device_step_seconds += lanes.device_step;
+      shard = ShardSteps{shard.issued + 1, out(stepped, lanes.state_out)};
+      return stepped;
+    }
+    case StepPlace::kResident:
+      if (!step) return end;
+      result.device_step_seconds += lanes.device_step;
+      shard.issued += 1;
+      return end + lanes.device_step;
+  }
+  return end;
 }
 
 SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<TaskSpec> tasks) {
@@ -124,7 +239,8 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
   std::vector<DeviceState> devices(static_cast<size_t>(config.num_devices));
   std::vector<CopyLane> lanes(static_cast<size_t>(config.num_devices));
   std::vector<double> gradient_lanes(static_cast<size_t>(config.num_devices), 0.0);
-  const bool along_plan = config.transfer && config.prefetch == Prefetch::kAlongPlan;
+  StepState steps(config);
+  const bool along_plan = (config.transfer || !config.steps.empty()) && config.prefetch == Prefetch::kAlongPlan;
   std::priority_queue<Completion, std::vector<Completion>, std::greater<>> events;
   SimulationResult result;
   double now = 0.0;
@@ -137,16 +253,17 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       if (!unit) continue;
       const double compute = unit_compute(config.compute, *unit);
       CopyLane& lane = lanes[static_cast<size_t>(d)];
-      const double exposed = along_plan ? start_along_plan(config, scheduler, d, device, lane, *unit, now, result) - now
-                                        : exposed_transfer(config, device, *unit, now, result);
-      result.exposed_transfer_seconds += exposed;
-      const double end = now + exposed + compute;
-      if (along_plan && config.gradient_transfer && has_backward(unit->phase)) {
-        const double seconds = checked(config.gradient_transfer(unit->task, unit->shard, unit->phase), "transfer");
-        double& lane = gradient_lanes[static_cast<size_t>(d)];
-        lane = std::max(end, lane) + seconds;
-        result.gradient_transfer_seconds += seconds;
+      double start = now, state_landed = -1.0;
+      if (along_plan) {
+        start = own_copy(config, device, lane, steps, *unit, now, result);
+        state_landed = state_in(config, lane, *unit, now, result);
+        prefetch_plan(config, scheduler, d, lane, steps, *unit, now, result);
+      } else {
+        start = now + exposed_transfer(config, device, *unit, now, result);
       }
+      result.exposed_transfer_seconds += start - now;
+      const double end = after_unit(config, *unit, start + compute, state_landed,
+                                    gradient_lanes[static_cast<size_t>(d)], steps, result);
       result.trace.push_back(TraceEntry{d, unit->task, unit->index, now, end});
       device.busy = true;
       events.push(Completion{end, d, *unit, compute});
@@ -161,6 +278,11 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       device = DeviceState{false, true, done.unit.task, done.unit.shard, done.time, done.compute, device.base_shard};
     }
     result.makespan = now;
+  }
+  if (!config.steps.empty()) {
+    // The run ends when its last step has: the host's, or a device step's state back home.
+    result.makespan = std::max({result.makespan, steps.host_free,
+                                *std::max_element(gradient_lanes.begin(), gradient_lanes.end())});
   }
   for (int t = 0; t < scheduler.num_tasks(); ++t) {
     if (!scheduler.finished(t)) {
@@ -196,92 +318,32 @@ void validate(const SimulationConfig& config) {
       throw std::invalid_argument("simulate: every task needs num_shards >= 1 and micro_batches >= 1");
     }
   }
+  if (config.steps.empty()) return;
+  if (config.prefetch != Prefetch::kAlongPlan || config.transfer || config.gradient_transfer)
+    throw std::invalid_argument("simulate: steps need Prefetch::kAlongPlan, and no transfer or gradient_transfer");
+  if (config.steps.size() != config.tasks.size()) throw std::invalid_argument("simulate: one StepSchedule a task");
+  for (size_t t = 0; t < config.tasks.size(); ++t) {
+    const StepSchedule& schedule = config.steps[t];
+    const auto shards = static_cast<size_t>(config.tasks[t].num_shards);
+    if (schedule.accumulate < 1 || schedule.places.size() != shards || schedule.lanes.size() != shards)
+      throw std::invalid_argument("simulate: task " + std::to_string(t) +
+                                  "'s StepSchedule needs accumulate >= 1 and a place and lanes for every shard");
+    if (eval_passes(config.tasks[t]) > 0)
+      throw std::invalid_argument("simulate: task " + std::to_string(t) + " evaluates; steps are modelled without");
+  }
 }
 
 }  // namespace
 
-double task_seconds(const std::vector<TaskSpec>& tasks, int task, const UnitSeconds& compute) {
-  const TaskSpec& spec = tasks.at(static_cast<size_t>(task));
-  double per_micro_batch = 0.0;
-  for (int64_t p = 0; p < units_per_micro_batch(spec.num_shards); ++p) {
-    per_micro_batch += unit_compute(compute, unit_at(task, spec.num_shards, p));
-  }
-  double per_eval_batch = 0.0;
-  for (int shard = 0; shard < spec.num_shards; ++shard) {
-    per_eval_batch += unit_compute(compute, Unit{task, 0, shard, Phase::kEvaluate, 0});
-  }
-  return per_micro_batch * static_cast<double>(spec.micro_batches) +
-         per_eval_batch * static_cast<double>(spec.eval_batches * eval_passes(spec));
-}
-
-double lower_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute, int num_devices) {
-  if (num_devices < 1) throw std::invalid_argument("lower_bound: num_devices must be >= 1");
-  double total = 0.0;
-  double longest = 0.0;
-  for (int t = 0; t < static_cast<int>(tasks.size()); ++t) {
-    const double chain = task_seconds(tasks, t, compute);
-    total += chain;
-    longest = std::max(longest, chain);
-  }
-  return std::max(total / num_devices, longest);
-}
-
-double transfer_bound(const std::vector<TaskSpec>& tasks, const UnitSeconds& transfer,
-                      const UnitSeconds& gradient_transfer, int num_devices) {
-  if (num_devices < 1) throw std::invalid_argument("transfer_bound: num_devices must be >= 1");
-  double in = 0.0, out = 0.0;
-  for (int t = 0; t < static_cast<int>(tasks.size()); ++t) {
-    const TaskSpec& spec = tasks[static_cast<size_t>(t)];
-    for (int64_t i = 0; i < total_units(spec); ++i) {
-      const Unit unit = unit_at(t, spec, i);
-      // A micro-batch's first unit (F(0), or FB(0) of a one-shard task) may reuse the weights the previous
-      // micro-batch's last unit, on shard 0 too, left on the device.
-      const bool may_reuse = unit.micro_batch > 0 && unit.shard == 0 &&
-                             (unit.phase == Phase::kForward || unit.phase == Phase::kForwardBackward);
-      if (transfer && !may_reuse) in += checked(transfer(unit.task, unit.shard, unit.phase), "transfer");
-      if (gradient_transfer && has_backward(unit.phase))
-        out += checked(gradient_transfer(unit.task, unit.shard, unit.phase), "transfer");
-    }
-  }
-  return std::max(in, out) / num_devices;
-}
-
-std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,
-                                      int num_devices) {
-  if (num_devices < 1) throw std::invalid_argument("assign_longest_first: num_devices must be >= 1");
-  return assign_longest_first(tasks, compute, std::vector<double>(static_cast<size_t>(num_devices), 0.0));
-}
-
-std::vector<int> assign_longest_first(const std::vector<TaskSpec>& tasks, const UnitSeconds& compute,
-                                      std::vector<double> load) {
-  if (load.empty()) throw std::invalid_argument("assign_longest_first: no device to assign to");
-  const int num_devices = static_cast<int>(load.size());
-  const int n = static_cast<int>(tasks.size());
-  std::vector<double> work(static_cast<size_t>(n));
-  for (int t = 0; t < n; ++t) work[static_cast<size_t>(t)] = task_seconds(tasks, t, compute);
-  std::vector<int> assignment(static_cast<size_t>(n), -1);
-  // Pinned tasks load their device first, so the greedy pass sees the real loads.
-  for (int t = 0; t < n; ++t) {
-    if (const auto& device = tasks[static_cast<size_t>(t)].device) {
-      if (*device < 0 || *device >= num_devices) {
-        throw std::invalid_argument("assign_longest_first: task " + std::to_string(t) + " pinned to device " +
-                                    std::to_string(*device) + ", out of range");
-      }
-      assignment[static_cast<size_t>(t)] = *device;
-      load.at(static_cast<size_t>(*device)) += work[static_cast<size_t>(t)];
-    }
-  }
-  std::vector<int> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return work[static_cast<size_t>(a)] > work[static_cast<size_t>(b)]; });
-  for (int t : order) {
-    if (assignment[static_cast<size_t>(t)] >= 0) continue;
-    const auto lightest = std::min_element(load.begin(), load.end()) - load.begin();
-    assignment[static_cast<size_t>(t)] = static_cast<int>(lightest);
-    load[static_cast<size_t>(lightest)] += work[static_cast<size_t>(t)];
-  }
-  return assignment;
+SimulationConfig lane_simulation(const std::vector<TaskShape>& tasks, const Placement& placement,
+                                 const LaneRates& rates, const StepBytes& bytes, int num_devices) {
+  SimulationConfig config;
+  config.tasks = task_specs(tasks);
+  config.compute = [tasks](int task, int shard, Phase phase) { return unit_seconds(tasks, task, shard, phase); };
+  config.num_devices = num_devices;
+  config.prefetch = Prefetch::kAlongPlan;
+  config.steps = step_schedules(tasks, placement, rates, bytes);
+  return config;
 }
 
 SimulationResult simulate(const SimulationConfig& config) {

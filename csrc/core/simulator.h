@@ -27,12 +27,25 @@
 // Shared bases: a task with TaskSpec::base >= 0 reads its shard's frozen base weights too, whose copy
 // (`base_transfer`) a device makes once for every task of that base while it keeps it: it keeps the last base
 // shard it copied (one), so tasks of a base that run a shard back to back copy it once.
+//
+// Optimizer steps (SimulationConfig::steps, kAlongPlan only): each shard steps where its StepSchedule puts it
+// (lanes.h), and the weights in and gradients out come from its lanes. After the backward that ends a step:
+// - kHost: the gradient goes out on the device-to-host lane, then the host steps it on the one host lane all
+//   devices share (first come, first served); every backward that does not end a step sums its gradient there.
+//   The shard's next visit copies its weights only once the host step is done, and never reuses a copy across it.
+// - kDevice: master and moments come in on the host-to-device lane right behind the backward's own weights (when
+//   the plan prefetches them, or when the backward is dispatched); the device steps once they have landed and the
+//   backward is done, then sends them back with the new weights, from which a later visit on another device copies.
+// - kResident: the device steps; nothing is copied, ever.
+// The device is busy until its step is done. A planned copy of a shard whose previous step is not yet issued waits
+// for a later dispatch.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <vector>
 
+#include "core/lanes.h"
 #include "core/policy.h"
 #include "core/unit.h"
 
@@ -57,6 +70,9 @@ struct SimulationConfig {
   int prefetch_units = 4;            // kAlongPlan: copies issued or landed ahead of use, at most
   UnitSeconds gradient_transfer;     // kAlongPlan: gradients out after a unit with a backward; empty: none
   UnitSeconds base_transfer;         // the unit's base shard in, for tasks with a base; empty: free
+  // Per task: its steps and where each shard steps (see above). Weights in and gradients out then come from here,
+  // and transfer and gradient_transfer must be empty; the tasks may not evaluate. Empty: no step is modelled.
+  std::vector<StepSchedule> steps;
 };
 
 struct TraceEntry {
@@ -73,12 +89,18 @@ struct SimulationResult {
   double transfer_seconds = 0.0;          // kAlongPlan: busy time of the host-to-device lanes, dropped copies too
   double gradient_transfer_seconds = 0.0;  // kAlongPlan: busy time of the device-to-host lanes
   double base_transfer_seconds = 0.0;      // of which (or of the exposed time, kPreviousUnit): base shards copied
+  double host_seconds = 0.0;               // steps: busy time of the host lane
+  double device_step_seconds = 0.0;        // steps: device time of kDevice and kResident steps
   std::vector<TraceEntry> trace;  // in dispatch order
 };
 
 // Throws std::invalid_argument for an empty compute function or a negative/non-finite unit time, and for
 // everything the Scheduler rejects.
 SimulationResult simulate(const SimulationConfig& config);
+
+// The tasks' shapes under a placement (lanes.h) as a run to simulate: SHARP along each device's plan, LRTF.
+SimulationConfig lane_simulation(const std::vector<TaskShape>& tasks, const Placement& placement,
+                                 const LaneRates& rates, const StepBytes& bytes, int num_devices);
 
 // Seconds of compute in one task's whole chain.
 double task_seconds(const std::vector<TaskSpec>& tasks, int task, const UnitSeconds& compute);

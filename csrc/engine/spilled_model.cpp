@@ -68,62 +68,6 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
   for (int s : resident_shards_) homed_[s] = true;
 }
 
-std::string SpilledModel::resident_shards_error(const ShardStore& store, const std::vector<int>& shards) {
-  const int n = store.num_shards();
-  std::vector<bool> in(n);
-  for (int s : shards) {
-    if (s < 0 || s >= n) return "resident shard " + std::to_string(s) + " of a model of " + std::to_string(n) + " shards";
-    if (in[s]) return "resident shard " + std::to_string(s) + " named twice";
-    in[s] = true;
-  }
-  if (!shards.empty() && static_cast<int>(shards.size()) == n)
-    return "every shard resident: the model is resident, not spilled";
-  // A resident shard's weights live in its home and step on the device; a spilled one's copy reads the host's.
-  // A tied weight used on both sides would be two weights.
-  for (int s = 0; s < n; ++s)
-    for (int source : store.sources(s))
-      if (in[source] != in[s])
-        return "shards " + std::to_string(s) + " and " + std::to_string(source) +
-               " share a tied weight: both must be resident or both spilled";
-  return {};
-}
-
-int64_t SpilledModel::homes_need(const ShardStore& store, const std::vector<int>& shards) {
-  int64_t need = 0;
-  for (int s : shards) need += ShardHomes::need(store, s);
-  return need;
-}
-
-int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
-                                   const ShardStore* base) {
-  int64_t need = 0;
-  for (int s = 0; s < store.num_shards(); ++s) {
-    const bool spilled = std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end();
-    const int64_t numel = spilled ? store.device_numel(s) : 0;
-    const int64_t own = numel > 0 ? 2 * numel * store.element_bytes() + 2 * 512 : 0;  // weights and gradients
-    const int64_t base_numel = base ? base->device_numel(s) : 0;
-    const int64_t held = base_numel > 0 ? base_numel * base->element_bytes() + 512 : 0;  // the base's weights
-    need = std::max(need, own + held);
-  }
-  return need;
-}
-
-int64_t SpilledModel::base_shard_need(const ShardStore* base) {
-  int64_t need = 0;
-  if (base)
-    for (int s = 0; s < base->num_shards(); ++s)
-      if (base->device_numel(s) > 0) need = std::max(need, base->device_numel(s) * base->element_bytes() + 512);
-  return need;
-}
-
-int64_t SpilledModel::cached_need(const ShardStore& store, const std::vector<int>& resident_shards) {
-  int64_t bytes = 0;
-  for (int s = 0; s < store.num_shards(); ++s)
-    if (std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end())
-      bytes += store.device_numel(s) * store.element_bytes() + 512;
-  return bytes;
-}
-
 bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
 
 void SpilledModel::upload() {

@@ -1,0 +1,346 @@
+#include "core/lanes.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace hydra::core {
+
+namespace {
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("lanes: " + what);
+}
+
+bool finite_nonnegative(double x) { return std::isfinite(x) && x >= 0.0; }
+bool finite_positive(double x) { return std::isfinite(x) && x > 0.0; }
+
+void validate(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
+              int num_devices) {
+  require(num_devices >= 1, "num_devices must be >= 1");
+  require(finite_positive(rates.host_to_device) && finite_positive(rates.device_to_host) &&
+              finite_positive(rates.host) && finite_positive(rates.device_memory),
+          "every lane rate must be finite and > 0");
+  require(finite_nonnegative(bytes.weight) && finite_nonnegative(bytes.state) && finite_nonnegative(bytes.host_step) &&
+              finite_nonnegative(bytes.host_accumulate) && finite_nonnegative(bytes.device_step),
+          "bytes per element must be finite and >= 0");
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const TaskShape& task = tasks[t];
+    const std::string name = "task " + std::to_string(t);
+    require(!task.shards.empty(), name + " has no shard");
+    require(task.micro_batches >= 1 && task.accumulate >= 1, name + " needs micro_batches >= 1 and accumulate >= 1");
+    for (size_t s = 0; s < task.shards.size(); ++s) {
+      const ShardShape& shard = task.shards[s];
+      const std::string where = name + " shard " + std::to_string(s);
+      require(finite_nonnegative(shard.forward_seconds) && finite_nonnegative(shard.backward_seconds),
+              where + ": seconds must be finite and >= 0");
+      require(shard.weights >= 0 && shard.grads >= 0 && shard.params >= 0, where + ": element counts must be >= 0");
+      require(shard.tied_to < static_cast<int>(task.shards.size()) && shard.tied_to != static_cast<int>(s),
+              where + ": tied_to names no other shard of the task");
+    }
+  }
+}
+
+void validate_placement(const std::vector<TaskShape>& tasks, const Placement& placement) {
+  require(placement.size() == tasks.size(), "the placement names " + std::to_string(placement.size()) +
+                                                " tasks, the shapes " + std::to_string(tasks.size()));
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    require(placement[t].size() == tasks[t].shards.size(),
+            "task " + std::to_string(t) + ": the placement's shard count differs from the shape's");
+    for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
+      const int tied = tasks[t].shards[s].tied_to;
+      require(tied < 0 || placement[t][s] == placement[t][static_cast<size_t>(tied)],
+              "task " + std::to_string(t) + ": tied shards " + std::to_string(s) + " and " + std::to_string(tied) +
+                  " step in different places");
+    }
+  }
+}
+
+int64_t steps_of(const TaskShape& task) { return (task.micro_batches + task.accumulate - 1) / task.accumulate; }
+
+// One task's share of each lane and its own chain. `spread`: one device runs all its units (the back-to-back
+// reuse of shard 0's weights is then the only reuse), else any device may (a stepped shard's weights then come in
+// at least once a step, a kDevice shard's at least once).
+struct TaskLanes {
+  double compute = 0.0, host_to_device = 0.0, device_to_host = 0.0, host = 0.0, chain = 0.0;
+};
+
+TaskLanes task_lanes(const TaskShape& task, const std::vector<StepPlace>& places, const LaneRates& rates,
+                     const StepBytes& bytes, bool one_device) {
+  TaskLanes out;
+  const int n = static_cast<int>(task.shards.size());
+  const int64_t mb = task.micro_batches;
+  const int64_t steps = steps_of(task);
+  const bool accumulates = task.accumulate > 1;
+  double own_compute = 0.0, gap = 0.0, boundary = 0.0;
+  for (int s = 0; s < n; ++s) {
+    const ShardShape& shard = task.shards[static_cast<size_t>(s)];
+    const StepPlace place = places[static_cast<size_t>(s)];
+    const ShardLanes lanes = shard_lanes(shard, place, accumulates, rates, bytes);
+    const double per_micro_batch = shard.forward_seconds + shard.backward_seconds;
+    own_compute += static_cast<double>(mb) * per_micro_batch + static_cast<double>(steps) * lanes.device_step;
+    if (place != StepPlace::kResident) {
+      const int64_t visits = (s == n - 1 ? 1 : 2) * mb;
+      int64_t copies = place == StepPlace::kHost ? steps : 1;
+      if (one_device) {
+        // B(0) then the next micro-batch's F(0) may share a copy, but across a host step.
+        const int64_t reusable = s == 0 ? (mb - 1) - (place == StepPlace::kHost ? steps - 1 : 0) : 0;
+        copies = visits - reusable;
+      }
+      out.host_to_device += static_cast<double>(copies) * lanes.weights_in;
+    }
+    out.host_to_device += static_cast<double>(steps) * lanes.state_in;
+    out.device_to_host += static_cast<double>(mb) * lanes.gradient_out + static_cast<double>(steps) * lanes.state_out;
+    out.host += static_cast<double>(mb - steps) * lanes.host_accumulate + static_cast<double>(steps) * lanes.host_step;
+    // Between B(s) of one step and F(s) of the next run B(s-1)..B(0) and F(0)..F(s-1) with their device steps;
+    // a host-stepped shard's gradient out, host step and weights in must fit there or the chain waits.
+    if (place == StepPlace::kHost)
+      boundary = std::max(boundary, lanes.gradient_out + lanes.host_step + lanes.weights_in - gap);
+    gap += per_micro_batch + lanes.device_step;
+  }
+  out.compute = own_compute;
+  out.chain = own_compute + static_cast<double>(steps - 1) * boundary;
+  return out;
+}
+
+// Largest first, compared in turn: the bound, then the lane next to it, ... (ties within a relative 1e-9).
+using Ranking = std::array<double, 5>;
+
+// `headroom` < 1 ranks the copy and host lanes as if that much busier.
+Ranking ranking(const LaneBound& b, double headroom) {
+  Ranking r{b.compute, b.host_to_device / headroom, b.device_to_host / headroom, b.host / headroom, b.chain};
+  std::sort(r.begin(), r.end(), std::greater<>());
+  return r;
+}
+
+bool better(const Ranking& a, const Ranking& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double tolerance = 1e-9 * std::max(std::abs(a[i]), std::abs(b[i]));
+    if (a[i] < b[i] - tolerance) return true;
+    if (a[i] > b[i] + tolerance) return false;
+  }
+  return false;
+}
+
+LaneBound combine(const std::vector<TaskLanes>& per_task, int num_devices) {
+  LaneBound b;
+  for (const TaskLanes& t : per_task) {
+    b.compute += t.compute;
+    b.host_to_device += t.host_to_device;
+    b.device_to_host += t.device_to_host;
+    b.host += t.host;
+    b.chain = std::max(b.chain, t.chain);
+  }
+  b.compute /= num_devices;
+  b.host_to_device /= num_devices;
+  b.device_to_host /= num_devices;
+  return b;
+}
+
+// The shards that step in one place with shard s: those tied to it, and to them.
+std::vector<int> tie_group(const TaskShape& task, int s) {
+  const int n = static_cast<int>(task.shards.size());
+  std::vector<bool> in(static_cast<size_t>(n));
+  in[static_cast<size_t>(s)] = true;
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (int i = 0; i < n; ++i) {
+      const int tied = task.shards[static_cast<size_t>(i)].tied_to;
+      if (tied >= 0 && in[static_cast<size_t>(i)] != in[static_cast<size_t>(tied)]) {
+        in[static_cast<size_t>(i)] = in[static_cast<size_t>(tied)] = true;
+        grew = true;
+      }
+    }
+  }
+  std::vector<int> group;
+  for (int i = 0; i < n; ++i)
+    if (in[static_cast<size_t>(i)]) group.push_back(i);
+  return group;
+}
+
+}  // namespace
+
+const char* step_place_name(StepPlace place) {
+  switch (place) {
+    case StepPlace::kHost: return "host";
+    case StepPlace::kDevice: return "device";
+    case StepPlace::kResident: return "resident";
+  }
+  return "?";
+}
+
+ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
+                       const StepBytes& bytes) {
+  ShardLanes lanes;
+  const auto p = static_cast<double>(shard.params);
+  if (place != StepPlace::kResident) lanes.weights_in = static_cast<double>(shard.weights) * bytes.weight / rates.host_to_device;
+  switch (place) {
+    case StepPlace::kHost:
+      lanes.gradient_out = static_cast<double>(shard.grads) * bytes.weight / rates.device_to_host;
+      lanes.host_accumulate = accumulates ? static_cast<double>(shard.grads) * bytes.host_accumulate / rates.host : 0.0;
+      // With accumulation the step reads the host's sum and zeroes it besides.
+      lanes.host_step = p * (bytes.host_step + (accumulates ? 2 * bytes.host_accumulate : 0.0)) / rates.host;
+      break;
+    case StepPlace::kDevice:
+      lanes.state_in = p * bytes.state / rates.host_to_device;
+      lanes.device_step = p * bytes.device_step / rates.device_memory;
+      lanes.state_out = p * (bytes.state + bytes.weight) / rates.device_to_host;
+      break;
+    case StepPlace::kResident:
+      lanes.device_step = p * bytes.device_step / rates.device_memory;
+      break;
+  }
+  return lanes;
+}
+
+int64_t held_bytes(const ShardShape& shard, StepPlace place, bool accumulates, const StepBytes& bytes) {
+  switch (place) {
+    case StepPlace::kHost: return 0;
+    case StepPlace::kDevice: return accumulates ? static_cast<int64_t>(std::ceil(shard.grads * bytes.weight)) : 0;
+    case StepPlace::kResident:
+      return static_cast<int64_t>(std::ceil((shard.weights + shard.grads) * bytes.weight + shard.params * bytes.state));
+  }
+  return 0;
+}
+
+int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes) {
+  return place == StepPlace::kDevice ? static_cast<int64_t>(std::ceil(shard.params * bytes.state)) : 0;
+}
+
+double LaneBound::bound() const { return std::max({compute, host_to_device, device_to_host, host, chain}); }
+
+LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& placement, const LaneRates& rates,
+                     const StepBytes& bytes, int num_devices) {
+  validate(tasks, rates, bytes, num_devices);
+  validate_placement(tasks, placement);
+  std::vector<TaskLanes> per_task;
+  for (size_t t = 0; t < tasks.size(); ++t)
+    per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, num_devices == 1));
+  return combine(per_task, num_devices);
+}
+
+Placement host_placement(const std::vector<TaskShape>& tasks) {
+  Placement placement;
+  for (const TaskShape& task : tasks) placement.emplace_back(task.shards.size(), StepPlace::kHost);
+  return placement;
+}
+
+int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
+  validate_placement(tasks, placement);
+  int64_t held = 0, step = 0;
+  for (size_t t = 0; t < tasks.size(); ++t)
+    for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
+      const ShardShape& shard = tasks[t].shards[s];
+      held += held_bytes(shard, placement[t][s], tasks[t].accumulate > 1, bytes);
+      step = std::max(step, step_room(shard, placement[t][s], bytes));
+    }
+  return held + step;
+}
+
+Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
+                           int num_devices, int64_t room, double headroom) {
+  validate(tasks, rates, bytes, num_devices);
+  require(room >= 0, "room must be >= 0");
+  require(headroom > 0.0 && headroom <= 1.0, "headroom must be in (0, 1]");
+  Placement placement = host_placement(tasks);
+  const bool one_device = num_devices == 1;
+  std::vector<TaskLanes> per_task;
+  for (size_t t = 0; t < tasks.size(); ++t) per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, one_device));
+  // Homes leave room for the largest device step, so that homes never crowd out every kDevice move.
+  int64_t reserve = 0;
+  for (const TaskShape& task : tasks)
+    for (const ShardShape& shard : task.shards) reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes));
+  int64_t held = 0, step = 0;
+  Ranking current = ranking(combine(per_task, num_devices), headroom);
+  for (;;) {
+    struct Move {
+      size_t task;
+      std::vector<int> group;
+      StepPlace place;
+      int64_t held, step;
+      TaskLanes lanes;  // the task's with the move made
+    };
+    std::optional<Move> best;
+    Ranking best_rank = current;
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const TaskShape& task = tasks[t];
+      const bool accumulates = task.accumulate > 1;
+      for (int s = 0; s < static_cast<int>(task.shards.size()); ++s) {
+        const std::vector<int> group = tie_group(task, s);
+        if (group.front() != s) continue;  // each group once, by its first shard
+        const StepPlace now = placement[t][static_cast<size_t>(s)];
+        for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
+          if (to <= now || (to == StepPlace::kResident && !one_device)) continue;
+          int64_t group_held = held, group_step = step;
+          for (int g : group) {
+            const ShardShape& shard = task.shards[static_cast<size_t>(g)];
+            group_held += held_bytes(shard, to, accumulates, bytes) - held_bytes(shard, now, accumulates, bytes);
+            group_step = std::max(group_step, step_room(shard, to, bytes));
+          }
+          const int64_t asked = group_held + (reserve <= room ? std::max(group_step, reserve) : group_step);
+          if (asked > room) continue;
+          std::vector<StepPlace> places = placement[t];
+          for (int g : group) places[static_cast<size_t>(g)] = to;
+          TaskLanes lanes = task_lanes(task, places, rates, bytes, one_device);
+          std::swap(per_task[t], lanes);
+          const Ranking rank = ranking(combine(per_task, num_devices), headroom);
+          std::swap(per_task[t], lanes);
+          if (better(rank, best_rank)) {
+            best_rank = rank;
+            best = Move{t, group, to, group_held, group_step, task_lanes(task, places, rates, bytes, one_device)};
+          }
+        }
+      }
+    }
+    if (!best) return placement;
+    for (int g : best->group) placement[best->task][static_cast<size_t>(g)] = best->place;
+    per_task[best->task] = best->lanes;
+    held = best->held;
+    step = best->step;
+    current = best_rank;
+  }
+}
+
+std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, const Placement& placement,
+                                         const LaneRates& rates, const StepBytes& bytes) {
+  validate(tasks, rates, bytes, 1);
+  validate_placement(tasks, placement);
+  std::vector<StepSchedule> schedules;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    StepSchedule schedule{tasks[t].accumulate, placement[t], {}};
+    for (size_t s = 0; s < tasks[t].shards.size(); ++s)
+      schedule.lanes.push_back(shard_lanes(tasks[t].shards[s], placement[t][s], tasks[t].accumulate > 1, rates, bytes));
+    schedules.push_back(std::move(schedule));
+  }
+  return schedules;
+}
+
+std::vector<TaskSpec> task_specs(const std::vector<TaskShape>& tasks) {
+  std::vector<TaskSpec> specs;
+  for (const TaskShape& task : tasks) {
+    TaskSpec spec{static_cast<int>(task.shards.size()), task.micro_batches, std::nullopt};
+    for (const ShardShape& shard : task.shards) spec.shard_costs.push_back(shard.forward_seconds + shard.backward_seconds);
+    // The cost model takes positive costs only; with a shard that computes nothing, it assumes all alike.
+    if (std::any_of(spec.shard_costs.begin(), spec.shard_costs.end(), [](double c) { return c <= 0.0; }))
+      spec.shard_costs.clear();
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+double unit_seconds(const std::vector<TaskShape>& tasks, int task, int shard, Phase phase) {
+  const ShardShape& s = tasks.at(static_cast<size_t>(task)).shards.at(static_cast<size_t>(shard));
+  switch (phase) {
+    case Phase::kForward:
+    case Phase::kEvaluate: return s.forward_seconds;
+    case Phase::kBackward: return s.backward_seconds;
+    case Phase::kForwardBackward: return s.forward_seconds + s.backward_seconds;
+  }
+  return 0.0;
+}
+
+}  // namespace hydra::core

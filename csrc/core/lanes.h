@@ -1,0 +1,126 @@
+// The lanes a training run keeps busy, where each shard's optimizer step runs, and the placement that keeps the
+// busiest lane least busy. Torch-free: placement reads it, the simulator follows it, benchmarks forecast with it.
+//
+// Lanes. Per device: compute, host-to-device copies, device-to-host copies. One host lane for all devices: the
+// host steps' memory traffic at the rate the host-step pool sustains (LaneRates::host). The copies' own traffic
+// through host memory is carried by the copy lanes, not the host lane: the host's rate is what its cores step at,
+// which on a GPU box is well below what its memory serves the copy engines.
+//
+// Where a shard of a spilled model steps (StepPlace):
+//   kHost      its gradient goes out after every backward (summed on the host when a step accumulates), the host
+//              steps it, and its next visit copies the stepped weights in. The fp32 master and the optimizer
+//              moments never leave the host.
+//   kDevice    its gradient stays on the device (held there across micro-batches when a step accumulates); after
+//              the step's last backward its master and moments come in (prefetched while that backward
+//              computes), the device steps them, and master, moments and the new weights go back out. No host
+//              arithmetic, about 12 bytes a parameter each way on the copy lanes, and no round trip through the
+//              host before its next visit.
+//   kResident  weights, gradient, master and moments live on the device for the whole run and step there: no copy,
+//              for 16 bytes a parameter (bf16 with AdamW) of device memory.
+// Weights copy in at every visit of a kHost or kDevice shard (the simulator keeps no cache beyond the same shard
+// back to back), which makes the forecast's copy lanes an upper estimate where the engine keeps weights cached.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/unit.h"
+
+namespace hydra::core {
+
+enum class StepPlace : uint8_t { kHost, kDevice, kResident };
+
+const char* step_place_name(StepPlace place);
+
+struct LaneRates {
+  double host_to_device;  // bytes/s, each device's link
+  double device_to_host;  // bytes/s
+  double host;            // bytes/s of host-step memory traffic, all devices' steps together
+  double device_memory;   // bytes/s of a device step's memory traffic
+};
+
+// Bytes per element. The defaults are bf16 compute with AdamW, as the engine counts them (Results.stats'
+// host_step_bytes): fp32 compute with AdamW has weight 4, state 8 (the master is the weight), resident 16.
+struct StepBytes {
+  double weight = 2;            // a weight copied in, a gradient copied out (the compute dtype)
+  double state = 12;            // fp32 master and moments: what a kDevice step brings in and sends back
+  double host_step = 28;        // host memory one host step touches a parameter
+  double host_accumulate = 8;   // each micro-batch's gradient summed on the host when a step accumulates
+  double device_step = 28;      // device memory one device step touches a parameter
+};
+
+struct ShardShape {
+  double forward_seconds = 0.0;   // F(s) of one micro-batch on one device
+  double backward_seconds = 0.0;  // B(s), recomputation included; the last shard's FB is forward + backward
+  int64_t weights = 0;  // elements its visit reads and copies in (a tied weight it borrows included)
+  int64_t grads = 0;    // gradient elements its backward produces (a borrowed tied weight's included)
+  int64_t params = 0;   // elements it owns and steps
+  int tied_to = -1;     // a shard of the same task whose weights it borrows: the two step in one place
+};
+
+struct TaskShape {
+  std::vector<ShardShape> shards;
+  int64_t micro_batches = 1;  // over the whole run
+  int64_t accumulate = 1;     // micro-batches a step
+};
+
+using Placement = std::vector<std::vector<StepPlace>>;  // per task, per shard
+
+// One shard's lane seconds in one place: per visit, per backward, per step.
+struct ShardLanes {
+  double weights_in = 0.0;       // each visit (kHost, kDevice)
+  double gradient_out = 0.0;     // each backward (kHost)
+  double host_accumulate = 0.0;  // each backward that does not end a step, on the host lane (kHost)
+  double host_step = 0.0;        // each step, on the host lane (kHost)
+  double state_in = 0.0;         // each step (kDevice)
+  double device_step = 0.0;      // each step, on the device's compute (kDevice, kResident)
+  double state_out = 0.0;        // each step (kDevice)
+};
+
+ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
+                       const StepBytes& bytes);
+
+// Device memory a shard in `place` holds for the whole run (a home, or a gradient kept across micro-batches),
+// and what its step needs while it runs (kDevice: master and moments).
+int64_t held_bytes(const ShardShape& shard, StepPlace place, bool accumulates, const StepBytes& bytes);
+int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes);
+
+struct LaneBound {
+  double compute = 0.0;         // busiest device's lanes, with tasks spread evenly: totals / devices
+  double host_to_device = 0.0;
+  double device_to_host = 0.0;
+  double host = 0.0;            // the one host lane
+  double chain = 0.0;           // the longest task's own chain: its units, its device steps, its step round trips
+  double bound() const;         // no schedule is shorter than the largest of them
+};
+
+// What the placement puts on each lane. A lower bound on the simulated makespan (simulate with lane_simulation).
+LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& placement, const LaneRates& rates,
+                     const StepBytes& bytes, int num_devices);
+
+// A placement with the smallest bound found: from every shard on kHost, one move at a time (a shard, with the
+// shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within `room` bytes a
+// device for homes, kept gradients and the largest device step (homes leave room for one). kResident only with
+// one device, where a task's home is. `headroom` < 1 counts the copy and host lanes that much busier, so that
+// they keep slack: a lane near full queues, and a step late off the host stalls the shard's next visit (see
+// lane_plan.h, which picks it by simulation). Throws std::invalid_argument for malformed shapes or rates.
+Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
+                           int num_devices, int64_t room, double headroom = 1.0);
+Placement host_placement(const std::vector<TaskShape>& tasks);
+
+// Device memory a placement asks: held bytes plus the largest step's room.
+int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes);
+
+// The simulator's view of a task under a placement.
+struct StepSchedule {
+  int64_t accumulate = 1;
+  std::vector<StepPlace> places;   // per shard
+  std::vector<ShardLanes> lanes;   // per shard, in its place
+};
+std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, const Placement& placement,
+                                         const LaneRates& rates, const StepBytes& bytes);
+std::vector<TaskSpec> task_specs(const std::vector<TaskShape>& tasks);  // shard costs: forward + backward, if all > 0
+double unit_seconds(const std::vector<TaskShape>& tasks, int task, int shard, Phase phase);
+
+}  // namespace hydra::core

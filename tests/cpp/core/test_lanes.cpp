@@ -1,0 +1,206 @@
+// The lane model: each place's lane seconds, the four-lane bound against the simulator (never above a simulated
+// run), the simulator's steps on exact timelines, and the placement the model chooses.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "core/lane_plan.h"
+#include "core/lanes.h"
+#include "core/simulator.h"
+
+namespace {
+
+using namespace hydra::core;
+
+const LaneRates kRates{100.0, 50.0, 200.0, 1000.0};  // bytes/s: in, out, host, device memory
+
+ShardShape shard(double forward, double backward, int64_t params, int tied_to = -1) {
+  return ShardShape{forward, backward, params, params, params, tied_to};
+}
+
+TaskShape task(std::vector<ShardShape> shards, int64_t micro_batches, int64_t accumulate = 1) {
+  return TaskShape{std::move(shards), micro_batches, accumulate};
+}
+
+TEST(Lanes, EachPlaceLoadsItsLanes) {
+  const StepBytes bytes;
+  const ShardShape s = shard(1.0, 2.0, 100);
+  const ShardLanes host = shard_lanes(s, StepPlace::kHost, false, kRates, bytes);
+  EXPECT_DOUBLE_EQ(host.weights_in, 100 * 2 / 100.0);
+  EXPECT_DOUBLE_EQ(host.gradient_out, 100 * 2 / 50.0);
+  EXPECT_DOUBLE_EQ(host.host_step, 100 * 28 / 200.0);
+  EXPECT_DOUBLE_EQ(host.host_accumulate, 0.0);
+  EXPECT_EQ(host.state_in + host.state_out + host.device_step, 0.0);
+  const ShardLanes accumulating = shard_lanes(s, StepPlace::kHost, true, kRates, bytes);
+  EXPECT_DOUBLE_EQ(accumulating.host_accumulate, 100 * 8 / 200.0);
+  EXPECT_DOUBLE_EQ(accumulating.host_step, 100 * (28 + 16) / 200.0);
+  const ShardLanes device = shard_lanes(s, StepPlace::kDevice, false, kRates, bytes);
+  EXPECT_DOUBLE_EQ(device.weights_in, host.weights_in);
+  EXPECT_EQ(device.gradient_out + device.host_step + device.host_accumulate, 0.0);
+  EXPECT_DOUBLE_EQ(device.state_in, 100 * 12 / 100.0);
+  EXPECT_DOUBLE_EQ(device.state_out, 100 * 14 / 50.0);
+  EXPECT_DOUBLE_EQ(device.device_step, 100 * 28 / 1000.0);
+  const ShardLanes resident = shard_lanes(s, StepPlace::kResident, false, kRates, bytes);
+  EXPECT_EQ(resident.weights_in + resident.gradient_out + resident.host_step + resident.state_in + resident.state_out,
+            0.0);
+  EXPECT_DOUBLE_EQ(resident.device_step, device.device_step);
+  EXPECT_EQ(held_bytes(s, StepPlace::kResident, false, bytes), 100 * 16);
+  EXPECT_EQ(held_bytes(s, StepPlace::kDevice, false, bytes), 0);
+  EXPECT_EQ(held_bytes(s, StepPlace::kDevice, true, bytes), 100 * 2);  // its gradient, kept across micro-batches
+  EXPECT_EQ(step_room(s, StepPlace::kDevice, bytes), 100 * 12);
+  EXPECT_EQ(step_room(s, StepPlace::kHost, bytes), 0);
+}
+
+// One task of one shard, two micro-batches, each its own step: every lane's time on the timeline, by hand.
+TEST(Lanes, SimulatorTimelinesOfEachPlace) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks{task({shard(1.0, 2.0, 100)}, 2)};
+  const ShardLanes host = shard_lanes(tasks[0].shards[0], StepPlace::kHost, false, kRates, bytes);
+  const double w = host.weights_in, g = host.gradient_out, h = host.host_step;
+  // kHost: copy, FB, gradient out, host step, copy again (never reused across the step), FB, its step.
+  SimulationResult r = simulate(lane_simulation(tasks, {{StepPlace::kHost}}, kRates, bytes, 1));
+  EXPECT_DOUBLE_EQ(r.makespan, (w + 3 + g + h) + w + 3 + g + h);
+  EXPECT_DOUBLE_EQ(r.transfer_seconds, 2 * w);
+  EXPECT_DOUBLE_EQ(r.host_seconds, 2 * h);
+  EXPECT_DOUBLE_EQ(r.gradient_transfer_seconds, 2 * g);
+  // kDevice: copy, then master and moments in behind it; the device steps once both the FB and they are done; the
+  // next FB reuses the stepped weights in place.
+  const ShardLanes device = shard_lanes(tasks[0].shards[0], StepPlace::kDevice, false, kRates, bytes);
+  r = simulate(lane_simulation(tasks, {{StepPlace::kDevice}}, kRates, bytes, 1));
+  const double first = std::max(w + 3, w + device.state_in) + device.device_step;
+  const double second_in = std::max(w + device.state_in, first) + device.state_in;  // issued at `first`
+  const double second = std::max(first + 3, second_in) + device.device_step;
+  const double first_out = first + device.state_out;  // the device-to-host lane sends each step's state in turn
+  EXPECT_DOUBLE_EQ(r.makespan, std::max(second, first_out) + device.state_out);
+  EXPECT_DOUBLE_EQ(r.transfer_seconds, w + 2 * device.state_in);
+  EXPECT_DOUBLE_EQ(r.host_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(r.device_step_seconds, 2 * device.device_step);
+  // kResident: nothing copied; compute and the two device steps.
+  r = simulate(lane_simulation(tasks, {{StepPlace::kResident}}, kRates, bytes, 1));
+  EXPECT_DOUBLE_EQ(r.makespan, 2 * (3 + device.device_step));
+  EXPECT_EQ(r.transfer_seconds + r.gradient_transfer_seconds + r.host_seconds, 0.0);
+}
+
+TEST(Lanes, AccumulatedMicroBatchesSumOnTheHostAndStepOnce) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks{task({shard(1.0, 2.0, 100), shard(1.0, 2.0, 100)}, 4, 2)};
+  const SimulationResult r = simulate(lane_simulation(tasks, host_placement(tasks), kRates, bytes, 1));
+  const ShardLanes lanes = shard_lanes(tasks[0].shards[0], StepPlace::kHost, true, kRates, bytes);
+  EXPECT_DOUBLE_EQ(r.host_seconds, 2 * (2 * lanes.host_accumulate + 2 * lanes.host_step));
+  EXPECT_GE(r.makespan, lane_bound(tasks, host_placement(tasks), kRates, bytes, 1).bound() - 1e-9);
+}
+
+// Random shapes, placements, devices and rates: the bound is never above the simulated run.
+TEST(Lanes, BoundNeverExceedsTheSimulatedMakespan) {
+  std::mt19937_64 random(7);
+  auto uniform = [&](double low, double high) { return std::uniform_real_distribution<double>(low, high)(random); };
+  auto integer = [&](int low, int high) { return std::uniform_int_distribution<int>(low, high)(random); };
+  const StepBytes bytes;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<TaskShape> tasks;
+    Placement placement;
+    for (int t = integer(1, 4); t > 0; --t) {
+      TaskShape shape;
+      const int shards = integer(1, 5);
+      std::vector<StepPlace> places;
+      for (int s = 0; s < shards; ++s) {
+        shape.shards.push_back(shard(uniform(0.1, 2), uniform(0.2, 4), integer(1, 400)));
+        places.push_back(static_cast<StepPlace>(integer(0, 2)));
+      }
+      if (shards > 1 && integer(0, 1)) {  // the last shard borrows the first's weights, as a tied head does
+        shape.shards.back().tied_to = 0;
+        places.back() = places.front();
+      }
+      shape.micro_batches = integer(1, 6);
+      shape.accumulate = integer(1, 3);
+      tasks.push_back(shape);
+      placement.push_back(places);
+    }
+    const LaneRates rates{uniform(20, 400), uniform(20, 400), uniform(20, 400), uniform(200, 4000)};
+    const int devices = integer(1, 3);
+    const SimulationResult result = simulate(lane_simulation(tasks, placement, rates, bytes, devices));
+    const double bound = lane_bound(tasks, placement, rates, bytes, devices).bound();
+    ASSERT_GE(result.makespan, bound * (1 - 1e-9)) << "trial " << trial << " on " << devices << " devices";
+  }
+}
+
+// Four models whose host steps take longer than their compute: the placement moves steps off the host until the
+// compute binds, within the room it is given, and the simulated run follows the bound.
+TEST(Lanes, PlacementMovesStepsOffABusyHost) {
+  const StepBytes bytes;
+  std::vector<TaskShape> tasks;
+  for (int t = 0; t < 4; ++t) {
+    std::vector<ShardShape> shards;
+    for (int s = 0; s < 8; ++s) shards.push_back(shard(0.05, 0.1, 100));
+    shards.back().tied_to = 0;
+    tasks.push_back(task(shards, 8));
+  }
+  // A shard's host step takes 0.3 s against its 0.15 s of compute a step; its kDevice copies 0.08 s each way.
+  const LaneRates rates{20000.0, 20000.0, 100 * 28 / 0.3, 1e5};
+  const Placement host = host_placement(tasks);
+  const LaneBound host_bound = lane_bound(tasks, host, rates, bytes, 1);
+  EXPECT_EQ(host_bound.bound(), host_bound.host);
+  for (int64_t room : {int64_t{0}, int64_t{1200}, int64_t{10000}, int64_t{1} << 40}) {
+    const Placement chosen = choose_placement(tasks, rates, bytes, 1, room);
+    EXPECT_LE(placement_bytes(tasks, chosen, bytes), room);
+    for (const auto& places : chosen) EXPECT_EQ(places.back(), places.front()) << "tied shards in one place";
+    const LaneBound bound = lane_bound(tasks, chosen, rates, bytes, 1);
+    if (room == 0) {
+      EXPECT_EQ(chosen, host);
+      continue;
+    }
+    EXPECT_LT(bound.bound(), host_bound.bound());
+    EXPECT_DOUBLE_EQ(bound.bound(), bound.compute) << "room " << room;
+    // Chosen with the host lane full to the bound, its steps queue and the next visits wait on them.
+    const SimulationResult run = simulate(lane_simulation(tasks, chosen, rates, bytes, 1));
+    EXPECT_GT(run.makespan, 1.2 * bound.bound()) << "room " << room;
+    // Chosen with slack on the copy and host lanes, by simulation, the run keeps to the bound.
+    const LanePlan plan = plan_lanes(tasks, rates, bytes, 1, room);
+    EXPECT_LT(plan.headroom, 1.0);
+    EXPECT_LE(placement_bytes(tasks, plan.placement, bytes), room);
+    EXPECT_LE(plan.run.makespan, 1.05 * plan.bound.bound()) << "room " << room;
+    EXPECT_LT(plan.run.makespan, 0.55 * simulate(lane_simulation(tasks, host, rates, bytes, 1)).makespan);
+  }
+  // Several devices keep no home: steps move to the devices only.
+  for (const auto& places : choose_placement(tasks, rates, bytes, 2, int64_t{1} << 40))
+    for (StepPlace place : places) EXPECT_NE(place, StepPlace::kResident);
+}
+
+TEST(Lanes, PlacementLeavesAnIdleHostAlone) {
+  const StepBytes bytes;
+  // Two tasks: each one's step round trip hides behind the other's compute.
+  const TaskShape shape = task({shard(1, 2, 100), shard(1, 2, 100), shard(1, 2, 100)}, 4);
+  const std::vector<TaskShape> tasks{shape, shape};
+  const LaneRates rates{1e6, 1e6, 1e6, 1e7};  // every copy and step a small fraction of the compute
+  // The compute binds already: a device step would only lengthen it.
+  EXPECT_EQ(choose_placement(tasks, rates, bytes, 1, int64_t{1} << 40), host_placement(tasks));
+}
+
+TEST(Lanes, BadInputIsRefused) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks{task({shard(1, 2, 100), shard(1, 2, 100, 0)}, 2)};
+  EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost, StepPlace::kDevice}}, kRates, bytes, 1), std::invalid_argument);
+  EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost}}, kRates, bytes, 1), std::invalid_argument);
+  EXPECT_THROW(lane_bound(tasks, host_placement(tasks), kRates, bytes, 0), std::invalid_argument);
+  EXPECT_THROW(lane_bound(tasks, host_placement(tasks), LaneRates{0, 1, 1, 1}, bytes, 1), std::invalid_argument);
+  EXPECT_THROW(choose_placement(tasks, kRates, bytes, 1, -1), std::invalid_argument);
+  EXPECT_THROW(choose_placement(tasks, kRates, bytes, 1, 0, 0.0), std::invalid_argument);
+  EXPECT_THROW(choose_placement(tasks, kRates, bytes, 1, 0, 1.5), std::invalid_argument);
+  EXPECT_THROW(choose_placement({task({}, 1)}, kRates, bytes, 1, 0), std::invalid_argument);
+  EXPECT_THROW(choose_placement({task({shard(1, 2, 100, 0)}, 1)}, kRates, bytes, 1, 0), std::invalid_argument);
+  EXPECT_THROW(choose_placement({task({shard(-1, 2, 100)}, 1)}, kRates, bytes, 1, 0), std::invalid_argument);
+  SimulationConfig config = lane_simulation(tasks, host_placement(tasks), kRates, bytes, 1);
+  config.transfer = [](int, int, Phase) { return 1.0; };
+  EXPECT_THROW(simulate(config), std::invalid_argument);
+  config = lane_simulation(tasks, host_placement(tasks), kRates, bytes, 1);
+  config.prefetch = Prefetch::kPreviousUnit;
+  EXPECT_THROW(simulate(config), std::invalid_argument);
+  config = lane_simulation(tasks, host_placement(tasks), kRates, bytes, 1);
+  config.steps[0].places.pop_back();
+  EXPECT_THROW(simulate(config), std::invalid_argument);
+}
+
+}  // namespace
