@@ -164,7 +164,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
                 runner.settle_at_end()
             bars.close(runners)
             _bring_home(runners, engines, checkpoints)
-            results = _results(runners, engines, workers, start, resolved, wall, checkpoints)
+            results = _results(runners, engines, workers, start, resolved, wall, checkpoints, threads)
         if interrupted is not None:
             raise interrupted
         _tell(results, workers.stop, checkpoints, checkpoint_dir)
@@ -366,7 +366,7 @@ def _bring_home(runners, engines, checkpoints):
             checkpoints.close()
 
 
-def _results(runners, engines, workers, start, devices, wall, checkpoints) -> Results:
+def _results(runners, engines, workers, start, devices, wall, checkpoints, host_threads: int) -> Results:
     """What the call returns: every task's result, the trace and the engines' statistics. Each task's part in
     the call is then over: a stop request ends with it, and `task.ended` is set."""
     trace, stop = workers.trace, workers.stop
@@ -376,7 +376,7 @@ def _results(runners, engines, workers, start, devices, wall, checkpoints) -> Re
     names = [str(d) for d in devices]
     if len(set(names)) < len(names):  # virtual devices: number them
         names = [f"{name}[{i}]" for i, name in enumerate(names)]
-    stats = [_device_stats(engine, slot) for engine, slot in zip(engines, workers.slots)]
+    stats = [_device_stats(engine, slot, host_threads) for engine, slot in zip(engines, workers.slots)]
     results = Results([r.result for r in runners], names, stats, sorted(trace, key=lambda e: e.start), wall,
                       checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
     results.interrupted = stop.name
@@ -387,9 +387,11 @@ def _results(runners, engines, workers, start, devices, wall, checkpoints) -> Re
     return results
 
 
-def _device_stats(engine, slot) -> dict:
-    """The engine's statistics, the budget's split and the most bytes the micro-batches in flight held there."""
-    return {**engine.stats(), **(slot.budget_split or {}), "saved_high_water_bytes": slot.saved.high_water}
+def _device_stats(engine, slot, host_threads: int) -> dict:
+    """The engine's statistics, the budget's split, the most bytes the micro-batches in flight held there, and the
+    host-step threads its steps shared with the other devices'."""
+    return {**engine.stats(), **(slot.budget_split or {}), "saved_high_water_bytes": slot.saved.high_water,
+            "host_threads": host_threads}
 
 
 def _tell(results, stop, checkpoints, checkpoint_dir):

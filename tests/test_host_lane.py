@@ -83,3 +83,36 @@ def test_with_gpus_host_steps_get_the_cores_their_workers_and_lanes_leave(monkey
     assert devices.host_step_threads(None, [cpu]) == (4, 0), "CPU devices: the compute takes the cores"
     monkeypatch.setattr(devices.os, "cpu_count", lambda: 4)
     assert devices.host_step_threads(None, [gpu]) == (1, 1)
+
+
+def test_results_show_the_busy_share_of_each_lane():
+    # A slow emulated host makes the host steps the busiest lane; a slow emulated link, the copies (it paces both
+    # directions); a resident model keeps both idle. Each shows in Results.lanes() and the summary.
+    task, _ = mlp_task()
+    plain = train_spilled(task)
+    task, _ = mlp_task()
+    with testing.emulated_host(plain.stats[0]["host_step_bytes"] / 1.0):  # every step together: a second
+        host_bound = train_spilled(task)
+    lanes = host_bound.lanes()
+    device = lanes["devices"]["cpu"]
+    assert lanes["host"] >= 0.999 / host_bound.wall_time / host_bound.stats[0]["host_threads"]
+    assert lanes["host"] * host_bound.stats[0]["host_threads"] > max(device["copies_in"], device["copies_out"])
+    # The device's units wait for the stepped weights: busy, but not computing.
+    assert device["compute"] < host_bound.utilisation()["cpu"] - 0.25
+    assert "host steps: busy" in host_bound.summary() and "copies in" in host_bound.summary()
+
+    task, _ = mlp_task()
+    with testing.emulated_link(plain.stats[0]["host_to_device_bytes"] / 1.0):  # every copy in: a second
+        link_bound = train_spilled(task)
+    lanes = link_bound.lanes()
+    device = lanes["devices"]["cpu"]
+    assert device["copies_in"] >= 0.9 / link_bound.wall_time
+    assert device["copies_in"] > lanes["host"] * link_bound.stats[0]["host_threads"]  # the link, both ways, binds
+
+    task, _ = mlp_task()
+    resident = ht.train([task], devices="cpu", progress=False)
+    assert resident[0].placement == "resident"
+    device = resident.lanes()["devices"]["cpu"]
+    assert device["copies_in"] == device["copies_out"] == 0.0 and resident.lanes()["host"] == 0.0
+    assert 0.0 < device["compute"] <= 1.0
+    assert "host steps" not in resident.summary()

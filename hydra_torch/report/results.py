@@ -86,6 +86,14 @@ def _budget_split(stats: dict) -> str:
             f"(held at most {format_bytes(stats['saved_high_water_bytes'])})")
 
 
+def _device_lanes(lanes: dict) -> str:
+    """A device's lanes' busy shares: computing, and its copy lanes where they are measured."""
+    computing = f"computing {100 * lanes['compute']:.0f}%"
+    if lanes["copies_in"] is None:
+        return computing
+    return f"{computing}, copies in {100 * lanes['copies_in']:.0f}% and out {100 * lanes['copies_out']:.0f}%"
+
+
 @dataclass
 class TraceEntry:
     device: int
@@ -158,6 +166,28 @@ class Results:
             busy[e.device] += e.end - e.start
         return {device: (busy[i] / span if span > 0 else 0.0) for i, device in enumerate(self.devices)}
 
+    def lanes(self) -> dict:
+        """Where the run's time went: each lane's busy share of the wall time. Per device, "compute" (its units
+        running, less the time they waited for their weights to come in or for room: `utilisation` counts those
+        waits as busy), "copies_in" and "copies_out" (its copy lanes' threads copying; None on a GPU, whose lane
+        threads only issue the copies the link then carries); and "host", the host-step threads' busy share, all
+        devices' steps together, over the threads (None where the run did not say how many). The busiest lane is
+        the one a faster run needs relieved first (see docs/architecture.md, "The lane model")."""
+        wall = self.wall_time
+        devices = {}
+        for i, (device, busy) in enumerate(self.utilisation().items()):
+            stats = self.stats[i] if i < len(self.stats) else {}
+            copies = not device.startswith("cuda") and wall > 0
+            waited = stats.get("acquire_wait_seconds", 0.0) / wall if wall > 0 else 0.0
+            devices[device] = {
+                "compute": max(0.0, busy - waited),
+                "copies_in": stats.get("weight_copy_seconds", 0.0) / wall if copies else None,
+                "copies_out": stats.get("grad_copy_seconds", 0.0) / wall if copies else None,
+            }
+        threads = max((s.get("host_threads", 0) for s in self.stats), default=0)
+        host = sum(s.get("host_step_seconds", 0.0) for s in self.stats)
+        return {"devices": devices, "host": host / (wall * threads) if wall > 0 and threads > 0 else None}
+
     def summary(self) -> str:
         lines = [f"{'task':<16} {'steps':>6} {'final loss':>11} {'eval loss':>10} {'seconds':>8}  status"]
         for t in self.tasks:
@@ -170,9 +200,14 @@ class Results:
                 status += f" (moved {len(t.moves)}x between nodes)"
             lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
                          f"{t.wall_time:>8.1f}  {status}")
+        lanes = self.lanes()
         for i, (device, share) in enumerate(self.utilisation().items()):
             split = _budget_split(self.stats[i]) if i < len(self.stats) else ""
-            lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s{split}")
+            lines.append(f"device {device}: busy {100 * share:.0f}% of {self.wall_time:.1f} s "
+                         f"({_device_lanes(lanes['devices'][device])}){split}")
+        if lanes["host"] is not None and any(s.get("host_steps", 0) for s in self.stats):
+            lines.append(f"host steps: busy {100 * lanes['host']:.0f}% of {self.stats[0].get('host_threads', 0)} "
+                         f"threads")
         if self.checkpoint_failures:
             lines.append(f"{self.checkpoint_failures} checkpoints could not be written (see the warnings)")
         best = self.best
