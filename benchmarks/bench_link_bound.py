@@ -11,11 +11,14 @@ With several `--placements` (ht.train's `placement`: "auto" keeps each model's f
 "host" spills every shard), each runs in every round under one budget, which then also holds every model's
 resident ends. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
 (`hydra_torch.testing.emulated_host`), and the bound also counts the host lane: the bytes the host steps touched
-over that bandwidth.
+over that bandwidth. With `--forecast`, each run is also forecast by the lane model (`_C.lane_forecast`, the
+simulator over the real scheduler) from what the memory-speed run of the same round measured: each shard's median
+unit times, the host steps' bytes per second (the emulated host's where there is one), the link's bandwidth, and the
+placement the run got; reported as the forecast over the measured span.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
                                           [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto]
-                                          [--host-speed S]
+                                          [--host-speed S] [--forecast]
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 import hydra_torch as ht
 from bench_emulated_link import make_tasks, parse_workload
 from hydra_torch import testing
+from hydra_torch._loader import native as _C
 from hydra_torch.run import workers
 
 
@@ -84,6 +88,32 @@ def extra_by_kind(base, results, shards: int) -> dict[str, float]:
             for kind, times in on_link.items()}
 
 
+def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
+    """The lane model's span (its last unit's end) for `results`' run (see the module's docstring)."""
+    shards = len(shard_bytes)
+    times = {}
+    for e in base.trace:
+        times.setdefault((e.shard, e.phase), []).append(e.end - e.start)
+    unit = {key: statistics.median(values) for key, values in times.items()}
+    tied = args.vocab * args.width  # the head reads the embedding's weight, tied, and sends its gradient out
+    shapes = []
+    for s in range(shards):
+        last = s == shards - 1
+        forward, backward = (0.0, unit[s, "forward_backward"]) if last else (unit[s, "forward"], unit[s, "backward"])
+        read = shard_bytes[s] // 4  # fp32 elements, the tied weight included in the head's shard
+        shapes.append((forward, backward, read, read, read - tied if last else read, 0 if last else -1))
+    stats = base.stats[0]
+    # The emulated host's pace where there is one: the steps' own work runs within it (measured at memory speed
+    # beside the compute on these cores, the steps' rate is lower than when they mostly wait on the pace).
+    host_rate = args.host_speed * bandwidth if args.host_speed else stats["host_step_bytes"] / stats["host_step_seconds"]
+    placement = [["resident" if r.placement == "resident" or s in r.resident_shards else "host"
+                  for s in range(shards)] for r in results.tasks]
+    fp32_adamw = (4.0, 8.0, 28.0, 8.0, 28.0)  # weight, state, host step, host accumulate, device step
+    forecast = _C.lane_forecast([(shapes, args.steps, 1)] * len(results.tasks), (bandwidth, bandwidth, host_rate, host_rate),
+                                fp32_adamw, 1, placement)
+    return forecast["span"]  # as measured: the first unit's start to the last's end
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=1)
@@ -103,6 +133,8 @@ def main():
                         help="ht.train's placement, each run in every round (auto: resident first and last shards)")
     parser.add_argument("--host-speed", type=float, default=None,
                         help="emulate a host memory bandwidth of this many times the link's (default: the machine's)")
+    parser.add_argument("--forecast", action="store_true",
+                        help="also the lane model's forecast of each run, over the measured span")
     args, data, shard_bytes = parse_workload(parser)
     block_bytes = shard_bytes[1]
     # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile;
@@ -129,9 +161,10 @@ def main():
                         stats["device_to_host_bytes"] / bandwidth[ratio], host_lane)
             took = span(results)
             extra[ratio, placement].append(extra_by_kind(base, results, len(shard_bytes)))
+            forecast = lane_forecast(base, results, args, shard_bytes, bandwidth[ratio]) if args.forecast else float("nan")
             rows[ratio, placement].append((took / bound, stats["acquire_wait_seconds"] / took,
                                            stats["grad_wait_seconds"] / took, compute,
-                                           stats["host_to_device_bytes"] / bandwidth[ratio], took))
+                                           stats["host_to_device_bytes"] / bandwidth[ratio], took, forecast / took))
     prefetch = "as far as it allows" if args.far else "next"
     print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
           f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
@@ -142,15 +175,16 @@ def main():
     for placement, got in placements.items():
         print(f"placement {placement!r}: " + "; ".join(got))
     print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | "
-          "span / host's | waiting for weights | waiting for gradient room |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "span / host's | waiting for weights | waiting for gradient room |" + (" forecast / span |" if args.forecast else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
     for (ratio, placement), measured in rows.items():
-        med = [statistics.median(r[i] for r in measured) for i in range(6)]
+        med = [statistics.median(r[i] for r in measured) for i in range(7)]
         host = rows.get((ratio, "host"))
         # Per round, then the median: the rounds interleave, so each ratio compares runs made side by side.
         versus = (statistics.median(r[5] / h[5] for r, h in zip(measured, host)) if host else float("nan"))
         print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | "
-              f"{med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |")
+              f"{med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |" +
+              (f" {med[6]:.2f} |" if args.forecast else ""))
     if args.by_unit:
         print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "
               "largest first:")

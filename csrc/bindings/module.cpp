@@ -7,6 +7,7 @@
 #include <omp.h>
 #endif
 
+#include "bindings/lanes.h"
 #include "bindings/partitioner.h"
 #include "bindings/scheduler.h"
 #include "engine/device_engine.h"
@@ -57,6 +58,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_torch_version") = HYDRA_TORCH_BUILT_TORCH_VERSION;
   hydra::bind_scheduler(m);
   hydra::bind_partitioner(m);
+  hydra::bind_lanes(m);
   using release_gil = py::call_guard<py::gil_scoped_release>;
 
   py::class_<OptimizerSpec> spec(m, "OptimizerSpec");

@@ -182,8 +182,12 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
     case StepPlace::kHost:
       lanes.gradient_out = static_cast<double>(shard.grads) * bytes.weight / rates.device_to_host;
       lanes.host_accumulate = accumulates ? static_cast<double>(shard.grads) * bytes.host_accumulate / rates.host : 0.0;
-      // With accumulation the step reads the host's sum and zeroes it besides.
-      lanes.host_step = p * (bytes.host_step + (accumulates ? 2 * bytes.host_accumulate : 0.0)) / rates.host;
+      // With accumulation the step reads the host's sum and zeroes it besides. A borrowed (tied) weight's gradient
+      // is summed into its owner's on the host: read as landed, and the sum read and written.
+      lanes.host_step = (p * (bytes.host_step + (accumulates ? 2 * bytes.host_accumulate : 0.0)) +
+                         static_cast<double>(std::max<int64_t>(0, shard.grads - shard.params)) *
+                             (bytes.weight + bytes.host_accumulate)) /
+                        rates.host;
       break;
     case StepPlace::kDevice:
       lanes.state_in = p * bytes.state / rates.host_to_device;

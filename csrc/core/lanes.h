@@ -7,9 +7,9 @@
 // which on a GPU box is well below what its memory serves the copy engines.
 //
 // Where a shard of a spilled model steps (StepPlace):
-//   kHost      its gradient goes out after every backward (summed on the host when a step accumulates), the host
-//              steps it, and its next visit copies the stepped weights in. The fp32 master and the optimizer
-//              moments never leave the host.
+//   kHost      its gradient goes out after every backward (summed on the host when a step accumulates, and, for a
+//              tied weight it borrows, into the owner's), the host steps it, and its next visit copies the
+//              stepped weights in. The fp32 master and the optimizer moments never leave the host.
 //   kDevice    its gradient stays on the device (held there across micro-batches when a step accumulates); after
 //              the step's last backward its master and moments come in (prefetched while that backward
 //              computes), the device steps them, and master, moments and the new weights go back out. No host

@@ -143,6 +143,13 @@ double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLa
   return lane.copy(now, seconds, result, ready_at(config, steps, unit));
 }
 
+bool ends_step(const SimulationConfig& config, const Unit& unit);
+
+// The unit's backward ends a step of a shard stepped on the host: the shard's next visit waits for that step.
+bool after_host_step_of(const SimulationConfig& config, const Unit& unit) {
+  return !config.steps.empty() && place_of(config, unit) == StepPlace::kHost && ends_step(config, unit);
+}
+
 bool ends_step(const SimulationConfig& config, const Unit& unit) {
   const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
   return (unit.micro_batch + 1) % accumulate == 0 ||
@@ -244,7 +251,13 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
   std::priority_queue<Completion, std::vector<Completion>, std::greater<>> events;
   SimulationResult result;
   double now = 0.0;
+  std::vector<std::pair<int, double>> held;  // tasks held back for their first shard's host step, and until when
   for (;;) {
+    std::erase_if(held, [&](const std::pair<int, double>& entry) {
+      if (entry.second > now) return false;
+      scheduler.hold(entry.first, false);
+      return true;
+    });
     // Free devices ask in id order, so runs are deterministic.
     for (int d = 0; d < config.num_devices; ++d) {
       DeviceState& device = devices[static_cast<size_t>(d)];
@@ -264,6 +277,12 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       result.exposed_transfer_seconds += start - now;
       const double end = after_unit(config, *unit, start + compute, state_landed,
                                     gradient_lanes[static_cast<size_t>(d)], steps, result);
+      if (config.hold_for_steps && unit->shard == 0 && has_backward(unit->phase) && after_host_step_of(config, *unit)) {
+        // As the engine's device loop does: the task's next forward would wait for this step, so other tasks go
+        // first until it is done.
+        scheduler.hold(unit->task, true);
+        held.emplace_back(unit->task, steps.of(*unit).ready);
+      }
       result.trace.push_back(TraceEntry{d, unit->task, unit->index, now, end});
       device.busy = true;
       events.push(Completion{end, d, *unit, compute});

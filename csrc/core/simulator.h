@@ -37,8 +37,9 @@
 //   the plan prefetches them, or when the backward is dispatched); the device steps once they have landed and the
 //   backward is done, then sends them back with the new weights, from which a later visit on another device copies.
 // - kResident: the device steps; nothing is copied, ever.
-// The device is busy until its step is done. A planned copy of a shard whose previous step is not yet issued waits
-// for a later dispatch.
+// The device is busy until its step is done. A planned copy of a shard whose previous step is not yet done waits
+// for a later dispatch. A task whose first shard steps on the host is held back until that step is done
+// (hold_for_steps), so other tasks' units run meanwhile.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +74,9 @@ struct SimulationConfig {
   // Per task: its steps and where each shard steps (see above). Weights in and gradients out then come from here,
   // and transfer and gradient_transfer must be empty; the tasks may not evaluate. Empty: no step is modelled.
   std::vector<StepSchedule> steps;
+  // Steps: a task whose first shard was just stepped on the host is held back (Scheduler::hold) until that step
+  // is done, as the engine's device loop holds it (hydra_torch.run.workers.HOLD_FOR_STEPS).
+  bool hold_for_steps = true;
 };
 
 struct TraceEntry {

@@ -169,6 +169,30 @@ TEST(Lanes, PlacementMovesStepsOffABusyHost) {
     for (StepPlace place : places) EXPECT_NE(place, StepPlace::kResident);
 }
 
+// Two tasks on one device, the host slow: a task whose first shard was just stepped on the host is held back, as
+// the engine's device loop holds it, and the other task's units run meanwhile instead of the device waiting.
+TEST(Lanes, ATaskWaitingForItsFirstShardsHostStepIsHeldBack) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks(2, task({shard(0.1, 0.2, 100), shard(0.1, 0.2, 100)}, 6));
+  const LaneRates rates{1e5, 1e5, 100 * 28 / 0.4, 1e6};  // a shard's host step 0.4 s, its compute 0.3 s
+  SimulationConfig config = lane_simulation(tasks, host_placement(tasks), rates, bytes, 1);
+  const SimulationResult held = simulate(config);
+  config.hold_for_steps = false;
+  const SimulationResult waiting = simulate(config);
+  EXPECT_LT(held.exposed_transfer_seconds, waiting.exposed_transfer_seconds);
+  EXPECT_LE(held.makespan, waiting.makespan);
+  EXPECT_GE(held.makespan, lane_bound(tasks, host_placement(tasks), rates, bytes, 1).bound());
+}
+
+// A tied weight's gradient is summed into its owner's on the host: the borrower's host step counts it.
+TEST(Lanes, ABorrowedGradientIsSummedOnTheHost) {
+  const StepBytes bytes;
+  const ShardShape head{0.1, 0.2, 1100, 1100, 100, 0};  // reads and sends out 1000 elements of shard 0's
+  const ShardLanes lanes = shard_lanes(head, StepPlace::kHost, false, kRates, bytes);
+  EXPECT_DOUBLE_EQ(lanes.host_step, (100 * 28 + 1000 * (2 + 8)) / kRates.host);
+  EXPECT_DOUBLE_EQ(lanes.gradient_out, 1100 * 2 / kRates.device_to_host);
+}
+
 TEST(Lanes, PlacementLeavesAnIdleHostAlone) {
   const StepBytes bytes;
   // Two tasks: each one's step round trip hides behind the other's compute.

@@ -1,0 +1,45 @@
+"""The lane model through its binding (_C.lane_forecast, used by benchmarks/bench_link_bound.py --forecast): a given
+placement is simulated, none given is chosen within the room, and bad input is refused by name."""
+import pytest
+
+from hydra_torch._loader import native as _C
+
+# Three shards of 100 elements each: forward 0.05 s, backward 0.1 s; 8 micro-batches, one step each.
+SHAPE = ([(0.05, 0.1, 100, 100, 100, -1)] * 3, 8, 1)
+SLOW_HOST = (2e4, 2e4, 100 * 28 / 0.3, 1e5)  # a host step of a shard: 0.3 s, twice its compute
+
+
+def test_a_given_placement_is_simulated_above_its_bound():
+    host = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=[["host"] * 3] * 2)
+    assert host["headroom"] is None and host["placement"] == [["host"] * 3] * 2
+    assert host["bound"]["bound"] == host["bound"]["host"] == pytest.approx(2 * 3 * 8 * 0.3)
+    assert host["makespan"] >= host["bound"]["bound"]
+    assert host["span"] <= host["makespan"]  # the last unit ends before the last host step
+    assert host["busy_seconds"]["host"] == pytest.approx(host["bound"]["host"])
+    resident = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=[["resident"] * 3] * 2)
+    assert resident["busy_seconds"]["host"] == resident["busy_seconds"]["host_to_device"] == 0.0
+    # Nothing but the compute and the device steps is left: the run keeps to it, well under the host's.
+    assert resident["makespan"] == pytest.approx(resident["bound"]["compute"], rel=0.05)
+    assert resident["makespan"] < 0.7 * host["bound"]["host"]
+
+
+def test_without_a_placement_one_is_chosen_within_the_room():
+    host = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=[["host"] * 3] * 2)
+    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 12)  # room for one device step, no home
+    assert {place for places in chosen["placement"] for place in places} <= {"host", "device"}
+    assert "device" in chosen["placement"][0] + chosen["placement"][1]
+    assert chosen["makespan"] < 0.7 * host["makespan"]
+    assert _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=0)["placement"] == [["host"] * 3] * 2
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]), "'host', 'device' or 'resident'"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host"]]), "shard count differs"),
+    (lambda: _C.lane_forecast([SHAPE], (0.0, 1.0, 1.0, 1.0), room=0), "every lane rate must be finite and > 0"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST), "give the room"),
+    (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, 0)], 1, 1)], SLOW_HOST, room=0), "tied_to names no other shard"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=-1), "room must be >= 0"),
+])
+def test_bad_input_is_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
