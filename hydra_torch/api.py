@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import sys
 import threading
 import time
-import warnings
 
 import torch
 
@@ -16,7 +13,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner, sharding
 from hydra_torch.models.memory import format_bytes, parse_budget
 from hydra_torch.report.results import Results
-from hydra_torch.run import lifecycle, saved_bytes
+from hydra_torch.run import call_end, lifecycle, saved_bytes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
@@ -143,7 +140,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
                         placement)
         _restore_checkpoints(runners, loaded)
         selection_run = selection.start(runners) if selection is not None else None
-        # The checkpointer holds the tasks' checkpoint directories until _bring_home closes it, or an error
+        # The checkpointer holds the tasks' checkpoint directories until call_end.bring_home closes it, or an error
         # before the workers start does.
         checkpoints = _checkpointer(runners, checkpoint_dir, checkpoint_every)
         with _closed_on_error(checkpoints):
@@ -163,11 +160,11 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             for runner in runners:  # a clipped step queued before the run stopped is counted while the bars are open
                 runner.settle_at_end()
             bars.close(runners)
-            _bring_home(runners, engines, checkpoints)
-            results = _results(runners, engines, workers, start, resolved, wall, checkpoints, threads)
+            call_end.bring_home(runners, engines, checkpoints)
+            results = call_end.results_of(runners, engines, workers, start, resolved, wall, checkpoints, threads)
         if interrupted is not None:
             raise interrupted
-        _tell(results, workers.stop, checkpoints, checkpoint_dir)
+        call_end.tell(results, workers.stop, checkpoints, checkpoint_dir)
         return results
 
 def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement) -> list[ModelTask]:
@@ -352,64 +349,3 @@ def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, sele
     workers.scheduler.set_open(True)
     arrivals.attach(open_run)
     return open_run
-
-
-def _bring_home(runners, engines, checkpoints):
-    """Every task still in the run (the others left when they ended) written back into its model, its final
-    checkpoint taken; every checkpoint written and the tasks' directories let go, however this ends."""
-    try:
-        for runner in runners:
-            if runner.result is None:
-                lifecycle.bring_home(runner, engines, checkpoints)
-    finally:
-        if checkpoints is not None:
-            checkpoints.close()
-
-
-def _results(runners, engines, workers, start, devices, wall, checkpoints, host_threads: int) -> Results:
-    """What the call returns: every task's result, the trace and the engines' statistics. Each task's part in
-    the call is then over: a stop request ends with it, and `task.ended` is set."""
-    trace, stop = workers.trace, workers.stop
-    for runner in runners:
-        if runner.result is None:
-            runner.result = lifecycle.task_result(runner, engines, trace, start)
-    names = [str(d) for d in devices]
-    if len(set(names)) < len(names):  # virtual devices: number them
-        names = [f"{name}[{i}]" for i, name in enumerate(names)]
-    stats = [_device_stats(engine, slot, host_threads) for engine, slot in zip(engines, workers.slots)]
-    results = Results([r.result for r in runners], names, stats, sorted(trace, key=lambda e: e.start), wall,
-                      checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
-    results.interrupted = stop.name
-    results.bases = {r.base.base.name: r.base.summary(engines) for r in runners if r.base is not None}
-    for runner in runners:
-        runner.task.stop_reason = None  # a request ends with the call
-        runner.task.ended.set()
-    return results
-
-
-def _device_stats(engine, slot, host_threads: int) -> dict:
-    """The engine's statistics, the budget's split, the most bytes the micro-batches in flight held there, and the
-    host-step threads its steps shared with the other devices'."""
-    return {**engine.stats(), **(slot.budget_split or {}), "saved_high_water_bytes": slot.saved.high_water,
-            "host_threads": host_threads}
-
-
-def _tell(results, stop, checkpoints, checkpoint_dir):
-    """Warns of a stop at step boundaries (and passes SIGTERM on), of re-plans and of failed tasks."""
-    if stop.is_set():
-        cut = [r.name for r in results if r.cut_short]
-        warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
-                      f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=3)
-        if stop.signal != signal.SIGINT:
-            if checkpoints is not None:
-                sys.stderr.write(f"{stop.name}: every task stopped at a step boundary and was checkpointed in "
-                                 f"{checkpoint_dir}; the same ht.train call with checkpoint_dir={checkpoint_dir!r} "
-                                 "resumes it\n")
-            interrupts.deliver(stop.signal)
-    for result in results:
-        if result.replans:
-            warnings.warn(f"task {result.name!r} ran out of device memory and was re-planned "
-                          f"{len(result.replans)} time(s), last at {result.replans[-1]}; give it smaller shards or "
-                          "more memory to spare the retries", RuntimeWarning, stacklevel=3)
-        if result.error is not None:
-            warnings.warn(f"task {result.name!r} stopped: {result.error}", RuntimeWarning, stacklevel=3)
