@@ -58,7 +58,8 @@ Shares shares(const std::vector<TaskShape>& tasks, const Placement& placement) {
     for (size_t i = 0; i < tasks[t].shards.size(); ++i) {
       const auto p = static_cast<double>(tasks[t].shards[i].params);
       total += p;
-      (placement[t][i] == StepPlace::kResident ? s.resident : placement[t][i] == StepPlace::kDevice ? s.device : s.host) += p;
+      const StepPlace place = placement[t][i];
+      (place == StepPlace::kResident ? s.resident : place == StepPlace::kDevice ? s.device : s.host) += p;
     }
   return Shares{s.resident / total, s.device / total, s.host / total};
 }
@@ -71,8 +72,8 @@ double tokens_per_second(int models, double makespan) {
 
 int main() {
   const StepBytes bytes;
-  std::printf("| K | host GB/s | placement | steps resident / device / host (of parameters) | makespan s | four-lane bound s | "
-              "makespan / bound | busy: compute / in / out / host | tokens/s | vs FSDP2 12.7k |\n");
+  std::printf("| K | host GB/s | placement | steps resident / device / host (of parameters) | makespan s | "
+              "four-lane bound s | makespan / bound | busy: compute / in / out / host | tokens/s | vs FSDP2 12.7k |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (int models : {1, 4, 12}) {
     const std::vector<TaskShape> tasks(static_cast<size_t>(models), gpt2_large());
@@ -98,7 +99,8 @@ int main() {
         const double m = row.run.makespan;
         const double compute = row.bound.compute;  // one device: the lane's total
         const double tokens = tokens_per_second(models, m);
-        std::printf("| %d | %.0f | %s%s | %.2f / %.2f / %.2f | %.2f | %.2f | %.3f | %.2f / %.2f / %.2f / %.2f | %.1fk | %.2fx |\n",
+        std::printf("| %d | %.0f | %s%s | %.2f / %.2f / %.2f | %.2f | %.2f | %.3f | %.2f / %.2f / %.2f / %.2f | "
+                    "%.1fk | %.2fx |\n",
                     models, host_gbs, row.name,
                     row.name[0] == 'a' ? (plan.headroom < 1 ? " (headroom)" : "") : "", s.resident, s.device, s.host,
                     m, row.bound.bound(), m / row.bound.bound(), compute / m, row.run.transfer_seconds / m,

@@ -105,12 +105,13 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
     stats = base.stats[0]
     # The emulated host's pace where there is one: the steps' own work runs within it (measured at memory speed
     # beside the compute on these cores, the steps' rate is lower than when they mostly wait on the pace).
-    host_rate = args.host_speed * bandwidth if args.host_speed else stats["host_step_bytes"] / stats["host_step_seconds"]
+    host_rate = (args.host_speed * bandwidth if args.host_speed
+                 else stats["host_step_bytes"] / stats["host_step_seconds"])
     placement = [["resident" if r.placement == "resident" or s in r.resident_shards else "host"
                   for s in range(shards)] for r in results.tasks]
     fp32_adamw = (4.0, 8.0, 28.0, 8.0, 28.0)  # weight, state, host step, host accumulate, device step
-    forecast = _C.lane_forecast([(shapes, args.steps, 1)] * len(results.tasks), (bandwidth, bandwidth, host_rate, host_rate),
-                                fp32_adamw, 1, placement)
+    rates = (bandwidth, bandwidth, host_rate, host_rate)  # a resident shard steps on this CPU's memory too
+    forecast = _C.lane_forecast([(shapes, args.steps, 1)] * len(results.tasks), rates, fp32_adamw, 1, placement)
     return forecast["span"]  # as measured: the first unit's start to the last's end
 
 
@@ -161,7 +162,8 @@ def main():
                         stats["device_to_host_bytes"] / bandwidth[ratio], host_lane)
             took = span(results)
             extra[ratio, placement].append(extra_by_kind(base, results, len(shard_bytes)))
-            forecast = lane_forecast(base, results, args, shard_bytes, bandwidth[ratio]) if args.forecast else float("nan")
+            forecast = (lane_forecast(base, results, args, shard_bytes, bandwidth[ratio]) if args.forecast
+                        else float("nan"))
             rows[ratio, placement].append((took / bound, stats["acquire_wait_seconds"] / took,
                                            stats["grad_wait_seconds"] / took, compute,
                                            stats["host_to_device_bytes"] / bandwidth[ratio], took, forecast / took))
@@ -175,7 +177,8 @@ def main():
     for placement, got in placements.items():
         print(f"placement {placement!r}: " + "; ".join(got))
     print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | "
-          "span / host's | waiting for weights | waiting for gradient room |" + (" forecast / span |" if args.forecast else ""))
+          "span / host's | waiting for weights | waiting for gradient room |" +
+          (" forecast / span |" if args.forecast else ""))
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
     for (ratio, placement), measured in rows.items():
         med = [statistics.median(r[i] for r in measured) for i in range(7)]

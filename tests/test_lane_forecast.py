@@ -33,7 +33,8 @@ def test_without_a_placement_one_is_chosen_within_the_room():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]), "'host', 'device' or 'resident'"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]),
+     "'host', 'device' or 'resident'"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host"]]), "shard count differs"),
     (lambda: _C.lane_forecast([SHAPE], (0.0, 1.0, 1.0, 1.0), room=0), "every lane rate must be finite and > 0"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST), "give the room"),

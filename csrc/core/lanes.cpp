@@ -177,7 +177,8 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
                        const StepBytes& bytes) {
   ShardLanes lanes;
   const auto p = static_cast<double>(shard.params);
-  if (place != StepPlace::kResident) lanes.weights_in = static_cast<double>(shard.weights) * bytes.weight / rates.host_to_device;
+  if (place != StepPlace::kResident)
+    lanes.weights_in = static_cast<double>(shard.weights) * bytes.weight / rates.host_to_device;
   switch (place) {
     case StepPlace::kHost:
       lanes.gradient_out = static_cast<double>(shard.grads) * bytes.weight / rates.device_to_host;
@@ -253,11 +254,13 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
   Placement placement = host_placement(tasks);
   const bool one_device = num_devices == 1;
   std::vector<TaskLanes> per_task;
-  for (size_t t = 0; t < tasks.size(); ++t) per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, one_device));
+  for (size_t t = 0; t < tasks.size(); ++t)
+    per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, one_device));
   // Homes leave room for the largest device step, so that homes never crowd out every kDevice move.
   int64_t reserve = 0;
   for (const TaskShape& task : tasks)
-    for (const ShardShape& shard : task.shards) reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes));
+    for (const ShardShape& shard : task.shards)
+      reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes));
   int64_t held = 0, step = 0;
   Ranking current = ranking(combine(per_task, num_devices), headroom);
   for (;;) {
@@ -327,7 +330,8 @@ std::vector<TaskSpec> task_specs(const std::vector<TaskShape>& tasks) {
   std::vector<TaskSpec> specs;
   for (const TaskShape& task : tasks) {
     TaskSpec spec{static_cast<int>(task.shards.size()), task.micro_batches, std::nullopt};
-    for (const ShardShape& shard : task.shards) spec.shard_costs.push_back(shard.forward_seconds + shard.backward_seconds);
+    for (const ShardShape& shard : task.shards)
+      spec.shard_costs.push_back(shard.forward_seconds + shard.backward_seconds);
     // The cost model takes positive costs only; with a shard that computes nothing, it assumes all alike.
     if (std::any_of(spec.shard_costs.begin(), spec.shard_costs.end(), [](double c) { return c <= 0.0; }))
       spec.shard_costs.clear();

@@ -110,7 +110,8 @@ double weights_seconds(const SimulationConfig& config, const Unit& unit) {
 
 // The unit starts a step after a host step of its shard: a copy the device holds from before is stale.
 bool after_host_step(const SimulationConfig& config, const Unit& unit) {
-  if (config.steps.empty() || place_of(config, unit) != StepPlace::kHost || unit.phase == Phase::kBackward) return false;
+  if (config.steps.empty() || place_of(config, unit) != StepPlace::kHost || unit.phase == Phase::kBackward)
+    return false;
   return unit.micro_batch > 0 && unit.micro_batch % config.steps[static_cast<size_t>(unit.task)].accumulate == 0;
 }
 
@@ -122,7 +123,8 @@ double ready_at(const SimulationConfig& config, StepState& steps, const Unit& un
 // prefetch waits for that, so that a copy lane never stands still behind a step while other copies could run.
 bool weights_ready(const SimulationConfig& config, StepState& steps, const Unit& unit, double now) {
   if (config.steps.empty()) return true;
-  const bool issued = steps.of(unit).issued >= unit.micro_batch / config.steps[static_cast<size_t>(unit.task)].accumulate;
+  const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
+  const bool issued = steps.of(unit).issued >= unit.micro_batch / accumulate;
   return issued && ready_at(config, steps, unit) <= now;
 }
 
@@ -209,7 +211,8 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
     return gradient_lane;
   };
   if (config.steps.empty()) {
-    if (config.gradient_transfer) out(end, checked(config.gradient_transfer(unit.task, unit.shard, unit.phase), "transfer"));
+    if (config.gradient_transfer)
+      out(end, checked(config.gradient_transfer(unit.task, unit.shard, unit.phase), "transfer"));
     return end;
   }
   const ShardLanes& lanes = lanes_of(config, unit);
