@@ -6,26 +6,27 @@ namespace hydra::core {
 
 namespace {
 
-// `placement` with each task's first shard (and the shards tied to it) off the host where room allows: resident,
-// else stepped on the device. The bound does not see what that saves: a task's first shard's step is the one its
-// next step's first unit waits for, and the scheduler may give the device that unit at once.
-Placement first_shards_off_host(const std::vector<TaskShape>& tasks, Placement placement, const StepBytes& bytes,
-                                int num_devices, int64_t room) {
-  for (size_t t = 0; t < tasks.size(); ++t) {
-    if (placement[t][0] != StepPlace::kHost) continue;
-    for (StepPlace to : {StepPlace::kResident, StepPlace::kDevice}) {
-      if (to == StepPlace::kResident && num_devices > 1) continue;
-      Placement moved = placement;
-      for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
-        const int tied = tasks[t].shards[s].tied_to;
-        if (s == 0 || tied == 0 || (tied < 0 && tasks[t].shards[0].tied_to == static_cast<int>(s))) moved[t][s] = to;
-      }
-      if (placement_bytes(tasks, moved, bytes) <= room) {
-        placement = std::move(moved);
-        break;
+// `placement` with each task's first `count` shards (each with the shards tied to it) off the host where room
+// allows: resident, else stepped on the device; shard 0 of every task first, then shard 1, ... The bound does not
+// see what that saves: the first shards' steps are the ones the next step's first units wait for, in turn, and the
+// scheduler may give the device those units at once.
+Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement placement, int count,
+                                  const StepBytes& bytes, int num_devices, int64_t room) {
+  for (int s = 0; s < count; ++s)
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      if (s >= static_cast<int>(tasks[t].shards.size()) || placement[t][static_cast<size_t>(s)] != StepPlace::kHost)
+        continue;
+      const std::vector<int> group = tie_group(tasks[t], s);
+      for (StepPlace to : {StepPlace::kResident, StepPlace::kDevice}) {
+        if (to == StepPlace::kResident && num_devices > 1) continue;
+        Placement moved = placement;
+        for (int g : group) moved[t][static_cast<size_t>(g)] = to;
+        if (placement_bytes(tasks, moved, bytes) <= room) {
+          placement = std::move(moved);
+          break;
+        }
       }
     }
-  }
   return placement;
 }
 
@@ -37,7 +38,10 @@ LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates,
   std::vector<Placement> tried;
   for (double headroom : kHeadrooms) {
     const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom);
-    for (Placement placement : {chosen, first_shards_off_host(tasks, chosen, bytes, num_devices, room)}) {
+    std::vector<Placement> variants{chosen};
+    for (int count : kLeadingShards)
+      variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room));
+    for (Placement& placement : variants) {
       bool seen = false;
       for (const Placement& p : tried) seen = seen || p == placement;
       if (seen) continue;

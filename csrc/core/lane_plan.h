@@ -1,6 +1,7 @@
-// The placement a run gets: the lane model's choice (choose_placement) at several headrooms, each simulated, the
-// shortest simulated run kept. The bound alone cannot say how much slack a copy or host lane needs, since that
-// depends on how the tasks' steps bunch up; the simulator, driving the real scheduler, can.
+// The placement a run gets: the lane model's choice (choose_placement) at several headrooms, each also with each
+// task's first shards off the host, all simulated, the shortest simulated run kept. The bound alone cannot say how
+// much slack a copy or host lane needs, since that depends on how the tasks' steps bunch up, nor what a step late
+// off the host costs the unit that waits for it; the simulator, driving the real scheduler, can.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,8 @@ struct LanePlan {
 
 // Headrooms tried, from none to the host lane kept 40% idle.
 inline constexpr double kHeadrooms[] = {1.0, 0.9, 0.8, 0.7, 0.6};
+// How many of each task's first shards are tried off the host (resident where room allows, else on the device).
+inline constexpr int kLeadingShards[] = {1, 2, 4, 8};
 
 LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
                     int num_devices, int64_t room);

@@ -141,27 +141,6 @@ LaneBound combine(const std::vector<TaskLanes>& per_task, int num_devices) {
   return b;
 }
 
-// The shards that step in one place with shard s: those tied to it, and to them.
-std::vector<int> tie_group(const TaskShape& task, int s) {
-  const int n = static_cast<int>(task.shards.size());
-  std::vector<bool> in(static_cast<size_t>(n));
-  in[static_cast<size_t>(s)] = true;
-  for (bool grew = true; grew;) {
-    grew = false;
-    for (int i = 0; i < n; ++i) {
-      const int tied = task.shards[static_cast<size_t>(i)].tied_to;
-      if (tied >= 0 && in[static_cast<size_t>(i)] != in[static_cast<size_t>(tied)]) {
-        in[static_cast<size_t>(i)] = in[static_cast<size_t>(tied)] = true;
-        grew = true;
-      }
-    }
-  }
-  std::vector<int> group;
-  for (int i = 0; i < n; ++i)
-    if (in[static_cast<size_t>(i)]) group.push_back(i);
-  return group;
-}
-
 }  // namespace
 
 const char* step_place_name(StepPlace place) {
@@ -226,6 +205,26 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
   for (size_t t = 0; t < tasks.size(); ++t)
     per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, num_devices == 1));
   return combine(per_task, num_devices);
+}
+
+std::vector<int> tie_group(const TaskShape& task, int s) {
+  const int n = static_cast<int>(task.shards.size());
+  std::vector<bool> in(static_cast<size_t>(n));
+  in[static_cast<size_t>(s)] = true;
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (int i = 0; i < n; ++i) {
+      const int tied = task.shards[static_cast<size_t>(i)].tied_to;
+      if (tied >= 0 && in[static_cast<size_t>(i)] != in[static_cast<size_t>(tied)]) {
+        in[static_cast<size_t>(i)] = in[static_cast<size_t>(tied)] = true;
+        grew = true;
+      }
+    }
+  }
+  std::vector<int> group;
+  for (int i = 0; i < n; ++i)
+    if (in[static_cast<size_t>(i)]) group.push_back(i);
+  return group;
 }
 
 Placement host_placement(const std::vector<TaskShape>& tasks) {

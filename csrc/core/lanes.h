@@ -108,6 +108,8 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
                            int num_devices, int64_t room, double headroom = 1.0);
 Placement host_placement(const std::vector<TaskShape>& tasks);
+// The shards that step in one place with `shard`: those tied to it, and to them, in order.
+std::vector<int> tie_group(const TaskShape& task, int shard);
 
 // Device memory a placement asks: held bytes plus the largest step's room.
 int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes);
