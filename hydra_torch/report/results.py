@@ -167,20 +167,23 @@ class Results:
         return {device: (busy[i] / span if span > 0 else 0.0) for i, device in enumerate(self.devices)}
 
     def lanes(self) -> dict:
-        """Where the run's time went: each lane's busy share of the wall time. Per device, "compute" (its units
-        running, less the time they waited for their weights to come in or for room: `utilisation` counts those
-        waits as busy), "copies_in" and "copies_out" (its copy lanes' threads copying; None on a GPU, whose lane
+        """Where the run's time went: each lane's busy share of the call's wall time. Per device, "compute" (its
+        units running, less the time they waited for their weights to come in or for room, which `utilisation`
+        counts as busy), "copies_in" and "copies_out" (its copy lanes' threads copying; None on a GPU, whose lane
         threads only issue the copies the link then carries); and "host", the host-step threads' busy share, all
         devices' steps together, over the threads (None where the run did not say how many). The busiest lane is
         the one a faster run needs relieved first (see docs/architecture.md, "The lane model")."""
         wall = self.wall_time
+        units = [0.0] * len(self.devices)  # seconds of units run, per device
+        for e in self.trace:
+            units[e.device] += e.end - e.start
         devices = {}
-        for i, (device, busy) in enumerate(self.utilisation().items()):
+        for i, device in enumerate(self.devices):
             stats = self.stats[i] if i < len(self.stats) else {}
+            computing = max(0.0, units[i] - stats.get("acquire_wait_seconds", 0.0))
             copies = not device.startswith("cuda") and wall > 0
-            waited = stats.get("acquire_wait_seconds", 0.0) / wall if wall > 0 else 0.0
             devices[device] = {
-                "compute": max(0.0, busy - waited),
+                "compute": computing / wall if wall > 0 else 0.0,
                 "copies_in": stats.get("weight_copy_seconds", 0.0) / wall if copies else None,
                 "copies_out": stats.get("grad_copy_seconds", 0.0) / wall if copies else None,
             }
