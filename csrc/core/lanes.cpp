@@ -62,9 +62,9 @@ void validate_placement(const std::vector<TaskShape>& tasks, const Placement& pl
 
 int64_t steps_of(const TaskShape& task) { return (task.micro_batches + task.accumulate - 1) / task.accumulate; }
 
-// One task's share of each lane and its own chain. `spread`: one device runs all its units (the back-to-back
-// reuse of shard 0's weights is then the only reuse), else any device may (a stepped shard's weights then come in
-// at least once a step, a kDevice shard's at least once).
+// One task's share of each lane and its own chain. `one_device`: one device runs all its units (the back-to-back
+// reuse of shard 0's weights is then the only reuse), else any device may (a host-stepped shard's weights then come
+// in at least once a step, a kDevice shard's at least once).
 struct TaskLanes {
   double compute = 0.0, host_to_device = 0.0, device_to_host = 0.0, host = 0.0, chain = 0.0;
 };
@@ -260,6 +260,13 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
   for (const TaskShape& task : tasks)
     for (const ShardShape& shard : task.shards)
       reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes));
+  // Each tie group once, by its first shard: what one move changes.
+  std::vector<std::vector<std::vector<int>>> groups(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t)
+    for (int s = 0; s < static_cast<int>(tasks[t].shards.size()); ++s) {
+      std::vector<int> group = tie_group(tasks[t], s);
+      if (group.front() == s) groups[t].push_back(std::move(group));
+    }
   int64_t held = 0, step = 0;
   Ranking current = ranking(combine(per_task, num_devices), headroom);
   for (;;) {
@@ -275,10 +282,8 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
     for (size_t t = 0; t < tasks.size(); ++t) {
       const TaskShape& task = tasks[t];
       const bool accumulates = task.accumulate > 1;
-      for (int s = 0; s < static_cast<int>(task.shards.size()); ++s) {
-        const std::vector<int> group = tie_group(task, s);
-        if (group.front() != s) continue;  // each group once, by its first shard
-        const StepPlace now = placement[t][static_cast<size_t>(s)];
+      for (const std::vector<int>& group : groups[t]) {
+        const StepPlace now = placement[t][static_cast<size_t>(group.front())];
         for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
           if (to <= now || (to == StepPlace::kResident && !one_device)) continue;
           int64_t group_held = held, group_step = step;
@@ -294,10 +299,10 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
           TaskLanes lanes = task_lanes(task, places, rates, bytes, one_device);
           std::swap(per_task[t], lanes);
           const Ranking rank = ranking(combine(per_task, num_devices), headroom);
-          std::swap(per_task[t], lanes);
+          std::swap(per_task[t], lanes);  // `lanes` is the task's with the move made again
           if (better(rank, best_rank)) {
             best_rank = rank;
-            best = Move{t, group, to, group_held, group_step, task_lanes(task, places, rates, bytes, one_device)};
+            best = Move{t, group, to, group_held, group_step, lanes};
           }
         }
       }

@@ -148,7 +148,7 @@ double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLa
 bool ends_step(const SimulationConfig& config, const Unit& unit);
 
 // The unit's backward ends a step of a shard stepped on the host: the shard's next visit waits for that step.
-bool after_host_step_of(const SimulationConfig& config, const Unit& unit) {
+bool ends_host_step(const SimulationConfig& config, const Unit& unit) {
   return !config.steps.empty() && place_of(config, unit) == StepPlace::kHost && ends_step(config, unit);
 }
 
@@ -280,7 +280,7 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       result.exposed_transfer_seconds += start - now;
       const double end = after_unit(config, *unit, start + compute, state_landed,
                                     gradient_lanes[static_cast<size_t>(d)], steps, result);
-      if (config.hold_for_steps && unit->shard == 0 && has_backward(unit->phase) && after_host_step_of(config, *unit)) {
+      if (config.hold_for_steps && unit->shard == 0 && has_backward(unit->phase) && ends_host_step(config, *unit)) {
         // As the engine's device loop does: the task's next forward would wait for this step, so other tasks go
         // first until it is done.
         scheduler.hold(unit->task, true);
