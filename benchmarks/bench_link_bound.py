@@ -8,8 +8,9 @@ counts. Reported, medians of interleaved rounds: the span (first unit's start to
 bound, and the shares of the span the compute waited for weights to land (`acquire_wait_seconds`, the exposed
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
 With several `--placements` (ht.train's `placement`: "auto" keeps each model's first and last shards resident,
-"host" spills every shard), each runs in every round under one budget, which then also holds every model's
-resident ends. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
+"device" also steps the others on the device, "host" spills every shard), each runs in every round under one
+budget, which then also holds every model's resident ends and, with "device", its other shards' gradient buffers
+and the largest device step's regions. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
 (`hydra_torch.testing.emulated_host`), and the bound also counts the host lane: the bytes the host steps touched
 over that bandwidth. With `--forecast`, each run is also forecast by the lane model (`_C.lane_forecast`, the
 simulator over the real scheduler) from what the memory-speed run of the same round measured: each shard's median
@@ -17,7 +18,7 @@ unit times, the host steps' bytes per second (the emulated host's where there is
 placement the run got; reported as the forecast over the measured span.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
-                                          [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto]
+                                          [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto device]
                                           [--host-speed S] [--forecast]
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ def train(args, data, budget, bandwidth=None, placement="host"):
             stack.enter_context(mock.patch.object(workers, "PREFETCH_BEYOND_NEXT_BYTES", -1))
         stack.enter_context(mock.patch.object(workers, "COMMITTED_UNITS", args.commit))
         results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False, placement=placement)
-    assert all(r.error is None for r in results), [r.error for r in results]
+    assert all(r.error is None for r in results), (placement, [r.error for r in results])
     placements.setdefault(placement, [r.placement for r in results])
     return results
 
@@ -107,10 +108,13 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
     # beside the compute on these cores, the steps' rate is lower than when they mostly wait on the pace).
     host_rate = (args.host_speed * bandwidth if args.host_speed
                  else stats["host_step_bytes"] / stats["host_step_seconds"])
-    placement = [["resident" if r.placement == "resident" or s in r.resident_shards else "host"
-                  for s in range(shards)] for r in results.tasks]
+    placement = [["resident" if r.placement == "resident" or s in r.resident_shards else
+                  "device" if s in r.device_shards else "host" for s in range(shards)] for r in results.tasks]
     fp32_adamw = (4.0, 8.0, 28.0, 8.0, 28.0)  # weight, state, host step, host accumulate, device step
-    rates = (bandwidth, bandwidth, host_rate, host_rate)  # a resident shard steps on this CPU's memory too
+    # A resident or device-stepped shard steps on the CPU device, which the emulated host does not pace: at the
+    # rate the memory-speed run's host steps reached.
+    memory_rate = stats["host_step_bytes"] / stats["host_step_seconds"]
+    rates = (bandwidth, bandwidth, host_rate, memory_rate)
     forecast = _C.lane_forecast([(shapes, args.steps, 1)] * len(results.tasks), rates, fp32_adamw, 1, placement)
     return forecast["span"]  # as measured: the first unit's start to the last's end
 
@@ -130,8 +134,9 @@ def main():
                         help="every model clips its gradients' global norm (clip_grad_norm)")
     parser.add_argument("--by-unit", action="store_true",
                         help="also where the span beyond memory speed goes: each kind of unit's extra seconds")
-    parser.add_argument("--placements", nargs="+", default=["host"], choices=["host", "auto"],
-                        help="ht.train's placement, each run in every round (auto: resident first and last shards)")
+    parser.add_argument("--placements", nargs="+", default=["host"], choices=["host", "auto", "device"],
+                        help="ht.train's placement, each run in every round (auto: resident first and last shards; "
+                             "device: and the others stepped on the device)")
     parser.add_argument("--host-speed", type=float, default=None,
                         help="emulate a host memory bandwidth of this many times the link's (default: the machine's)")
     parser.add_argument("--forecast", action="store_true",
@@ -141,8 +146,10 @@ def main():
     # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile;
     # with "auto" among the placements, every model's resident ends too (the same budget for every placement).
     budget = (2 + args.ahead) * max(shard_bytes) + 65536
-    if "auto" in args.placements:
+    if "auto" in args.placements or "device" in args.placements:
         budget += args.models * ends_bytes(shard_bytes)
+    if "device" in args.placements:  # the middle shards' fp32 gradients, and a step's master and moments (12 bytes
+        budget += args.models * sum(shard_bytes[1:-1]) + 3 * max(shard_bytes) + 65536  # a parameter)
     runs = [(ratio, placement) for ratio in args.ratios for placement in args.placements]
     placements.clear()
     rows = {run: [] for run in runs}

@@ -63,7 +63,7 @@ def _sole_call():
         _ONE_CALL.release()
 
 
-PLACEMENTS = ("auto", "host")
+PLACEMENTS = ("auto", "host", "device")
 
 
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
@@ -107,7 +107,14 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         beside other spilled tasks, still caches every spilled shard's weights (they step on the device, and the
         next step's forward need not wait for the first shard's round trip through the host); the others, and
         every shard on several devices or of a task joining later, are spilled.
-        "host": every shard of a spilled task is spilled. `TaskResult.placement` says what each task got.
+        "host": every shard of a spilled task is spilled.
+        "device": as "auto", and every other shard of a spilled task on one device that is not tied to another
+        (a shared embedding and head are) steps on the device: its gradients stay there, its fp32 master and
+        optimizer state come in after its backward and go home with its new weights, so the host does no
+        arithmetic for it; as many as their gradient buffers leave room for, first shards first. Worth it where
+        the host's memory bandwidth, not the link, binds the run (results.lanes() says which). Not for a bf16
+        task that sums micro-batches (as "auto" keeps its ends spilled).
+        `TaskResult.placement` says what each task got.
 
     A task that fails (say its loss becomes NaN) stops with its last good weights, its error in its result;
     the others finish. A task whose unit runs out of device memory is re-planned instead (spilled if it was

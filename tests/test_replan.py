@@ -362,18 +362,23 @@ def test_a_re_plan_that_cannot_be_made_fails_only_its_task(monkeypatch, where):
     assert results["other"].ok and results["other"].steps == 4
 
 
-def test_a_task_with_resident_ends_that_runs_out_of_memory_is_cut_finer_and_trains_on_spilled():
+@pytest.mark.parametrize("placement, had", [
+    ("auto", "spilled in 4 shards, shards 0, 3 resident"),
+    ("device", "spilled in 4 shards, shards 0, 3 resident, shards 1, 2 stepped on the device"),
+])
+def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_and_trains_on_spilled(placement, had):
     data = token_batches(6)
     ref, ref_losses = reference(data)
     model, oom = model_with(lambda m: len(m.shard) > 1)
     torch.manual_seed(SEED)
     task = task_for(model, oom, data, shards=4)
     with pytest.warns(RuntimeWarning, match="re-planned 1 time"):
-        result = ht.train([task], devices="cpu", memory_budget=3 * model_bytes(model), progress=False)[0]
+        result = ht.train([task], devices="cpu", memory_budget=4 * model_bytes(model), progress=False,
+                          placement=placement)[0]
     assert result.ok, result.error
-    assert len(result.replans) == 1 and "spilled in 4 shards, shards 0, 3 resident" in result.replans[0], \
-        result.replans
-    assert result.placement == "spilled" and task.num_shards > 4  # a re-planned task is spilled whole
+    assert len(result.replans) == 1 and had in result.replans[0], result.replans
+    # A re-planned task is spilled whole.
+    assert result.placement == "spilled" and result.device_shards == [] and task.num_shards > 4
     assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
     assert max_relative_error(model, ref) <= TOLERANCE
     assert model[0].weight is model[-1].weight

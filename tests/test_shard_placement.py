@@ -155,7 +155,7 @@ def test_placement_is_checked_before_anything_runs():
     model = tied_transformer()
     before = params(model)
     task = ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2))
-    for bad in ("device", "", None, 3):
+    for bad in ("gpu", "", None, 3):
         with pytest.raises(ValueError, match="placement must be one of 'auto', 'host'"):
             ht.train(task, devices="cpu", progress=False, placement=bad)
     assert all(torch.equal(a, b) for a, b in zip(before, params(model)))

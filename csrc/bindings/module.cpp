@@ -40,10 +40,12 @@ py::dict stats_dict(const EngineStats& s) {
   d["host_to_device_copies"] = s.host_to_device_copies;
   d["device_to_host_copies"] = s.device_to_host_copies;
   d["host_steps"] = s.host_steps;
+  d["device_steps"] = s.device_steps;
   d["host_step_seconds"] = s.host_step_seconds;
   d["host_step_bytes"] = s.host_step_bytes;
   d["grad_copy_seconds"] = s.grad_copy_seconds;
   d["weight_copy_seconds"] = s.weight_copy_seconds;
+  d["device_step_seconds"] = s.device_step_seconds;
   d["staging_bytes"] = s.staging_bytes;
   d["acquire_loads"] = s.acquire_loads;
   d["acquire_wait_seconds"] = s.acquire_wait_seconds;
@@ -184,16 +186,18 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "add_model",
           [](DeviceEngine& engine, std::shared_ptr<ShardStore> store, bool allow_resident, int task,
-             std::vector<int> resident_shards, int base) {
+             std::vector<int> resident_shards, int base, std::vector<int> device_shards) {
             return engine.add_model(std::move(store),
                                     allow_resident ? DeviceEngine::Residency::kAuto : DeviceEngine::Residency::kSpilled,
-                                    task, std::move(resident_shards), base);
+                                    task, std::move(resident_shards), base, std::move(device_shards));
           },
           py::arg("store"), py::arg("allow_resident") = true, py::arg("task") = -1,
-          py::arg("resident_shards") = std::vector<int>{}, py::arg("base") = -1)
+          py::arg("resident_shards") = std::vector<int>{}, py::arg("base") = -1,
+          py::arg("device_shards") = std::vector<int>{})
       .def("model_of", &DeviceEngine::model_of, py::arg("task"))
       .def("resident", &DeviceEngine::resident)
       .def("resident_shards", &DeviceEngine::resident_shards)
+      .def("device_shards", &DeviceEngine::device_shards)
       .def_static("min_spilled_bytes", &DeviceEngine::min_spilled_bytes)
       .def_static("resident_bytes", &DeviceEngine::resident_bytes)
       .def_static("spilled_need", &DeviceEngine::spilled_need)
@@ -242,24 +246,26 @@ PYBIND11_MODULE(_C, m) {
            py::arg("scheduler"), py::arg("engine"), py::arg("device"), py::arg("plan_units"),
            py::arg("committed_units"), py::arg("prefetch_bytes"), py::arg("hold_for_steps") = true,
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-      .def("begin", &DeviceLoop::begin, py::arg("unit"), release_gil())
+      .def("begin", &DeviceLoop::begin, py::arg("unit"), py::arg("step_follows") = false, release_gil())
       .def("end", &DeviceLoop::end, py::arg("unit"), py::arg("backward"), release_gil())
       .def("copied", &DeviceLoop::copied);
 
   // A run's models registered with its devices' engines (engine/placement.h): per model, the device it is
   // resident on (-1: none), the one device it trains on (-1: any), a spilled model's resident shards, and its id
-  // in each engine (-1 where it is not registered).
+  // in each engine (-1 where it is not registered), and its device-stepped shards.
   m.def(
       "place_models",
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
          const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes,
-         const std::vector<bool>& resident_ends, const std::vector<int>& bases) {
-        std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>>> placed;
+         const std::vector<bool>& resident_ends, const std::vector<int>& bases, const std::vector<bool>& device_steps) {
+        std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>, std::vector<int>>> placed;
         for (hydra::engine::Placement& p :
-             hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends, bases))
-          placed.emplace_back(p.resident_device, p.home_device, std::move(p.resident_shards), std::move(p.model_ids));
+             hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends, bases, device_steps))
+          placed.emplace_back(p.resident_device, p.home_device, std::move(p.resident_shards), std::move(p.model_ids),
+                              std::move(p.device_shards));
         return placed;
       },
       py::arg("engines"), py::arg("stores"), py::arg("names"), py::arg("graph_bytes") = std::vector<int64_t>{},
-      py::arg("resident_ends") = std::vector<bool>{}, py::arg("bases") = std::vector<int>{}, release_gil());
+      py::arg("resident_ends") = std::vector<bool>{}, py::arg("bases") = std::vector<int>{},
+      py::arg("device_steps") = std::vector<bool>{}, release_gil());
 }

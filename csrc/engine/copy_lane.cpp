@@ -27,8 +27,7 @@ CopyLane::~CopyLane() {
 Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> job, bool urgent) {
   return thread_.submit([this, after = std::move(after), job = std::move(job)]() -> DeviceEvent {
     // On a CPU device events are null: ordering on any stream is waiting for the host part.
-    const c10::Stream order = stream_ ? *stream_ : c10::Stream(c10::Stream::DEFAULT, device_);
-    for (const Fence& f : after) f.order_reuse_before(order);
+    for (const Fence& f : after) f.order_reuse_before(order_stream());
     if (!stream_) return job();
     c10::StreamGuard guard(*stream_);
     return job();
@@ -48,6 +47,18 @@ DeviceEvent CopyLane::copy(const Copies& copies) {
     event->record(*stream_);
   } else if (bytes_per_second_ > 0.0) {
     std::this_thread::sleep_until(start + std::chrono::duration<double>(static_cast<double>(bytes) / bytes_per_second_));
+  }
+  busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  return event;
+}
+
+DeviceEvent CopyLane::run(const std::function<void()>& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work();
+  DeviceEvent event;
+  if (stream_) {
+    event = std::make_shared<c10::Event>(device_.type());
+    event->record(*stream_);
   }
   busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
   return event;

@@ -1,4 +1,5 @@
-// One direction of a device's host link: host to device, or device to host.
+// One direction of a device's host link: host to device, or device to host. (Also the device's step lane: the
+// optimizer steps of device-stepped shards, which wait for their state's copy without holding up the compute.)
 //
 // A lane's copies are issued by its own thread, in submission order, so no copy waits behind host arithmetic
 // it does not depend on (an optimizer step of another shard or model). On a GPU they run on the lane's own
@@ -38,6 +39,10 @@ class CopyLane {
   // Inside a job: issues the copies and returns the event that marks their end (null on a CPU device, where
   // they are done on return).
   DeviceEvent copy(const Copies& copies);
+  // Inside a job: issues `work` (device kernels) on the lane's stream and returns the event that marks its end.
+  DeviceEvent run(const std::function<void()>& work);
+  // What a job orders itself after: the lane's stream, or on a CPU device the default one (waiting for the host).
+  c10::Stream order_stream() const { return stream_ ? *stream_ : c10::Stream(c10::Stream::DEFAULT, device_); }
   const std::optional<c10::Stream>& stream() const { return stream_; }
   // Time the lane's thread spent copying, pacing included (on a GPU: issuing).
   double busy_seconds() const { return static_cast<double>(busy_ns_.load()) * 1e-9; }

@@ -34,120 +34,14 @@ DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared
       host_steps_(host_steps ? std::move(host_steps) : std::make_shared<HostWorker>(1)),
       staging_(kStagingBuffers, /*pinned=*/!device.is_cpu()),
       to_device_(device, link_bytes_per_second),
-      to_host_(device, link_bytes_per_second) {
+      to_host_(device, link_bytes_per_second),
+      steps_(device, 0.0) {
   stats_.budget_bytes = budget_bytes;
 }
 
 DeviceEngine::~DeviceEngine() {
   // Host jobs capture this engine; the lanes finish their own copies as they are destroyed.
   host_steps_->drain();
-}
-
-int64_t DeviceEngine::min_spilled_bytes(const ShardStore& store) {
-  int64_t largest = 0;
-  for (int s = 0; s < store.num_shards(); ++s) largest = std::max(largest, store.device_numel(s));
-  return 2 * largest * store.element_bytes();
-}
-
-int64_t DeviceEngine::resident_bytes(const ShardStore& store) {
-  // Weights and gradients in the compute dtype, an fp32 master when that is bf16, and the optimizer state of the
-  // trainable parameters.
-  const int64_t per_element = 2 * store.element_bytes() + (store.bf16() ? 4 : 0);
-  return store.total_owned_numel() * per_element + store.total_trainable_numel() * 4 * store.optimizer().num_states();
-}
-
-int64_t DeviceEngine::spilled_need(const ShardStore& store) { return SpilledModel::spilled_need(store, {}); }
-
-int64_t DeviceEngine::resident_need(const ShardStore& store) {
-  int64_t need = 0;
-  for (int s = 0; s < store.num_shards(); ++s) need += ShardHomes::need(store, s);
-  return need;
-}
-
-int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residency, int task,
-                            std::vector<int> resident_shards, int base) {
-  TORCH_CHECK(store, "add_model: no store");
-  const ShardStore* base_of = base >= 0 ? &base_store(base) : nullptr;
-  TORCH_CHECK(!base_of || base_of->num_shards() == store->num_shards(), "add_model: a base of ",
-              base_of ? base_of->num_shards() : 0, " shards for a model of ", store->num_shards());
-  TORCH_CHECK(resident_shards.empty() || residency == Residency::kSpilled,
-              "add_model: resident shards are a spilled model's");
-  if (const std::string error = SpilledModel::resident_shards_error(*store, resident_shards); !error.empty())
-    TORCH_CHECK(false, "add_model: ", error);
-  // One unit computes at a time on a device, so spilled models share one working set: the largest shard's
-  // weights and gradients among them. Resident models each keep their whole state, and a spilled model its
-  // resident shards'.
-  const int64_t resident = resident_need(*store);
-  const int64_t homes = SpilledModel::homes_need(*store, resident_shards);
-  const int64_t spilled = SpilledModel::spilled_need(*store, resident_shards, base_of);
-  const int64_t reserve = std::max(spilled_reserve_, spilled);
-  // Resident, its units still hold their base shards.
-  const int64_t resident_reserve = std::max(spilled_reserve_, SpilledModel::base_shard_need(base_of));
-  // Once training has started the arena is sized: a model arriving then is spilled, within the arena.
-  const bool arriving = pool_.started();
-  const int64_t room = arriving ? pool_.capacity() : pool_.budget();
-  TORCH_CHECK(!arriving || homes == 0, "add_model: training has started: an arriving model has no resident shards");
-  TORCH_CHECK(resident_committed_ + homes + reserve <= room, "memory budget too small: the largest shard needs ",
-              spilled, " bytes on the device (its weights and gradients", base_of ? ", and its base's" : "", ")",
-              homes > 0 ? " beside its resident shards' " + std::to_string(homes) + " bytes" : std::string(),
-              " but only ", room - resident_committed_, " of the ", arriving ? "device's arena's " : "budget's ", room,
-              " bytes are left; raise memory_budget or cut the model into smaller shards");
-  // Resident beside a base, the base's shards stay cached for good (SpilledModel::keep_cached): committed too.
-  const int64_t kept_base = base_of && !this->spilled(base)->kept_cached() ? SpilledModel::cached_need(*base_of) : 0;
-  const bool fits = !arriving && resident_committed_ + resident_reserve + resident + kept_base <= pool_.budget();
-  TORCH_CHECK(residency != Residency::kResident || fits, "add_model: the whole training state needs ", resident,
-              " bytes beside ", resident_committed_ + resident_reserve, " already promised, but the budget is ",
-              pool_.budget(), arriving ? " and training has started" : "");
-  const int id = static_cast<int>(models_.size());
-  const bool resident_here = fits && residency != Residency::kSpilled;
-  const int64_t committed = resident_here ? resident : homes;
-  if (resident_here) {
-    spilled_reserve_ = resident_reserve;
-    if (kept_base > 0) {  // the base's, not the model's: it stays when the model leaves (a re-plan spills it)
-      this->spilled(base)->keep_cached();
-      resident_committed_ += kept_base;
-    }
-    models_.push_back(std::make_unique<ResidentModel>(*this, id, std::move(store)));
-  } else {
-    spilled_reserve_ = reserve;
-    grad_headroom_ = std::max(grad_headroom_, spilled / 2);
-    models_.push_back(std::make_unique<SpilledModel>(*this, id, std::move(store), std::move(resident_shards)));
-  }
-  resident_committed_ += committed;
-  models_.back()->set_committed_bytes(committed);
-  uploads_pending_ = uploads_pending_ || committed > 0;
-  if (task >= 0) task_models_[task] = id;
-  if (base_of) base_uses_[id] = BaseUse{base, {}};
-  if (!arriving) size_arena();
-  return id;
-}
-
-void DeviceEngine::size_arena() {
-  int64_t demand = spilled_reserve_;  // a unit's working set, with its base shard where it has one
-  for (const auto& m : models_) {
-    if (m->released()) continue;
-    const ShardStore& store = m->store();
-    demand += m->committed_bytes();
-    if (m->resident()) continue;
-    const SpilledModel& spilled = static_cast<const SpilledModel&>(*m);
-    // A base's working set is in its users' (add_model's `base`).
-    if (!spilled.frozen_base()) demand += SpilledModel::spilled_need(store, spilled.resident_shards());
-    demand += SpilledModel::cached_need(store, spilled.resident_shards());
-  }
-  pool_.set_demand(arrivals_ ? pool_.budget() : std::min(demand, pool_.budget()));
-}
-
-void DeviceEngine::keep_outside_arena(int64_t bytes) {
-  TORCH_CHECK(!pool_.started(), "keep_outside_arena: training has started");
-  TORCH_CHECK(bytes >= 0 && bytes <= free_bytes() && bytes < pool_.budget(), "keep_outside_arena: ", bytes,
-              " bytes asked, but the budget has ", free_bytes(), " left");
-  if (bytes > 0) pool_.keep_outside(bytes);
-}
-
-void DeviceEngine::expect_arrivals() {
-  TORCH_CHECK(!pool_.started(), "expect_arrivals: training has started");
-  arrivals_ = true;
-  pool_.set_demand(pool_.budget());
 }
 
 c10::Stream DeviceEngine::compute_stream() const {
@@ -224,25 +118,6 @@ void DeviceEngine::count_host_job(int64_t bytes, int64_t start_ns) {
   host_step_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
 }
 
-int DeviceEngine::model_of(int task) const {
-  auto it = task_models_.find(task);
-  return it == task_models_.end() ? -1 : it->second;
-}
-
-bool DeviceEngine::resident(int model) const {
-  const DeviceModel& m = model_at(model);
-  return !m.released() && m.resident();
-}
-
-std::vector<int> DeviceEngine::resident_shards(int model) const {
-  const DeviceModel& m = model_at(model);
-  std::vector<int> shards;
-  if (m.released()) return shards;
-  for (int s = 0; s < m.store().num_shards(); ++s)
-    if (m.homed(s)) shards.push_back(s);
-  return shards;
-}
-
 DeviceModel& DeviceEngine::model_at(int model) const {
   TORCH_CHECK(model >= 0 && model < static_cast<int>(models_.size()), "no model ", model, " on this device (",
               models_.size(), " added)");
@@ -317,6 +192,11 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
   }
 }
 
+void DeviceEngine::prefetch_step(int model, int shard) {
+  live(model, shard);
+  if (SpilledModel* m = spilled(model)) m->prefetch_state(shard);
+}
+
 bool DeviceEngine::waits_for_step(int model, int shard) {
   model_at(model).check_shard(shard);
   const SpilledModel* m = spilled(model);
@@ -383,25 +263,6 @@ void DeviceEngine::finish(int model) {
   if (failure) std::rethrow_exception(failure);
 }
 
-void DeviceEngine::release_model(int model) {
-  DeviceModel& m = model_at(model);
-  if (m.released()) return;
-  for (const auto& [user, use] : base_uses_)
-    TORCH_CHECK(use.base != model, "release_model: model ", user, " still uses base ", model);
-  m.synchronize();
-  for (int s = 0; s < m.store().num_shards(); ++s)
-    TORCH_CHECK(m.pins(s) == 0, "release_model: shard ", s, " of model ", model, " is still acquired");
-  // Visits planned before the task ended must not bring its shards back in.
-  std::erase_if(upcoming_, [model](int64_t visit) { return (visit >> 32) == model; });
-  m.free_device_memory(compute_point());
-  resident_committed_ -= m.committed_bytes();
-  if (const SpilledModel* base = spilled(model); base && base->kept_cached())
-    resident_committed_ -= SpilledModel::cached_need(m.store());  // a base a resident model kept cached
-  m.drop_store();
-  std::erase_if(task_models_, [model](const auto& entry) { return entry.second == model; });
-  base_uses_.erase(model);
-}
-
 EngineStats DeviceEngine::stats() const {
   EngineStats stats = stats_;
   stats.capacity_bytes = pool_.capacity();
@@ -411,6 +272,7 @@ EngineStats DeviceEngine::stats() const {
   stats.host_step_bytes = host_step_bytes_.load();
   stats.grad_copy_seconds = to_host_.busy_seconds();
   stats.weight_copy_seconds = to_device_.busy_seconds();
+  stats.device_step_seconds = steps_.busy_seconds();
   stats.staging_bytes = staging_.host_bytes();
   return stats;
 }

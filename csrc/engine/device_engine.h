@@ -56,10 +56,12 @@ struct EngineStats {
   // (gradient accumulation and optimizer steps), and each copy lane's thread copying (on a CPU device, at
   // the emulated link's pace) or issuing copies (on a GPU).
   int64_t host_steps = 0;
+  int64_t device_steps = 0;  // of device-stepped shards (resident shards' steps are not counted)
   double host_step_seconds = 0.0;
   int64_t host_step_bytes = 0;  // host memory the host jobs touched (gradients, masters, optimizer states)
   double grad_copy_seconds = 0.0;
   double weight_copy_seconds = 0.0;
+  double device_step_seconds = 0.0;  // the step lane's thread issuing device steps (on a CPU device: running them)
   // Shards acquire() had to copy in itself (no prefetch had brought them), and the host time acquire()
   // took to make a spilled shard computable (its weights in, room for its gradients): on a CPU device every
   // wait for a copy; on a GPU the compute stream waits for copies instead, so only waits for memory count.
@@ -93,8 +95,10 @@ class DeviceEngine {
   // lives on this device and steps here (see SpilledModel); the model then trains on this device alone.
   // `base`: the frozen base (add_base) the model uses, whose shard each of its units holds beside its own (counted
   // in its working set); use_base then names the model's parameters the base binds.
+  // `device_shards` (kSpilled only, before training starts): shards of the spilled model stepped on this device
+  // (see SpilledModel), whose gradient buffers stay here; the model then trains on this device alone.
   int add_model(std::shared_ptr<ShardStore> store, Residency residency = Residency::kAuto, int task = -1,
-                std::vector<int> resident_shards = {}, int base = -1);
+                std::vector<int> resident_shards = {}, int base = -1, std::vector<int> device_shards = {});
   // Registers the frozen weights that several models share (a sweep's pretrained base) as a model of their own:
   // `store` holds them once on the host, cut as its users are (its shard s is the shared weights of each
   // user's shard s), with nothing trainable. On the device each of its shards is copied in, cached and evicted
@@ -113,6 +117,8 @@ class DeviceEngine {
   // The shards whose whole state lives on this device: all of a resident model's, a spilled one's resident
   // shards (empty for a released model).
   std::vector<int> resident_shards(int model) const;
+  // A spilled model's device-stepped shards (empty for any other, or a released one).
+  std::vector<int> device_shards(int model) const;
   // Models will arrive after training starts: the arena takes the whole budget when it is made, not just
   // what the models added by then could use, so that they have room. Before training starts.
   void expect_arrivals();
@@ -138,6 +144,10 @@ class DeviceEngine {
   // still running on the host is skipped: its copy would wait for the step and hold up every copy behind it.
   void prefetch_ahead(int64_t max_bytes = -1);
   void acquire(int model, int shard, bool with_grads);
+  // Before acquire: the shard's backward about to run ends the model's step (no clipping), so a device-stepped
+  // shard's master and optimizer state start coming in beside its compute (SpilledModel::prefetch_state), taking
+  // their room while the arena's working room is whole (the shard's weights, placed first, would split it).
+  void prefetch_step(int model, int shard);
   // The shard's weights are not on the device and cannot be copied yet: a step they read is still running
   // (a spilled model's first shard, at the start of its next step).
   bool waits_for_step(int model, int shard);
@@ -240,6 +250,8 @@ class DeviceEngine {
   std::shared_ptr<HostWorker> host_steps_;
   StagingRing staging_;
   CopyLane to_device_, to_host_;
+  // Device-stepped shards' steps, each once its state has landed: the compute stream never waits for that copy.
+  CopyLane steps_;
 };
 
 }  // namespace hydra::engine

@@ -29,7 +29,7 @@ void DeviceLoop::release_held() {
   });
 }
 
-void DeviceLoop::begin(const core::Unit& unit) {
+void DeviceLoop::begin(const core::Unit& unit, bool step_follows) {
   TORCH_CHECK(!open_, "DeviceLoop.begin: the visit of shard ", open_ ? open_->shard : -1, " has not ended");
   release_held();
   const int64_t bytes_before = engine_.host_to_device_bytes();
@@ -44,6 +44,8 @@ void DeviceLoop::begin(const core::Unit& unit) {
   }
   engine_.plan(visits);
   const bool backward = unit.phase == core::Phase::kForwardBackward || unit.phase == core::Phase::kBackward;
+  // The state first, while the arena's working room is whole: the shard's weights would split it.
+  if (backward && step_follows) engine_.prefetch_step(own, unit.shard);
   engine_.acquire(own, unit.shard, /*with_grads=*/backward);
   try {
     engine_.prefetch_ahead(options_.prefetch_bytes);

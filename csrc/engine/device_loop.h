@@ -49,8 +49,9 @@ class DeviceLoop {
 
   // On the device's worker thread, before the unit's compute. Throws, with no visit open and nothing held,
   // when the unit's shard cannot be acquired (torch.OutOfMemoryError when it does not fit) or its task has no
-  // model here.
-  void begin(const core::Unit& unit);
+  // model here. `step_follows`: the unit is a backward whose end() will report a step (not a clipped one): a
+  // device-stepped shard's optimizer state is prefetched beside its compute (DeviceEngine::prefetch_step).
+  void begin(const core::Unit& unit, bool step_follows = false);
   // After the unit's compute, or its failure (then with no backward). Closes the visit begin opened: the shard
   // is released even when reporting the backward throws. Returns the bytes copied to the device since begin(),
   // 0 when no visit was open.

@@ -40,13 +40,29 @@ std::vector<std::vector<int>> resident_end_choices(const ShardStore& store) {
   return choices;
 }
 
+// The shards "device" steps on the device for a spilled model beside its resident `homed` ones: every shard that is
+// neither resident nor tied and has something to train, less the last ones while their gradient buffers and the
+// model's working set do not fit in `room` beside the other models' working set `may_spill` (the first shards'
+// steps are the ones the next step's first units wait for).
+std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& homed, const ShardStore* base,
+                                    int64_t may_spill, int64_t room) {
+  std::vector<int> shards;
+  for (int s = 0; s < store.num_shards(); ++s)
+    if (SpilledModel::device_shards_error(store, homed, {s}).empty()) shards.push_back(s);
+  while (!shards.empty() && SpilledModel::held_grads_need(store, shards) +
+                                    std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) >
+                                room)
+    shards.pop_back();
+  return shards;
+}
+
 }  // namespace
 
 std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
                                     const std::vector<std::string>& names,
                                     const std::vector<int64_t>& graph_bytes, const std::vector<bool>& resident_ends,
-                                    const std::vector<int>& bases) {
+                                    const std::vector<int>& bases, const std::vector<bool>& device_steps) {
   TORCH_CHECK(!engines.empty(), "place_models: no devices");
   TORCH_CHECK(names.size() == stores.size(), "place_models: ", stores.size(), " stores but ", names.size(), " names");
   TORCH_CHECK(graph_bytes.empty() || graph_bytes.size() == stores.size(), "place_models: ", stores.size(),
@@ -56,6 +72,8 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
               " stores but ", resident_ends.size(), " resident_ends");
   TORCH_CHECK(bases.empty() || bases.size() == stores.size(), "place_models: ", stores.size(), " stores but ",
               bases.size(), " bases");
+  TORCH_CHECK(device_steps.empty() || device_steps.size() == stores.size(), "place_models: ", stores.size(),
+              " stores but ", device_steps.size(), " device_steps");
   const size_t n = stores.size();
   std::vector<const ShardStore*> base(n);
   for (size_t i = 0; i < n; ++i)
@@ -79,7 +97,9 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
       if (j == i || (j < i && placed[j].resident_device >= 0)) continue;
       alone = false;
       const std::vector<int> homed = j < i ? placed[j].resident_shards : std::vector<int>{};
-      may_spill = std::max(may_spill, j > i ? spilled[j] : SpilledModel::spilled_need(*stores[j], homed, base[j]));
+      may_spill = std::max(may_spill, j > i ? spilled[j]
+                                            : SpilledModel::spilled_need(*stores[j], homed, base[j],
+                                                                         placed[j].device_shards));
       others_cached += SpilledModel::cached_need(*stores[j], homed);
     }
     const int device = static_cast<int>(std::max_element(free.begin(), free.end()) - free.begin());
@@ -103,6 +123,7 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
         if (base[i]) kept[device].insert(bases[i]);
         continue;
       }
+      std::vector<int> homed;  // the resident ends chosen
       if (!resident_ends.empty() && resident_ends[i] && engines.size() == 1) {
         for (const std::vector<int>& shards : resident_end_choices(*stores[i])) {
           const int64_t homes = SpilledModel::homes_need(*stores[i], shards);
@@ -116,14 +137,23 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
           const bool room_to_cache =
               homes + working_set + others_cached + base_cached + SpilledModel::cached_need(*stores[i], shards) <= free[device];
           if (!alone && !room_to_cache) continue;
-          p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled,
-                                                           static_cast<int>(i), shards, base_id(i));
-          p.home_device = device;
-          p.resident_shards = shards;
-          free[device] -= homes;
+          homed = shards;
           break;
         }
-        if (p.home_device >= 0) continue;
+      }
+      std::vector<int> stepped;
+      if (!device_steps.empty() && device_steps[i] && engines.size() == 1)
+        stepped = device_step_choice(*stores[i], homed, base[i], may_spill,
+                                     free[device] - SpilledModel::homes_need(*stores[i], homed));
+      if (!homed.empty() || !stepped.empty()) {
+        p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled,
+                                                         static_cast<int>(i), homed, base_id(i), stepped);
+        p.home_device = device;
+        free[device] -=
+            SpilledModel::homes_need(*stores[i], homed) + SpilledModel::held_grads_need(*stores[i], stepped);
+        p.resident_shards = std::move(homed);
+        p.device_shards = std::move(stepped);
+        continue;
       }
       for (size_t d = 0; d < engines.size(); ++d)
         p.model_ids[d] = engines[d]->add_model(stores[i], DeviceEngine::Residency::kSpilled, i, {}, base_id(i));

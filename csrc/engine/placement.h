@@ -19,6 +19,10 @@
 // With several devices a spilled model runs on any of them, which resident shards would give up: there every
 // spilled model spills whole.
 //
+// Where `device_steps[i]` (placement "device") on one device, model i, if spilled, also steps on the device every
+// shard that is neither resident nor tied (SpilledModel's device-stepped shards), less the last ones while their
+// gradient buffers and its working set do not fit beside every other model's working set.
+//
 // `bases[i]` (empty: none) is the frozen base model i uses (DeviceEngine::add_base, the same id on every engine),
 // or -1: its units hold their base shards beside their own, which its working set counts, and it is resident
 // (or keeps resident ends) only where the whole base still fits cached beside it.
@@ -37,6 +41,7 @@ struct Placement {
   int resident_device = -1;    // -1: spilled on every device, or with resident shards on `home_device`
   int home_device = -1;        // the one device a model trains on: where it is resident or has resident shards
   std::vector<int> resident_shards;  // of a spilled model: the shards whose state lives on home_device
+  std::vector<int> device_shards;    // of a spilled model: the shards stepped on home_device
   std::vector<int> model_ids;  // per device: the model's id in its engine, -1 where it is not registered
 };
 
@@ -49,7 +54,8 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<std::string>& names,
                                     const std::vector<int64_t>& graph_bytes = {},
                                     const std::vector<bool>& resident_ends = {},
-                                    const std::vector<int>& bases = {});
+                                    const std::vector<int>& bases = {},
+                                    const std::vector<bool>& device_steps = {});
 
 // The shards `shards` names and every shard that shares a tied weight with one of them, sorted.
 std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> shards);

@@ -4,73 +4,39 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <future>
-
-#include "engine/gradient_norm.h"
-#include "engine/optimizer_step.h"
 
 namespace hydra::engine {
 
 namespace {
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-// Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
-// runs on a host-step thread. `landed`: the shard's own gradient of this step, in device layout and compute
-// dtype, read in the step's single pass, summed with a borrower's where one waits in the kept buffer;
-// undefined: the accumulator, zeroed for the next step, or where the shard has none, its kept gradient.
-void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
-               double lr_scale, const at::Tensor& landed) {
-  std::vector<at::Tensor> states;
-  for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
-  const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
-  const OptimizerSpec& spec = store.optimizer();
-  if (landed.defined()) {
-    const auto waiting = store.take_borrowed_spans(shard);
-    if (waiting.empty()) {
-      step_ranges(spec, store.master(shard), landed, states, shadow, ranges, grad_scale, lr_scale);
-    } else {
-      step_ranges_summing(spec, store.master(shard), landed, store.kept(shard), waiting, states, shadow, ranges,
-                          grad_scale, lr_scale);
-    }
-    return;
-  }
-  step_ranges(spec, store.master(shard), store.pending_grad(shard), states, shadow, ranges, grad_scale, lr_scale);
-  if (store.has_grad(shard)) store.grad(shard).zero_();
-}
-
-// The host memory a step of the shard touches: the gradient read (`grad_bytes` an element), the fp32 master and
-// the optimizer states read and written, the bf16 shadow written.
-int64_t step_bytes(const ShardStore& store, int shard, int64_t grad_bytes) {
-  return store.trainable_numel(shard) * (grad_bytes + 8 + 8 * store.optimizer().num_states() + (store.bf16() ? 2 : 0));
 }
 
 }  // namespace
 
 SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store,
-                           std::vector<int> resident_shards, bool frozen_base)
+                           std::vector<int> resident_shards, bool frozen_base, std::vector<int> device_shards)
     : DeviceModel(engine, id, std::move(store)),
       resident_shards_(std::move(resident_shards)),
+      device_shards_(std::move(device_shards)),
       frozen_base_(frozen_base),
       homes_(engine) {
   const std::string error = resident_shards_error(this->store(), resident_shards_);
   TORCH_CHECK(error.empty(), error);
-  TORCH_CHECK(!frozen_base || (resident_shards_.empty() && this->store().total_trainable_numel() == 0),
-              "a frozen base has no trainable weights and no resident shards");
+  const std::string device_error = device_shards_error(this->store(), resident_shards_, device_shards_);
+  TORCH_CHECK(device_error.empty(), device_error);
+  TORCH_CHECK(!frozen_base || (resident_shards_.empty() && device_shards_.empty() &&
+                               this->store().total_trainable_numel() == 0),
+              "a frozen base has no trainable weights, no resident shards and no device-stepped ones");
   for (int s : resident_shards_) homed_[s] = true;
+  for (int s : device_shards_) device_stepped_[s] = true;
 }
 
 bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
 
 void SpilledModel::upload() {
+  upload_held_grads();
   if (resident_shards_.empty() || homes_.uploaded()) return;
   homes_.upload(id(), store(), resident_shards_);
   for (int s : resident_shards_) count_upload(s, ShardHomes::upload_bytes(store(), s));
@@ -116,6 +82,7 @@ void SpilledModel::evict(int shard) {
   w.weights = Region{};
   w.cached = false;
   w.step_queued_next = false;
+  w.device_step_queued = false;
 }
 
 bool SpilledModel::load(int shard, DeviceEngine::Need need) {
@@ -127,6 +94,7 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
   w.weights = allocation.region;
   w.cached = true;
   w.step_queued_next = false;
+  w.device_step_queued = false;
   w.version = input_version(shard);
   at::Tensor target = engine_.pool_.view(w.weights, store.compute_dtype(), numel);
   // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
@@ -182,19 +150,22 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
       load(shard, DeviceEngine::Need::kMust);
       ++stats.acquire_loads;
     }
-    if (with_grads && !w.grads.valid()) {
+    if (with_grads && !w.grads.valid() && !device_stepped_[shard]) {
       const auto allocating = std::chrono::steady_clock::now();
       allocate_grads(shard);
       stats.grad_wait_seconds += seconds_since(allocating);
     }
     w.ready.order_before(engine_.compute_stream());
+    w.device_step_queued = false;  // the compute now comes after the step that wrote these weights
+    if (with_grads && device_stepped_[shard]) held_grads_ready_[shard].order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
-    const at::Tensor grads = with_grads ? grad_view(shard) : at::Tensor();
+    const at::Tensor grads = !with_grads ? at::Tensor() : device_stepped_[shard] ? held_grads(shard) : grad_view(shard);
     // Every parameter the shard uses is in its own copy, tied ones included.
     bind(shard, with_grads, [&](const ParamEntry& e) { return Place{weights, grads, e.device_offset}; });
   } catch (...) {
+    if (state_visits_[shard].in_use()) drop_state(shard, engine_.compute_point());  // prefetched for this visit
     if (!had_grads && w.grads.valid()) {
       engine_.pool_.release(w.grads, engine_.compute_point());
       w.grads = Region{};
@@ -236,179 +207,30 @@ void SpilledModel::allocate_grads(int shard) {
 void SpilledModel::after_release(int shard) {
   if (homed_[shard]) return;
   Weights& w = weights_[shard];
-  w.last_use = engine_.compute_point();
+  if (!w.device_step_queued) w.last_use = engine_.compute_point();
   if (w.grads.valid()) {  // backward never completed (an error): the gradients are abandoned
     engine_.pool_.release(w.grads, w.last_use);
     w.grads = Region{};
   }
+  // State prefetched for a step that did not come (its loss gate closed, or its backward failed).
+  if (state_visits_[shard].in_use()) drop_state(shard, w.last_use);
   if (w.cached && !pinned(shard) && (!current(shard) || w.step_queued_next)) evict(shard);
 }
 
 void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool keep) {
-  if (homed_.at(shard)) {  // as a ResidentModel's shard: its step is queued on the compute stream
+  if (homed_.at(shard) || device_stepped_.at(shard)) {  // its gradients stay on the device: summed and stepped there
     note_gradients(shard);
     if (!step) return;
     const std::shared_ptr<const LossGate> gate = store().loss_gate();
-    if (!gate || gate->open()) homes_.step(store(), shard, 1.0, lr_scale);
+    if (gate && !gate->open()) return;
+    if (homed_[shard]) {  // as a ResidentModel's shard: its step is queued on the compute stream
+      homes_.step(store(), shard, 1.0, lr_scale);
+    } else {
+      device_step(shard, 1.0, lr_scale);
+    }
     return;
   }
-  Weights& w = weights_.at(shard);
-  TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
-  note_gradients(shard);
-  // Kept for clip_and_step, whose step is next and makes this copy stale: it goes at release (after_release).
-  if (keep) w.step_queued_next = true;
-  std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
-  // Only the prefix holding trainable gradients goes out: a frozen tail (a LoRA model's base weights) stays.
-  const int64_t numel = store().gradient_numel(shard);
-  const at::Tensor device_grad = grad_view(shard).narrow(0, 0, numel);
-  const at::ScalarType dtype = store().compute_dtype();
-  const int64_t bytes = numel * store().element_bytes();
-  // The staging buffer the gradient lands in: leased by the copy, given back when the host job is done with
-  // it (or when both jobs are gone, however they ended).
-  auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
-  CopyLane& lane = engine_.to_host_;
-  StagingRing& staging = engine_.staging_;
-  const Fence landed = track(lane.submit({engine_.compute_point()}, [=, &lane, &staging]() -> DeviceEvent {
-    *landing = staging.acquire(bytes);
-    return lane.copy({{(*landing)->view(dtype, numel), device_grad}});
-  }));
-  ++engine_.stats_.device_to_host_copies;
-  engine_.stats_.device_to_host_bytes += bytes;
-  const std::vector<Fence> readers = store().readers(shard);  // the step rewrites the buffer they read
-  // Taken now, on this thread: later micro-batches note their gradients for the next step meanwhile.
-  const std::vector<StepRange> ranges = step ? store().take_step(shard) : std::vector<StepRange>{};
-  std::shared_ptr<ShardStore> owner = store_ptr();
-  DeviceEngine& engine = engine_;
-  Fence done = submit([=, &engine]() -> DeviceEvent {
-    landed.wait();
-    if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
-      owner->undo_step(shard, ranges);
-      landing->reset();
-      return nullptr;
-    }
-    const at::Tensor gradient = (*landing)->view(dtype, numel);
-    int64_t start = now_ns();
-    // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
-    // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
-    const bool single_pass = step && !owner->has_grad(shard);
-    const int64_t landed_bytes = owner->gradient_numel(shard) * owner->element_bytes();
-    int64_t touched = 0;
-    if (single_pass) {
-      owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
-    } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
-      owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
-      touched += landed_bytes + owner->trainable_numel(shard) * 2;
-    } else {
-      owner->accumulate_grads(shard, gradient);
-      touched += landed_bytes + owner->trainable_numel(shard) * 8;
-    }
-    if (step) {
-      const bool zeroes_accumulator = !single_pass && owner->has_grad(shard);
-      const int64_t waiting = now_ns();
-      for (const Fence& copy : readers) copy.wait_done();
-      start += now_ns() - waiting;  // waiting for copies to finish reading is not host memory traffic
-      step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
-      ++engine.host_steps_done_;
-      touched += step_bytes(*owner, shard, single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2);
-    }
-    engine.count_host_job(touched, start);
-    landing->reset();
-    return nullptr;
-  });
-  // Free again once copied out: the next shard's gradients need not wait for this one's step.
-  engine_.pool_.release(w.grads, landed);
-  w.grads = Region{};
-  if (step) {
-    store().set_last_step(shard, done);
-    store().bump_version(shard);  // the device copy predates the step: dropped on release
-  }
-}
-
-std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr_scale) {
-  if (!resident_shards_.empty()) return clip_and_step_here(max_norm, lr_scale);
-  auto norm = std::make_shared<ClipNorm>(max_norm);
-  std::shared_ptr<ShardStore> owner = store_ptr();
-  // After every gradient job of the step (the model's jobs run in their order), on a host-step thread.
-  submit([owner, norm]() -> DeviceEvent {
-    try {
-      // A failed job may have left a gradient out: no step is taken over what is left.
-      if (const std::exception_ptr failed = owner->failed_job()) std::rethrow_exception(failed);
-      std::vector<at::Tensor> grads;
-      for (int s = 0; s < owner->num_shards(); ++s)
-        grads.push_back(owner->pending_grad(s).narrow(0, 0, owner->trainable_numel(s)));
-      norm->set(std::sqrt(squared_norm(grads)));
-    } catch (...) {
-      norm->fail(std::current_exception());  // every step reads it: none applies
-      throw;
-    }
-    return nullptr;
-  });
-  for (int s = store().num_shards() - 1; s >= 0; --s) step(s, norm, lr_scale);
-  return norm;
-}
-
-std::shared_ptr<ClipNorm> SpilledModel::clip_and_step_here(double max_norm, double lr_scale) {
-  auto norm = std::make_shared<ClipNorm>(max_norm);
-  ShardStore& store = this->store();
-  try {
-    synchronize();  // every gradient job done: the spilled shards' gradients wait in the store
-    std::vector<at::Tensor> grads = homes_.trainable_grads(store);
-    for (int s = 0; s < store.num_shards(); ++s)
-      if (!homed_[s]) grads.push_back(store.pending_grad(s).narrow(0, 0, store.trainable_numel(s)));
-    norm->set(std::sqrt(squared_norm(grads)));
-  } catch (...) {
-    // A gradient job failed (or the norm could not be taken): no shard steps, and the reading says why, as a
-    // norm taken by a host job does; the model's next synchronize() reports the error again, as it would the
-    // failed job's own.
-    norm->fail(std::current_exception());
-    std::promise<DeviceEvent> failed;
-    failed.set_exception(std::current_exception());
-    track(Fence(failed.get_future().share()));
-    return norm;
-  }
-  if (!norm->finite()) {  // no shard steps: the weights stay those of the last completed step
-    discard_grads();
-    return norm;
-  }
-  for (int s = store.num_shards() - 1; s >= 0; --s) {
-    if (homed_[s]) {
-      homes_.step(store, s, norm->scale(), lr_scale);
-    } else {
-      step(s, norm, lr_scale);
-    }
-  }
-  return norm;
-}
-
-void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double lr_scale) {
-  std::shared_ptr<ShardStore> owner = store_ptr();
-  const std::vector<Fence> readers = owner->readers(shard);
-  const std::vector<StepRange> ranges = owner->take_step(shard);
-  DeviceEngine& engine = engine_;
-  const Fence done = submit([=, &engine]() -> DeviceEvent {
-    bool finite = false;
-    try {
-      finite = norm->finite();
-    } catch (...) {  // the norm could not be taken: no shard steps
-      owner->undo_step(shard, ranges);
-      throw;
-    }
-    if (!finite) {  // skipped, as every shard's step: its gradients are forgotten, its step count as before
-      owner->undo_step(shard, ranges);
-      if (owner->has_grad(shard)) owner->grad(shard).zero_();
-      return nullptr;
-    }
-    for (const Fence& copy : readers) copy.wait_done();
-    const int64_t start = now_ns();
-    const bool zeroes_accumulator = owner->has_grad(shard);
-    step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor());
-    ++engine.host_steps_done_;
-    engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
-    return nullptr;
-  });
-  owner->set_last_step(shard, done);
-  owner->bump_version(shard);
-  if (cached(shard) && !pinned(shard)) evict(shard);
+  send_gradients(shard, step, lr_scale, keep);
 }
 
 void SpilledModel::discard_grads() {
@@ -416,12 +238,19 @@ void SpilledModel::discard_grads() {
   for (int s = 0; s < store().num_shards(); ++s)
     if (store().has_grad(s)) store().grad(s).zero_();
   homes_.zero_grads(store());
+  for (int s : device_shards_) {
+    if (held_grads_.size() > static_cast<size_t>(s) && held_grads_[s].valid()) held_grads(s).zero_();
+    if (state_visits_[s].in_use()) drop_state(s, engine_.compute_point());
+  }
 }
 
 void SpilledModel::free_device_memory(const Fence& issued) {
   for (int s = 0; s < static_cast<int>(weights_.size()); ++s)
     if (cached(s)) evict(s);
+  for (int s : device_shards_)
+    if (state_visits_[s].in_use()) drop_state(s, issued);
   homes_.free(issued);
+  free_held_grads(issued);
 }
 
 }  // namespace hydra::engine

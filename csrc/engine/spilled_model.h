@@ -10,6 +10,14 @@
 // and steps there, as a ResidentModel's shards do, with no copy at all. The first shard resident takes the
 // step boundary's round trip (its gradient out, its host step, its weights back in before the next forward)
 // off the model's chain. A tied weight's owner and borrowers are all resident or all spilled.
+//
+// Others may be *device-stepped*: spilled, their weights visit as any spilled shard's, but their gradients stay on
+// the device in a buffer of their own (summed there over a step's micro-batches, as a resident shard's), and
+// after the step's last backward their fp32 master and optimizer states come in, the device's step lane steps them
+// once they have landed (the compute goes on meanwhile) and they go back out with the new weights, which a cached
+// copy takes on the device too (spilled_model_device_steps.cpp): no gradient copy, no host arithmetic. Where
+// the host's memory bandwidth binds a run, that moves its busiest lane's work to the device and the link's other
+// direction. A device-stepped shard neither owns nor borrows a tied weight.
 #pragma once
 
 #include <string>
@@ -25,18 +33,29 @@ class SpilledModel final : public DeviceModel {
   // (resident_shards_error). `frozen_base`: the model is the frozen weights several tasks share
   // (DeviceEngine::add_base): it has no parameters of its own to bind, its shards are bound to each user's
   // parameters in turn (bind_frozen), and units of several users may hold one of them at once.
+  // `device_shards`: the shards stepped on the device (device_shards_error).
   SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store, std::vector<int> resident_shards = {},
-               bool frozen_base = false);
+               bool frozen_base = false, std::vector<int> device_shards = {});
   // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or a tied
   // weight with users on both sides), or empty when they can.
   static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
+  // Why `shards` cannot be a spilled model's device-stepped shards beside `resident_shards` (out of range,
+  // repeated, resident, in a tied weight, or with nothing to train), or empty when they can.
+  static std::string device_shards_error(const ShardStore& store, const std::vector<int>& resident_shards,
+                                         const std::vector<int>& shards);
   // What the resident shards' homes take of the budget.
   static int64_t homes_need(const ShardStore& store, const std::vector<int>& shards);
+  // What the device-stepped shards' gradient buffers take of the budget, for good.
+  static int64_t held_grads_need(const ShardStore& store, const std::vector<int>& shards);
+  // The regions one device step of `shard` brings in for its length: fp32 master, optimizer states and, in bf16,
+  // the new weights' staging, aligned.
+  static int64_t device_step_need(const ShardStore& store, int shard);
   // The working set of the spilled shards: the largest one's weights and gradients, aligned. With the frozen
   // `base` the model uses (DeviceEngine::add_base), a unit holds its base shard beside its own: the most a
-  // shard needs of both (a resident shard's unit holds its base shard alone).
+  // shard needs of both (a resident shard's unit holds its base shard alone). A device-stepped shard's unit holds
+  // its weights and, while its step runs, the step's regions (its gradients are in held_grads_need).
   static int64_t spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
-                              const ShardStore* base = nullptr);
+                              const ShardStore* base = nullptr, const std::vector<int>& device_shards = {});
   // What a resident model's unit holds of its frozen `base` (none: 0): its largest shard, aligned.
   static int64_t base_shard_need(const ShardStore* base);
   // Arena bytes that cache the weights of every shard but the resident ones at once (each region aligned).
@@ -54,6 +73,8 @@ class SpilledModel final : public DeviceModel {
   // at its weights on the device.
   void bind_frozen(int shard, const std::vector<at::Tensor>& params);
   const std::vector<int>& resident_shards() const { return resident_shards_; }
+  const std::vector<int>& device_shards() const { return device_shards_; }
+  bool device_stepped(int shard) const { return device_stepped_.at(shard); }
   void upload() override;
   void copy_home() override;
   void backward_done(int shard, bool step, double lr_scale, bool keep) override;
@@ -76,6 +97,9 @@ class SpilledModel final : public DeviceModel {
   void evict(int shard);
   // Brings in the shard unless a current copy is on the device or on its way (DeviceEngine::prefetch).
   void prefetch(int shard);
+  // The shard's backward about to run ends its step: a device-stepped shard's master and optimizer states start
+  // coming in now, beside that backward's compute (where the arena has room for them without waiting).
+  void prefetch_state(int shard);
 
  protected:
   void make_computable(int shard, bool with_grads) override;
@@ -89,20 +113,52 @@ class SpilledModel final : public DeviceModel {
     bool cached = false;
     // Its gradient waits for clip_and_step, whose step will make this copy stale: not kept past its release.
     bool step_queued_next = false;
+    // A device step queued on the step lane writes the new weights into this copy after everything issued on
+    // the compute stream so far: its last use is that step (`ready`) until the compute is next ordered after it.
+    bool device_step_queued = false;
     int64_t version = 0;  // of the store's shards it was copied from
   };
   void allocate_grads(int shard);
+  // backward_done for a host-stepped shard (spilled_model_host_steps.cpp): its gradient goes out to a staging
+  // buffer, and a host job sums or keeps it and, with `step`, steps the shard.
+  void send_gradients(int shard, bool step, double lr_scale, bool keep);
   // The shard's optimizer step over its accumulated (or kept) gradients, queued on the model's host jobs after
   // `norm`: scaled by it, or skipped where it is not finite.
   void step(int shard, std::shared_ptr<const ClipNorm> norm, double lr_scale);
   int64_t input_version(int shard) const;  // of what a copy of the shard reads
   std::vector<Fence> pending_steps(int shard) const;
   at::Tensor grad_view(int shard) const;
-  // clip_and_step for a model with resident shards: their gradients are on the device, so the norm is taken
-  // here once every gradient job is done, and each shard steps where it lives.
+  // clip_and_step for a model with resident or device-stepped shards: their gradients are on the device, so the
+  // norm is taken here once every gradient job is done, and each shard steps where it lives.
   std::shared_ptr<ClipNorm> clip_and_step_here(double max_norm, double lr_scale);
+  // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers, made at the first use.
+  void upload_held_grads();
+  at::Tensor held_grads(int shard) const;
+  // The shard's optimizer step on the device over its held gradients, scaled by `grad_scale`: master and states
+  // copied in (after the shard's last step went home) unless prefetch_state brought them, stepped on the step lane
+  // once they have landed, copied home with the new weights; a cached copy of its weights takes them too.
+  void device_step(int shard, double grad_scale, double lr_scale);
+  // Where a device step's master and states are on the device: its regions and their copy in.
+  struct StateVisit {
+    std::vector<Region> regions;
+    at::Tensor master, shadow;  // shadow: the new bf16 weights (bf16 only)
+    std::vector<at::Tensor> states;
+    Fence in;
+    bool in_use() const { return !regions.empty(); }
+  };
+  // Starts the copy of the shard's master and states to the device, unless it is on its way. Without `must`
+  // (a prefetch) takes no room that needs more than evicting cached weights, and returns false where there is none.
+  bool bring_state(int shard, bool must);
+  // Gives back a visit that no step used (its regions, once `issued` is done).
+  void drop_state(int shard, const Fence& issued);
+  void free_held_grads(const Fence& issued);
   std::vector<Weights> weights_ = std::vector<Weights>(store().num_shards());
   std::vector<int> resident_shards_;
+  std::vector<int> device_shards_;
+  std::vector<bool> device_stepped_ = std::vector<bool>(store().num_shards());
+  std::vector<Region> held_grads_;  // per shard once uploaded: a device-stepped shard's gradient buffer
+  std::vector<StateVisit> state_visits_ = std::vector<StateVisit>(store().num_shards());
+  std::vector<Fence> held_grads_ready_ = std::vector<Fence>(store().num_shards());  // after the step that zeroes them
   const bool frozen_base_;
   bool kept_ = false;
   std::vector<bool> homed_ = std::vector<bool>(store().num_shards());

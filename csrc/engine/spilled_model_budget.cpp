@@ -36,12 +36,18 @@ int64_t SpilledModel::homes_need(const ShardStore& store, const std::vector<int>
 }
 
 int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
-                                   const ShardStore* base) {
+                                   const ShardStore* base, const std::vector<int>& device_shards) {
+  auto in = [](const std::vector<int>& shards, int s) {
+    return std::find(shards.begin(), shards.end(), s) != shards.end();
+  };
   int64_t need = 0;
   for (int s = 0; s < store.num_shards(); ++s) {
-    const bool spilled = std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end();
-    const int64_t numel = spilled ? store.device_numel(s) : 0;
-    const int64_t own = numel > 0 ? 2 * numel * store.element_bytes() + 2 * 512 : 0;  // weights and gradients
+    const int64_t numel = in(resident_shards, s) ? 0 : store.device_numel(s);
+    const int64_t weights = numel * store.element_bytes() + 512;
+    // Weights and gradients; a device-stepped shard's gradients are held apart, and its step's regions come in.
+    const int64_t own = numel == 0             ? 0
+                        : in(device_shards, s) ? weights + device_step_need(store, s)
+                                               : 2 * weights;
     const int64_t base_numel = base ? base->device_numel(s) : 0;
     const int64_t held = base_numel > 0 ? base_numel * base->element_bytes() + 512 : 0;  // the base's weights
     need = std::max(need, own + held);

@@ -7,6 +7,18 @@ from dataclasses import dataclass, field
 from hydra_torch.models.memory import format_bytes
 
 
+def shard_list(shards: list[int]) -> str:
+    """ "shard 3", "shards 0, 7", "shards 1-6": runs of three or more consecutive shards as a range."""
+    runs: list[list[int]] = []
+    for s in sorted(shards):
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs)
+    return ("shards " if len(shards) > 1 else "shard ") + text
+
+
 @dataclass
 class TaskResult:
     name: str
@@ -29,16 +41,20 @@ class TaskResult:
     total_steps: int = 0         # the steps it was to take: all its epochs' steps, or max_steps if fewer
     resident_shards: list[int] = field(default_factory=list)  # shards whose whole state stayed on the device and
                                  # stepped there: every shard of a resident task, a spilled one's resident ends
+    device_shards: list[int] = field(default_factory=list)  # a spilled task's shards stepped on the device
 
     @property
     def placement(self) -> str:
-        """Where its state lived: "resident", "spilled", or "spilled, shards 0, 5 resident"."""
+        """Where its state lived: "resident", "spilled", "spilled, shards 0, 5 resident" or "spilled, shards 0, 5
+        resident, shards 1-4 stepped on the device"."""
         if self.resident:
             return "resident"
+        parts = ["spilled"]
         if self.resident_shards:
-            return "spilled, shard" + ("s " if len(self.resident_shards) > 1 else " ") + \
-                ", ".join(map(str, self.resident_shards)) + " resident"
-        return "spilled"
+            parts.append(shard_list(self.resident_shards) + " resident")
+        if self.device_shards:
+            parts.append(shard_list(self.device_shards) + " stepped on the device")
+        return ", ".join(parts)
 
     @property
     def ok(self) -> bool:
@@ -211,6 +227,10 @@ class Results:
         if lanes["host"] is not None and any(s.get("host_steps", 0) for s in self.stats):
             lines.append(f"host steps: busy {100 * lanes['host']:.0f}% of {self.stats[0].get('host_threads', 0)} "
                          f"threads")
+        if any(s.get("device_steps", 0) for s in self.stats):
+            host_steps, device_steps = (sum(s.get(key, 0) for s in self.stats)
+                                        for key in ("host_steps", "device_steps"))
+            lines.append(f"shard steps: {device_steps} on the devices, {host_steps} on the host")
         if self.checkpoint_failures:
             lines.append(f"{self.checkpoint_failures} checkpoints could not be written (see the warnings)")
         best = self.best

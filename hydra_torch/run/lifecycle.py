@@ -25,8 +25,9 @@ def make_store(runner, pin: bool):
 
 
 def may_keep_ends(task) -> bool:
-    """Whether "auto" may keep the task's ends resident. Not a bf16 task that sums micro-batches: a resident
-    shard's gradients add up in its bf16 buffer (as autograd adds them), a spilled one's in an fp32 accumulator."""
+    """Whether "auto" may keep the task's ends resident (and "device" step shards on the device). Not a bf16
+    task that sums micro-batches: a resident or device-stepped shard's gradients add up in its bf16 buffer (as
+    autograd adds them), a spilled one's in an fp32 accumulator."""
     return not (task.precision == "bf16" and task.accumulate > 1)
 
 
@@ -34,22 +35,25 @@ def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, pl
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
     there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it). With
-    `placement="auto"` on one device a spilled task keeps its first and last shards resident where they fit
-    (engine/placement.h). The engines' budgets are memory_budget less `kept_outside`, which a refusal says.
+    `placement="auto"` (or "device") on one device a spilled task keeps its first and last shards resident where
+    they fit, and with "device" steps its other untied shards on the device (engine/placement.h). The engines'
+    budgets are memory_budget less `kept_outside`, which a refusal says.
     The frozen bases the tasks share (ht.FrozenBase) are held and registered first (hydra_torch.run.bases)."""
     held = bases.hold(runners, engines, pin)
     stores = [make_store(runner, pin) for runner in runners]
     try:
         placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
-                                 [placement == "auto" and may_keep_ends(runner.task) for runner in runners],
-                                 [runner.base.group if runner.base is not None else -1 for runner in runners])
+                                 [placement in ("auto", "device") and may_keep_ends(runner.task) for runner in runners],
+                                 [runner.base.group if runner.base is not None else -1 for runner in runners],
+                                 [placement == "device" and may_keep_ends(runner.task) for runner in runners])
     except RuntimeError as error:
         kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
                 f"set and one micro-batch's saved inputs)" if kept_outside else "")
         raise ValueError(str(error) + kept) from None
-    for runner, (device, home, resident_shards, model_ids) in zip(runners, placed):
+    for runner, (device, home, resident_shards, model_ids, device_shards) in zip(runners, placed):
         runner.model_ids = {d: model for d, model in enumerate(model_ids) if model >= 0}
         runner.resident_shards = list(range(runner.n)) if device >= 0 else list(resident_shards)
+        runner.device_shards = list(device_shards)
         if home >= 0:
             runner.home = home if len(engines) > 1 else None
         if device >= 0:
@@ -103,4 +107,4 @@ def task_result(runner, engines, trace, start: float) -> TaskResult:
                       busy_time=sum(e.end - e.start for e in units), host_bytes=runner.store.host_bytes,
                       cut_short=runner.cut_short, eval_losses=list(runner.eval_losses), stopped=runner.stopped,
                       replans=list(runner.replans), total_steps=runner.task.total_steps,
-                      resident_shards=list(runner.resident_shards))
+                      resident_shards=list(runner.resident_shards), device_shards=list(runner.device_shards))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hydra_torch.models import memory, sharding
+from hydra_torch.report.results import shard_list
 from hydra_torch.run import lifecycle
 from hydra_torch.run.inbox import on_devices
 from hydra_torch.state import interrupts
@@ -60,7 +61,8 @@ def _replan(slot, unit, runner) -> str | None:
     if slot.checkpoints is not None:
         slot.checkpoints.wait(runner)  # the writer may be reading the state about to move
     was = "resident" if runner.resident else f"spilled in {runner.n} shards" + (
-        f", shards {', '.join(map(str, runner.resident_shards))} resident" if runner.resident_shards else "")
+        f", {shard_list(runner.resident_shards)} resident" if runner.resident_shards else "") + (
+        f", {shard_list(runner.device_shards)} stepped on the device" if runner.device_shards else "")
     with interrupts.deferred():  # a second Ctrl-C must not leave the task between two plans
         why_not = _move(slot, runner, groups)
     if why_not is not None:

@@ -15,23 +15,27 @@ import math
 from contextlib import contextmanager
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from hydra_torch._loader import native as _C
 from hydra_torch.models import sharding
-from hydra_torch.models.saved_tensors import saved_tensors
 from hydra_torch.recipe import schedules
-from hydra_torch.run.compute import (NonFiniteGradNormError, NonFiniteLossError, check_loss, floating, input_grads,
-                                     requiring_grad, run_shard, to_device)
+from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError, floating, to_device
+from hydra_torch.run import units
 from hydra_torch.run.evaluation import EvalPass
 from hydra_torch.run.micro_batch import MicroBatch
-from hydra_torch.run.saved_bytes import tensor_bytes
 from hydra_torch.run.steps import count_micro_batches, eval_steps, step_groups, step_sizes
 from hydra_torch.state.task_rng import TaskRng
 from hydra_torch.task import ModelTask
 
 FORWARD, FORWARD_BACKWARD, BACKWARD = _C.Phase.forward, _C.Phase.forward_backward, _C.Phase.backward
 EVALUATE = _C.Phase.evaluate
+
+
+def shard_buffers(groups) -> list[list[tuple]]:
+    """Per shard, its modules' buffers as (module, name): they follow the task to each device it runs on."""
+    return [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
+             if b is not None] for group in groups]
 
 
 class TaskRunner:
@@ -45,6 +49,7 @@ class TaskRunner:
         self.base = None                      # the HeldBase holding its frozen base weights (run/bases.py), if any
         self.resident = False                 # its whole training state lives on one device
         self.resident_shards: list[int] = []  # the shards whose whole state lives there (a spilled task's ends)
+        self.device_shards: list[int] = []    # a spilled task's shards stepped on the device
         self.result = None                    # its TaskResult, once it has left the run
         self.home: int | None = None          # the slot it is pinned to: its resident state's, or after a re-plan
                                               # the only device with room for it; None: any device
@@ -69,7 +74,7 @@ class TaskRunner:
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
         self._groups = step_groups(task, self._epoch_began)
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
-        self._mb: MicroBatch | None = None
+        self.mb: MicroBatch | None = None
         self._stepped: list[int] = []         # shards whose part of the current step has been applied
         self._clipped = None                  # (norm reading, micro-batches) of a clipped step not yet settled
         self._step_rng, self._step_buffers = None, []  # at the current step's start (see rewind_step)
@@ -78,8 +83,7 @@ class TaskRunner:
         self._lr_scale = 1.0                  # the schedule's multiplier for the current step
         # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
         self._rng = TaskRng(*start_rng.snapshot())
-        self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
-                          if b is not None] for group in task.modules]
+        self.shard_buffers = shard_buffers(task.modules)
 
     def _epoch_began(self, state):
         self.epoch_rng = state
@@ -128,15 +132,15 @@ class TaskRunner:
         elif unit.phase == FORWARD:
             if s == 0:
                 self._begin_micro_batch(device)
-            self._forward(unit, slot)
+            units.forward(self, unit, slot)
         elif unit.phase == FORWARD_BACKWARD:
             if self.n == 1:
                 self._begin_micro_batch(device)
-            self._forward_backward(unit, slot)
-            return self._backward_report()
+            units.forward_backward(self, unit, slot)
+            return self.backward_report()
         else:
-            self._backward(unit, slot)
-            return self._backward_report()
+            units.backward(self, unit, slot)
+            return self.backward_report()
         return None
 
     def unit_ended(self, unit, slot, backward):
@@ -149,7 +153,7 @@ class TaskRunner:
 
     def at_step_boundary(self) -> bool:
         """No step in progress: every shard has had the same number of steps applied."""
-        return self._mb is None and self._eval is None and self._clipped is None and \
+        return self.mb is None and self._eval is None and self._clipped is None and \
             (self._group is None or self._position == len(self._group))
 
     def note_partial_step(self, error: BaseException):
@@ -159,7 +163,7 @@ class TaskRunner:
                            f"{sorted(self._stepped)} only; the other shards' weights are one step behind")
 
     @contextmanager
-    def _random(self, key, device, start=None, save=True):
+    def random_streams(self, key, device, start=None, save=True):
         """The task's own generators for the block (see task_rng)."""
         with self._rng.cpu_section(key, start, save), self._rng.on_device(device, start, save):
             yield
@@ -167,7 +171,7 @@ class TaskRunner:
     # -- micro-batches and steps -------------------------------------------------------------------------------
     def _begin_micro_batch(self, device):
         if self._group is None or self._position == len(self._group):
-            with self._random(None, device):  # a shuffled loader draws its order
+            with self.random_streams(None, device):  # a shuffled loader draws its order
                 epoch, self._group, self._epoch_end = next(self._groups)
             self._epoch = epoch
             self._position, self._loss_sum = 0, 0.0
@@ -176,17 +180,17 @@ class TaskRunner:
             # Where a retry of the step starts from (see rewind_step): its random streams and its buffers.
             self._step_rng = self._rng.snapshot()
             self._step_buffers = [(m, name, m._buffers[name], m._buffers[name]._version)
-                                  for shard in self._buffers for m, name in shard]
-        with self._random(None, device):  # a dataset may augment
+                                  for shard in self.shard_buffers for m, name in shard]
+        with self.random_streams(None, device):  # a dataset may augment
             batch = to_device(self._group[self._position], device)
             self._position += 1
             x = self.task.inputs(batch)
         if self.compute_dtype != torch.float32:
             x = tree_map(lambda t: t.to(self.compute_dtype) if floating(t) else t, x)
-        self._mb = MicroBatch(batch, x, len(self._group), self._position == len(self._group))
+        self.mb = MicroBatch(batch, x, len(self._group), self._position == len(self._group))
 
     def _end_micro_batch(self, slot):
-        mb = self._mb
+        mb = self.mb
         # Read only now, with the whole backward issued: the device never waited for the host to see the loss.
         mb.let_go()
         value = mb.loss.value()
@@ -195,7 +199,7 @@ class TaskRunner:
             raise NonFiniteLossError(f"task {self.task.name!r}: the loss is {value} at step {self.steps}; "
                                      "training stopped and the weights of the last completed step were kept")
         self._loss_sum += value
-        self._mb = None
+        self.mb = None
         if not mb.last:
             return
         self._stepped = []
@@ -260,7 +264,7 @@ class TaskRunner:
         """Why the step in progress cannot be run again from its start (see rewind_step), or None."""
         if self._stepped:
             return f"step {self.steps + 1} had been applied to shards {sorted(self._stepped)} already"
-        in_step = self._mb is not None or (self._group is not None and self._position < len(self._group))
+        in_step = self.mb is not None or (self._group is not None and self._position < len(self._group))
         for module, name, tensor, version in self._step_buffers if in_step else ():
             now = module._buffers[name]
             if now is not tensor and not (now.shape == tensor.shape and torch.equal(now.cpu(), tensor.cpu())) \
@@ -271,10 +275,10 @@ class TaskRunner:
     def rewind_step(self):
         """Back to the last step boundary, so that the step in progress (or the evaluation pass) runs again
         from its start as it would have the first time: the same batches and random draws, no gradient kept."""
-        in_step = self._mb is not None or (self._group is not None and self._position < len(self._group))
-        if self._mb is not None:
-            self._mb.let_go()
-        self._mb, self._eval, self._stepped = None, None, []
+        in_step = self.mb is not None or (self._group is not None and self._position < len(self._group))
+        if self.mb is not None:
+            self.mb.let_go()
+        self.mb, self._eval, self._stepped = None, None, []
         if in_step:
             self._position, self._loss_sum = 0, 0.0
             self._rng.cpu, self._rng.cuda = self._step_rng
@@ -286,11 +290,10 @@ class TaskRunner:
         task.modules = groups
         task.shard_params = sharding.shard_parameters(groups)
         self.n = task.num_shards
-        self._buffers = [[(m, name) for module in group for m in module.modules() for name, b in m._buffers.items()
-                          if b is not None] for group in groups]
+        self.shard_buffers = shard_buffers(groups)
         self._rng.draws = {}  # keyed by shard: which sections draw from the CPU generator
         self.model_ids, self.home, self.resident, self.keep_graphs = {}, None, False, False
-        self.resident_shards = []
+        self.resident_shards, self.device_shards = [], []
         self.micro_batches = count_micro_batches(task, self.steps)
 
     def discard_unfinished_step(self, engines):
@@ -299,85 +302,14 @@ class TaskRunner:
             engines[slot_index].discard_grads(model_id)
 
     # -- units -------------------------------------------------------------------------------------------------
-    def _forward(self, unit, slot):
-        mb, s = self._mb, unit.shard
-        x = to_device(mb.x, slot.device)
-        if self.keep_graphs and s > 0:
-            x = requiring_grad(x)
-        slot.loop.begin(unit)
-        mb.rng[s] = self._rng.snapshot()
-        graph, weights = [], [p for m in self.task.modules[s] for p in m.parameters()] if self.keep_graphs else []
-        with self._random(("forward", s), slot.device), torch.set_grad_enabled(self.keep_graphs), \
-                saved_tensors(graph, weights):
-            y = run_shard(self.task.modules[s], x)
-        mb.saved[s] = (x, y) if self.keep_graphs else x
-        nbytes = tensor_bytes((x, graph))
-        slot.saved.charge(nbytes)
-        mb.held[s] = (slot.saved, nbytes)
-        mb.x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y) if self.keep_graphs else y
-
-    def _forward_backward(self, unit, slot):
-        engine, mid, mb = slot.engine, self.model_ids[slot.index], self._mb
-        x_in = requiring_grad(to_device(mb.x, slot.device))
-        mb.x = None
-        if mb.held:  # what one micro-batch holds, now that its forwards are done: the scheduler's gate learns it
-            slot.scheduler.set_saved_bytes(self.index, sum(nbytes for _, nbytes in mb.held.values()))
-        slot.loop.begin(unit)
-        # The task's streams go on from where this forward and loss leave them: a backward's recompute
-        # replays a forward's draws and must not advance them.
-        with self._random(("forward_backward",), slot.device), torch.enable_grad():
-            loss = self._last_shard_loss(x_in, to_device(mb.batch, slot.device))
-            check_loss(loss, self.task.name)
-            # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
-            mb.loss = engine.watch_loss(mid, loss)
-        (loss / mb.count).backward()
-        mb.grad = input_grads(x_in)
-
-    def _last_shard_loss(self, x_in, batch):
-        """The last shard's forward and the loss. Its output is dropped on return, before the backward: the
-        graph keeps only what it saved (the logits, cast to fp32 for a bf16 model, would stay alive otherwise)."""
-        out = run_shard(self.task.modules[self.n - 1], x_in)
-        if self.compute_dtype != torch.float32:
-            out = tree_map(lambda t: t.float() if floating(t) else t, out)
-        return self.task.loss_fn(out, batch)
-
-    def _backward(self, unit, slot):
-        mb, s = self._mb, unit.shard
-        saved = mb.saved.pop(s)
-        mb.let_go(s)
-        grad = to_device(mb.grad, slot.device)
-        slot.loop.begin(unit)
-        rng = mb.rng.pop(s)
-        with torch.enable_grad():
-            if self.keep_graphs:
-                x_in, y = saved
-            else:
-                x_in = requiring_grad(to_device(saved, slot.device))
-                # The forward already updated running statistics (BatchNorm); re-running it must not. The
-                # recompute gets throw-away copies (not restored in place: autograd saved what it used).
-                originals = [(m, name, m._buffers[name]) for m, name in self._buffers[s]]
-                for m, name, buffer in originals:
-                    m._buffers[name] = buffer.clone()
-                try:
-                    with self._random(("forward", s), slot.device, start=rng, save=False):
-                        y = run_shard(self.task.modules[s], x_in)
-                finally:
-                    for m, name, buffer in originals:
-                        m._buffers[name] = buffer
-            outputs, _ = tree_flatten(y)
-            pairs = [(o, g) for o, g in zip(outputs, grad) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        mb.grad = input_grads(x_in) if s > 0 else None
-
-    def _backward_report(self):
+    def backward_report(self):
         """What the loop's end tells the engine of the shard's backward: whether the step follows (the
         micro-batch's last, unless clipping steps every shard at once), at the schedule's rate; with clipping
         and one micro-batch a step, the gradient waits for the norm as it landed (bf16: 2 bytes); with clipping,
         whether clip_and_step follows (the step's last micro-batch)."""
         clipped = self.task.clip_grad_norm is not None
-        return _C.BackwardDone(step=self._mb.last and not clipped, lr_scale=self._lr_scale,
-                               keep=clipped and self._mb.count == 1, clip_follows=clipped and self._mb.last)
+        return _C.BackwardDone(step=self.mb.last and not clipped, lr_scale=self._lr_scale,
+                               keep=clipped and self.mb.count == 1, clip_follows=clipped and self.mb.last)
 
     def _evaluate(self, unit, slot):
         """E(s) of validation batch unit.micro_batch (see hydra_torch.run.evaluation)."""
@@ -392,12 +324,12 @@ class TaskRunner:
             self.selection.after_evaluation(self)
 
     def _place_buffers(self, s, device):
-        for module, name in self._buffers[s]:
+        for module, name in self.shard_buffers[s]:
             buffer = module._buffers[name]
             if buffer.device != device:
                 module._buffers[name] = buffer.to(device)
 
     def restore_buffers(self):
-        for shard in self._buffers:
+        for shard in self.shard_buffers:
             for module, name in shard:
                 module._buffers[name] = module._buffers[name].cpu()

@@ -1,0 +1,220 @@
+// A spilled model's host-stepped shards (engine/spilled_model.h): each backward's gradient copied out to a staging
+// buffer, summed or kept on the host where a step needs more than one, and the optimizer step on a host-step
+// thread; and global-norm clipping, whose steps wait for every shard's gradient.
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cmath>
+#include <future>
+
+#include "engine/gradient_norm.h"
+#include "engine/optimizer_step.h"
+#include "engine/spilled_model.h"
+
+namespace hydra::engine {
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
+// runs on a host-step thread. `landed`: the shard's own gradient of this step, in device layout and compute
+// dtype, read in the step's single pass, summed with a borrower's where one waits in the kept buffer;
+// undefined: the accumulator, zeroed for the next step, or where the shard has none, its kept gradient.
+void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
+               double lr_scale, const at::Tensor& landed) {
+  std::vector<at::Tensor> states;
+  for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
+  const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
+  const OptimizerSpec& spec = store.optimizer();
+  if (landed.defined()) {
+    const auto waiting = store.take_borrowed_spans(shard);
+    if (waiting.empty()) {
+      step_ranges(spec, store.master(shard), landed, states, shadow, ranges, grad_scale, lr_scale);
+    } else {
+      step_ranges_summing(spec, store.master(shard), landed, store.kept(shard), waiting, states, shadow, ranges,
+                          grad_scale, lr_scale);
+    }
+    return;
+  }
+  step_ranges(spec, store.master(shard), store.pending_grad(shard), states, shadow, ranges, grad_scale, lr_scale);
+  if (store.has_grad(shard)) store.grad(shard).zero_();
+}
+
+// The host memory a step of the shard touches: the gradient read (`grad_bytes` an element), the fp32 master and
+// the optimizer states read and written, the bf16 shadow written.
+int64_t step_bytes(const ShardStore& store, int shard, int64_t grad_bytes) {
+  return store.trainable_numel(shard) * (grad_bytes + 8 + 8 * store.optimizer().num_states() + (store.bf16() ? 2 : 0));
+}
+
+}  // namespace
+
+void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool keep) {
+  Weights& w = weights_.at(shard);
+  TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
+  note_gradients(shard);
+  // Kept for clip_and_step, whose step is next and makes this copy stale: it goes at release (after_release).
+  if (keep) w.step_queued_next = true;
+  std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
+  // Only the prefix holding trainable gradients goes out: a frozen tail (a LoRA model's base weights) stays.
+  const int64_t numel = store().gradient_numel(shard);
+  const at::Tensor device_grad = grad_view(shard).narrow(0, 0, numel);
+  const at::ScalarType dtype = store().compute_dtype();
+  const int64_t bytes = numel * store().element_bytes();
+  // The staging buffer the gradient lands in: leased by the copy, given back when the host job is done with
+  // it (or when both jobs are gone, however they ended).
+  auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
+  CopyLane& lane = engine_.to_host_;
+  StagingRing& staging = engine_.staging_;
+  const Fence landed = track(lane.submit({engine_.compute_point()}, [=, &lane, &staging]() -> DeviceEvent {
+    *landing = staging.acquire(bytes);
+    return lane.copy({{(*landing)->view(dtype, numel), device_grad}});
+  }));
+  ++engine_.stats_.device_to_host_copies;
+  engine_.stats_.device_to_host_bytes += bytes;
+  const std::vector<Fence> readers = store().readers(shard);  // the step rewrites the buffer they read
+  // Taken now, on this thread: later micro-batches note their gradients for the next step meanwhile.
+  const std::vector<StepRange> ranges = step ? store().take_step(shard) : std::vector<StepRange>{};
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  DeviceEngine& engine = engine_;
+  Fence done = submit([=, &engine]() -> DeviceEvent {
+    landed.wait();
+    if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
+      owner->undo_step(shard, ranges);
+      landing->reset();
+      return nullptr;
+    }
+    const at::Tensor gradient = (*landing)->view(dtype, numel);
+    int64_t start = now_ns();
+    // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
+    // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
+    const bool single_pass = step && !owner->has_grad(shard);
+    const int64_t landed_bytes = owner->gradient_numel(shard) * owner->element_bytes();
+    int64_t touched = 0;
+    if (single_pass) {
+      owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
+    } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
+      owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
+      touched += landed_bytes + owner->trainable_numel(shard) * 2;
+    } else {
+      owner->accumulate_grads(shard, gradient);
+      touched += landed_bytes + owner->trainable_numel(shard) * 8;
+    }
+    if (step) {
+      const bool zeroes_accumulator = !single_pass && owner->has_grad(shard);
+      const int64_t waiting = now_ns();
+      for (const Fence& copy : readers) copy.wait_done();
+      start += now_ns() - waiting;  // waiting for copies to finish reading is not host memory traffic
+      step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
+      ++engine.host_steps_done_;
+      touched += step_bytes(*owner, shard, single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2);
+    }
+    engine.count_host_job(touched, start);
+    landing->reset();
+    return nullptr;
+  });
+  // Free again once copied out: the next shard's gradients need not wait for this one's step.
+  engine_.pool_.release(w.grads, landed);
+  w.grads = Region{};
+  if (step) {
+    store().set_last_step(shard, done);
+    store().bump_version(shard);  // the device copy predates the step: dropped on release
+  }
+}
+
+std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr_scale) {
+  if (!resident_shards_.empty() || !device_shards_.empty()) return clip_and_step_here(max_norm, lr_scale);
+  auto norm = std::make_shared<ClipNorm>(max_norm);
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  // After every gradient job of the step (the model's jobs run in their order), on a host-step thread.
+  submit([owner, norm]() -> DeviceEvent {
+    try {
+      // A failed job may have left a gradient out: no step is taken over what is left.
+      if (const std::exception_ptr failed = owner->failed_job()) std::rethrow_exception(failed);
+      std::vector<at::Tensor> grads;
+      for (int s = 0; s < owner->num_shards(); ++s)
+        grads.push_back(owner->pending_grad(s).narrow(0, 0, owner->trainable_numel(s)));
+      norm->set(std::sqrt(squared_norm(grads)));
+    } catch (...) {
+      norm->fail(std::current_exception());  // every step reads it: none applies
+      throw;
+    }
+    return nullptr;
+  });
+  for (int s = store().num_shards() - 1; s >= 0; --s) step(s, norm, lr_scale);
+  return norm;
+}
+
+std::shared_ptr<ClipNorm> SpilledModel::clip_and_step_here(double max_norm, double lr_scale) {
+  auto norm = std::make_shared<ClipNorm>(max_norm);
+  ShardStore& store = this->store();
+  try {
+    synchronize();  // every gradient job done: the spilled shards' gradients wait in the store
+    std::vector<at::Tensor> grads = homes_.trainable_grads(store);
+    for (int s = 0; s < store.num_shards(); ++s) {
+      if (homed_[s]) continue;
+      const at::Tensor grad = device_stepped_[s] ? held_grads(s) : store.pending_grad(s);
+      grads.push_back(grad.narrow(0, 0, store.trainable_numel(s)));
+    }
+    norm->set(std::sqrt(squared_norm(grads)));
+  } catch (...) {
+    // A gradient job failed (or the norm could not be taken): no shard steps, and the reading says why, as a
+    // norm taken by a host job does; the model's next synchronize() reports the error again, as it would the
+    // failed job's own.
+    norm->fail(std::current_exception());
+    std::promise<DeviceEvent> failed;
+    failed.set_exception(std::current_exception());
+    track(Fence(failed.get_future().share()));
+    return norm;
+  }
+  if (!norm->finite()) {  // no shard steps: the weights stay those of the last completed step
+    discard_grads();
+    return norm;
+  }
+  for (int s = store.num_shards() - 1; s >= 0; --s) {
+    if (homed_[s]) {
+      homes_.step(store, s, norm->scale(), lr_scale);
+    } else if (device_stepped_[s]) {
+      device_step(s, norm->scale(), lr_scale);
+    } else {
+      step(s, norm, lr_scale);
+    }
+  }
+  return norm;
+}
+
+void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double lr_scale) {
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  const std::vector<Fence> readers = owner->readers(shard);
+  const std::vector<StepRange> ranges = owner->take_step(shard);
+  DeviceEngine& engine = engine_;
+  const Fence done = submit([=, &engine]() -> DeviceEvent {
+    bool finite = false;
+    try {
+      finite = norm->finite();
+    } catch (...) {  // the norm could not be taken: no shard steps
+      owner->undo_step(shard, ranges);
+      throw;
+    }
+    if (!finite) {  // skipped, as every shard's step: its gradients are forgotten, its step count as before
+      owner->undo_step(shard, ranges);
+      if (owner->has_grad(shard)) owner->grad(shard).zero_();
+      return nullptr;
+    }
+    for (const Fence& copy : readers) copy.wait_done();
+    const int64_t start = now_ns();
+    const bool zeroes_accumulator = owner->has_grad(shard);
+    step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor());
+    ++engine.host_steps_done_;
+    engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
+    return nullptr;
+  });
+  owner->set_last_step(shard, done);
+  owner->bump_version(shard);
+  if (cached(shard) && !pinned(shard)) evict(shard);
+}
+
+}  // namespace hydra::engine

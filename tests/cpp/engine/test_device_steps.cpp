@@ -1,0 +1,246 @@
+// A spilled model's device-stepped shards (SpilledModel, engine/spilled_model_device_steps.cpp): their gradients
+// stay on the device, their master and optimizer states come in for the step and go home with the new weights;
+// the model ends as it would with every shard stepped on the host.
+#include "device_engine_helpers.h"
+#include "engine/clip_norm.h"
+#include "engine/placement.h"
+#include "engine/spilled_model.h"
+
+namespace engine_test {
+namespace {
+
+using hydra::engine::ClipNorm;
+using hydra::engine::place_models;
+using hydra::engine::SpilledModel;
+
+// Four shards, none tied; shard 1 ends in a frozen parameter (its trainable prefix is shorter than its weights).
+std::vector<std::vector<at::Tensor>> untied_shards() {
+  std::vector<at::Tensor> second = linear_shard(1, 12);
+  second.push_back(param({5}, 2.0, /*trainable=*/false));
+  return {{param({10, 4}, 1.0), param({7}, 3.0)}, second, linear_shard(2, 20), {param({6}, 6.0)}};
+}
+
+// Shard 3 borrows shard 0's first weight (a tied embedding and head).
+std::vector<std::vector<at::Tensor>> tied_shards() {
+  const at::Tensor e = param({10, 4}, 1.0);
+  return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({6}, 6.0), e}};
+}
+
+// What autograd does to a parameter's gradient: a buffer that stays on the device accumulates over micro-batches.
+void add_grads(ShardStore& store, int shard) {
+  const auto& layout = store.layout(shard);
+  for (size_t i = 0; i < layout.size(); ++i)
+    if (layout[i].trainable) layout[i].param.mutable_grad().add_(grad_value(shard, i));
+}
+
+OptimizerSpec adamw() {
+  OptimizerSpec spec;
+  spec.lr = 0.01;
+  spec.weight_decay = 0.1;
+  spec.decoupled_weight_decay = true;
+  return spec;
+}
+
+// Three steps of two micro-batches (the last clipped when `clip`), with the given shards resident and device-stepped.
+Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int>& device, bool clip) {
+  auto store = make_store(untied_shards(), bf16, adamw());
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, resident, -1, device);
+  EXPECT_EQ(engine.device_shards(m), device);
+  for (int step = 0; step < 3; ++step) {
+    const bool clipped = clip && step == 2;
+    run_step(engine, m, *store, 2, /*check_values=*/false, /*step=*/!clipped, 0.5, false, add_grads);
+    if (clipped) engine.clip_and_step(m, 0.5, 0.5)->value();
+  }
+  EXPECT_EQ(engine.stats().device_steps, static_cast<int64_t>(3 * device.size()));
+  return finish_and_copy(engine, m, *store);
+}
+
+TEST(DeviceSteps, AModelWithDeviceSteppedShardsEndsAsOneWithEveryShardOnTheHost) {
+  ASSERT_TRUE(op_registered("hydra::adam_step")) << "the engine tests link the op registrations";
+  for (bool clip : {false, true}) {
+    SCOPED_TRACE(clip ? "clipped" : "not clipped");
+    const Trained host = train(false, {}, {}, clip);
+    expect_same(train(false, {}, {1, 2}, clip), host);
+    expect_same(train(false, {0}, {1, 2, 3}, clip), host);
+    expect_same(train(false, {}, {0, 1, 2, 3}, clip), host);
+  }
+}
+
+TEST(DeviceSteps, InBf16TheirStepMatchesAResidentShards) {
+  // A host-stepped shard sums two micro-batches in fp32, a device-stepped one in its bf16 buffer as a resident one.
+  for (bool clip : {false, true}) {
+    SCOPED_TRACE(clip ? "clipped" : "not clipped");
+    expect_same(train(true, {}, {1, 2}, clip), train(true, {1, 2}, {}, clip));
+  }
+}
+
+TEST(DeviceSteps, TheirGradientsNeverLeaveTheirStateGoesRoundOncePerStepAndTheirWeightsStay) {
+  auto store = make_store(untied_shards(), /*bf16=*/true, adamw());
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1});
+  for (int step = 0; step < 2; ++step)
+    run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 1.0, false, add_grads);
+  engine.synchronize(m);
+  const hydra::engine::EngineStats stats = engine.stats();
+  EXPECT_EQ(stats.device_steps, 2);
+  EXPECT_EQ(stats.host_steps, 2 * 3) << "every other shard steps on the host";
+  // Out per step: the other shards' bf16 gradients, and shard 1's master and two moments (fp32) and the new bf16
+  // weights of its trainable prefix.
+  const int64_t trainable = store->trainable_numel(1);
+  ASSERT_LT(trainable, store->device_numel(1)) << "shard 1 ends in a frozen parameter";
+  int64_t out = trainable * (3 * 4 + 2);
+  for (int s : {0, 2, 3}) out += store->gradient_numel(s) * 2;
+  EXPECT_EQ(stats.device_to_host_bytes, 2 * out);
+  EXPECT_EQ(engine.shard_loads(m)[1], 1) << "its cached weights took each step's result on the device";
+  EXPECT_GT(engine.shard_loads(m)[2], 1) << "a host-stepped shard's are copied in again after its step";
+  EXPECT_EQ(store->steps_taken(1), 2);
+  engine.acquire(m, 1, false);  // the copy it computes with is the one the host got back
+  expect_bound_to_master(*store, 1);
+  engine.release(m, 1);
+  engine.finish(m);
+}
+
+// One step of one micro-batch as the runner drives it when the step follows each backward: the device-stepped
+// shards' state is prefetched as the backward's unit begins. `step`: whether the backward then reports the step.
+void step_with_prefetch(DeviceEngine& engine, int m, ShardStore& store, bool step) {
+  const int n = store.num_shards();
+  for (int s = 0; s < n - 1; ++s) {
+    engine.acquire(m, s, false);
+    engine.release(m, s);
+  }
+  for (int s = n - 1; s >= 0; --s) {
+    engine.prefetch_step(m, s);  // as DeviceLoop::begin: before the shard's weights take their room
+    engine.acquire(m, s, true);
+    add_grads(store, s);
+    engine.backward_done(m, s, step);
+    engine.release(m, s);
+  }
+}
+
+TEST(DeviceSteps, StatePrefetchedAtTheBackwardStepsAsStateBroughtByTheStep) {
+  Trained got[2];
+  for (bool prefetch : {false, true}) {
+    auto store = make_store(untied_shards(), /*bf16=*/true, adamw());
+    DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+    const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {0, 1, 2});
+    for (int step = 0; step < 3; ++step) {
+      if (prefetch) {
+        step_with_prefetch(engine, m, *store, true);
+      } else {
+        run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 1.0, false, add_grads);
+      }
+    }
+    EXPECT_EQ(engine.stats().device_steps, 9);
+    got[prefetch] = finish_and_copy(engine, m, *store);
+  }
+  expect_same(got[1], got[0]);
+}
+
+TEST(DeviceSteps, StatePrefetchedForAStepThatDoesNotComeIsGivenBack) {
+  // Each shard's prefetched state is given back at its release when no step used it (its loss gate closed): the
+  // arena holds no step's regions between units, and the next backward's prefetch brings the state in afresh.
+  auto store = make_store(untied_shards(), false, adamw());
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);  // every shard's weights stay cached
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {0, 1, 2});
+  const at::Tensor before = store->master(1).clone();
+  step_with_prefetch(engine, m, *store, /*step=*/false);
+  const int64_t first = engine.stats().host_to_device_bytes;
+  step_with_prefetch(engine, m, *store, /*step=*/false);
+  engine.synchronize(m);
+  int64_t state_bytes = 0;  // fp32 master and two moments of each device-stepped shard
+  for (int s : {0, 1, 2}) state_bytes += store->trainable_numel(s) * 3 * 4;
+  EXPECT_EQ(engine.stats().host_to_device_bytes - first, state_bytes) << "the weights cached, the state again";
+  EXPECT_EQ(engine.stats().device_steps, 0);
+  EXPECT_TRUE(at::equal(store->master(1), before));
+  engine.discard_grads(m);
+  step_with_prefetch(engine, m, *store, /*step=*/true);
+  engine.synchronize(m);
+  EXPECT_EQ(engine.stats().device_steps, 3);
+  EXPECT_EQ(store->steps_taken(1), 1);
+  engine.finish(m);
+}
+
+TEST(DeviceSteps, ATiedRepeatedResidentOrMissingShardIsRefusedChangingNothing) {
+  auto tied = make_store(tied_shards());
+  auto untied = make_store(untied_shards());
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*tied) * 4);
+  const int64_t free = engine.free_bytes();
+  for (const std::vector<int>& bad : {std::vector<int>{0}, {3}, {1, 1}, {4}, {-1}})
+    EXPECT_THROW(engine.add_model(tied, DeviceEngine::Residency::kSpilled, -1, {}, -1, bad), c10::Error);
+  EXPECT_THROW(engine.add_model(untied, DeviceEngine::Residency::kSpilled, -1, {1}, -1, {1, 2}), c10::Error)
+      << "a shard is resident or device-stepped, not both";
+  auto frozen = make_store({linear_shard(0, 4), {param({5}, 2.0, /*trainable=*/false)}});
+  EXPECT_EQ(SpilledModel::device_shards_error(*frozen, {}, {1}), "device-stepped shard 1 has nothing to train");
+  EXPECT_THROW(engine.add_model(untied, DeviceEngine::Residency::kAuto, -1, {}, -1, {1}), c10::Error)
+      << "device-stepped shards are a spilled model's";
+  EXPECT_EQ(engine.free_bytes(), free);
+  EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {3}),
+            "device-stepped shard 3 shares a tied weight with another shard");
+}
+
+TEST(DeviceSteps, TheirGradientBuffersCountAgainstTheBudgetAndAreGivenBackOnRelease) {
+  auto store = make_store(untied_shards(), false, adamw());
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int64_t free = engine.free_bytes();
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1, 2});
+  const int64_t held = SpilledModel::held_grads_need(*store, {1, 2});
+  const int64_t working_set = SpilledModel::spilled_need(*store, {}, nullptr, {1, 2});
+  EXPECT_GT(working_set, SpilledModel::spilled_need(*store, {})) << "a device step's regions exceed a gradient's";
+  EXPECT_EQ(engine.free_bytes(), free - held - working_set);
+  engine.finish(m);
+  engine.release_model(m);
+  EXPECT_EQ(engine.free_bytes(), free - working_set);
+}
+
+TEST(DeviceSteps, AfterAFailedHostJobAClippedStepStepsNoDeviceShard) {
+  // Shard 1 steps on the host and its job fails (the op rejects a negative learning rate): the norm must report
+  // it, and the device-stepped shards must not step.
+  OptimizerSpec bad;
+  bad.lr = -1.0;
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30)}, false, bad);
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {0, 2});
+  engine.plan(m, {2, 1, 0});
+  for (int s : {2, 1, 0}) {
+    engine.acquire(m, s, true);
+    write_grads(*store, s);
+    engine.backward_done(m, s, /*step=*/s == 1);  // shard 1's job throws
+    engine.release(m, s);
+  }
+  const at::Tensor before = store->master(0).clone();
+  const std::shared_ptr<ClipNorm> norm = engine.clip_and_step(m, /*max_norm=*/1.0);
+  EXPECT_THROW(norm->value(), c10::Error);
+  EXPECT_THROW(engine.synchronize(m), c10::Error) << "the failed job is reported again";
+  engine.finish(m);
+  EXPECT_TRUE(at::equal(store->master(0), before)) << "a device-stepped shard stepped after its model's failed job";
+  EXPECT_EQ(store->steps_taken(0), 0);
+  EXPECT_EQ(store->steps_taken(2), 0);
+  EXPECT_EQ(engine.stats().device_steps, 0);
+}
+
+TEST(Placement, DeviceStepsTakeEveryUntiedShardThatFitsFirstShardsFirst) {
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30), linear_shard(3, 30)},
+                          false, adamw());
+  const int64_t working_set = SpilledModel::spilled_need(*store, {}, nullptr, {0, 1, 2, 3});
+  const int64_t all = SpilledModel::held_grads_need(*store, {0, 1, 2, 3}) + working_set;
+  ASSERT_LT(all, DeviceEngine::resident_need(*store)) << "the model must not fit whole";
+  DeviceEngine roomy(kCpu, all);
+  auto placed = place_models({&roomy}, {store}, {"m"}, {}, {}, {}, {true});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(placed[0].home_device, 0);
+  EXPECT_EQ(roomy.device_shards(0), placed[0].device_shards);
+  DeviceEngine tight(kCpu, all - 1);  // one gradient buffer less: the last shard steps on the host
+  placed = place_models({&tight}, {store}, {"m"}, {}, {}, {}, {true});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 2}));
+  DeviceEngine a(kCpu, 2 * all), b(kCpu, 2 * all);
+  placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, {true});
+  EXPECT_TRUE(placed[0].device_shards.empty()) << "on several devices a spilled model runs anywhere";
+  auto tied = make_store(tied_shards(), false, adamw());
+  DeviceEngine one(kCpu, DeviceEngine::resident_need(*tied) - 1);
+  placed = place_models({&one}, {tied}, {"t"}, {}, {}, {}, {true});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2})) << "shards 0 and 3 share a tied weight";
+}
+
+}  // namespace
+}  // namespace engine_test
