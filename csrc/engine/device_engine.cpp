@@ -194,7 +194,13 @@ void DeviceEngine::acquire(int model, int shard, bool with_grads) {
 
 void DeviceEngine::prefetch_step(int model, int shard) {
   live(model, shard);
+  start();  // resident state first, from the start of the arena
   if (SpilledModel* m = spilled(model)) m->prefetch_state(shard);
+}
+
+void DeviceEngine::forget_step_prefetch(int model, int shard) {
+  live(model, shard);
+  if (SpilledModel* m = spilled(model)) m->forget_prefetched_state(shard);
 }
 
 bool DeviceEngine::waits_for_step(int model, int shard) {

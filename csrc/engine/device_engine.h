@@ -148,6 +148,8 @@ class DeviceEngine {
   // shard's master and optimizer state start coming in beside its compute (SpilledModel::prefetch_state), taking
   // their room while the arena's working room is whole (the shard's weights, placed first, would split it).
   void prefetch_step(int model, int shard);
+  // The acquire after prefetch_step failed: what it prefetched is given back.
+  void forget_step_prefetch(int model, int shard);
   // The shard's weights are not on the device and cannot be copied yet: a step they read is still running
   // (a spilled model's first shard, at the start of its next step).
   bool waits_for_step(int model, int shard);

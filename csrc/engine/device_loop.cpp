@@ -45,8 +45,14 @@ void DeviceLoop::begin(const core::Unit& unit, bool step_follows) {
   engine_.plan(visits);
   const bool backward = unit.phase == core::Phase::kForwardBackward || unit.phase == core::Phase::kBackward;
   // The state first, while the arena's working room is whole: the shard's weights would split it.
-  if (backward && step_follows) engine_.prefetch_step(own, unit.shard);
-  engine_.acquire(own, unit.shard, /*with_grads=*/backward);
+  const bool prefetch = backward && step_follows;
+  if (prefetch) engine_.prefetch_step(own, unit.shard);
+  try {
+    engine_.acquire(own, unit.shard, /*with_grads=*/backward);
+  } catch (...) {
+    if (prefetch) engine_.forget_step_prefetch(own, unit.shard);  // nothing held when begin throws
+    throw;
+  }
   try {
     engine_.prefetch_ahead(options_.prefetch_bytes);
   } catch (...) {

@@ -165,7 +165,6 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     // Every parameter the shard uses is in its own copy, tied ones included.
     bind(shard, with_grads, [&](const ParamEntry& e) { return Place{weights, grads, e.device_offset}; });
   } catch (...) {
-    if (state_visits_[shard].in_use()) drop_state(shard, engine_.compute_point());  // prefetched for this visit
     if (!had_grads && w.grads.valid()) {
       engine_.pool_.release(w.grads, engine_.compute_point());
       w.grads = Region{};

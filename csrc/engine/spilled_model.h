@@ -100,6 +100,8 @@ class SpilledModel final : public DeviceModel {
   // The shard's backward about to run ends its step: a device-stepped shard's master and optimizer states start
   // coming in now, beside that backward's compute (where the arena has room for them without waiting).
   void prefetch_state(int shard);
+  // The unit prefetch_state was called for did not begin (its acquire failed): the state goes back.
+  void forget_prefetched_state(int shard);
 
  protected:
   void make_computable(int shard, bool with_grads) override;

@@ -142,15 +142,18 @@ void SpilledModel::prefetch_state(int shard) {
   if (device_stepped_.at(shard)) bring_state(shard, /*must=*/false);
 }
 
+void SpilledModel::forget_prefetched_state(int shard) {
+  if (state_visits_.at(shard).in_use()) drop_state(shard, engine_.compute_point());
+}
+
 void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   ShardStore& store = this->store();
-  const std::vector<StepRange> ranges = store.take_step(shard);
   const int64_t numel = store.trainable_numel(shard);
-  if (numel == 0) return;  // nothing of it trains
   c10::DeviceGuard device_guard(engine_.device_);
+  // Room first: a step that cannot get it (out of memory, re-planned) must leave the step counts as they were.
   bring_state(shard, /*must=*/true);  // unless a prefetch brought it
-  StateVisit visit = std::move(state_visits_[shard]);
-  state_visits_[shard] = StateVisit{};
+  const std::vector<StepRange> ranges = store.take_step(shard);
+  const StateVisit visit = state_visits_[shard];  // forgotten once the step that uses it is queued
   Weights& w = weights_[shard];
   // A cached copy of the weights takes the new ones on the device: the next visit copies nothing in, and does not
   // wait for the state to go home. Its owned part is laid out as the master.
@@ -161,7 +164,10 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   // On the step lane once the backward that wrote the gradients is issued and the state has landed: the compute
   // goes on with the next units meanwhile. A failed copy in fails the step, and the step's failure stops the copy
   // home, so the host keeps the state of the last completed step.
-  const Fence stepped = track(lane.submit({engine_.compute_point()}, [=, &lane]() -> DeviceEvent {
+  // A cached copy may still be on its way in (reloaded for the next visit before a clipped step): after it.
+  std::vector<Fence> after{engine_.compute_point()};
+  if (w.cached) after.push_back(w.ready);
+  const Fence stepped = track(lane.submit(std::move(after), [=, &lane]() -> DeviceEvent {
     visit.in.order_before(lane.order_stream());
     return lane.run([&] {
       step_ranges(owner->optimizer(), visit.master, grads, visit.states, visit.shadow, ranges, grad_scale, lr_scale);
@@ -172,6 +178,7 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
           cached.narrow(0, r.begin, r.end - r.begin).copy_(fresh.narrow(0, r.begin, r.end - r.begin));
     });
   }));
+  state_visits_[shard] = StateVisit{};
   CopyLane::Copies out{{store.master(shard).narrow(0, 0, numel), visit.master}};
   for (size_t k = 0; k < visit.states.size(); ++k)
     out.emplace_back(store.state(shard, static_cast<int>(k)), visit.states[k]);

@@ -30,6 +30,7 @@ def forward(runner, unit, slot):
     mb.held[s] = (slot.saved, nbytes)
     mb.x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y) if runner.keep_graphs else y
 
+
 def forward_backward(runner, unit, slot):
     """FB(n-1): the last shard's forward, the loss and its backward; the loss becomes the gate of the step."""
     engine, mid, mb = slot.engine, runner.model_ids[slot.index], runner.mb
@@ -48,6 +49,7 @@ def forward_backward(runner, unit, slot):
     (loss / mb.count).backward()
     mb.grad = input_grads(x_in)
 
+
 def last_shard_loss(runner, x_in, batch):
     """The last shard's forward and the loss. Its output is dropped on return, before the backward: the
     graph keeps only what it saved (the logits, cast to fp32 for a bf16 model, would stay alive otherwise)."""
@@ -55,6 +57,7 @@ def last_shard_loss(runner, x_in, batch):
     if runner.compute_dtype != torch.float32:
         out = tree_map(lambda t: t.float() if floating(t) else t, out)
     return runner.task.loss_fn(out, batch)
+
 
 def backward(runner, unit, slot):
     """B(s): the shard's forward again from its saved input, with the same random draws, and its backward."""
