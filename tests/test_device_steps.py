@@ -8,29 +8,16 @@ import torch
 
 import hydra_torch as ht
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
+import placed_training
+from placed_training import SEED, adamw, params
 
-SEED = 123
 # tied_transformer(): 8 layers, the embedding (0) tied to the head (7); budget 2x its fp32 weights.
 DEVICE = "spilled, shards 0, 7 resident, shards 1-6 stepped on the device"
 ENDS = "spilled, shards 0, 7 resident"
 
 
-def adamw():
-    return ht.optim.AdamW(lr=3e-3, weight_decay=0.05)
-
-
-def train(model, data, placement, budget_fraction=2.0, devices="cpu", checkpoint_dir=None, **options):
-    torch.manual_seed(SEED)
-    task = ht.ModelTask(model, optimizer=options.pop("optimizer", None) or adamw(), loss_fn=lm_loss, data=data,
-                        **options)
-    results = ht.train([task], devices=devices, memory_budget=int(budget_fraction * model_bytes(model)),
-                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir)
-    assert results[0].ok, results[0].error
-    return results
-
-
-def params(model):
-    return [p.detach().clone() for p in model.parameters()]
+def train(model, data, placement, budget_fraction=2.0, **options):
+    return placed_training.train(model, data, placement, budget_fraction, **options)
 
 
 @pytest.mark.parametrize("accumulate, clip", [(1, None), (3, None), (1, 0.5), (2, 0.5)])

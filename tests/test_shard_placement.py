@@ -6,27 +6,14 @@ import torch
 
 import hydra_torch as ht
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
+import placed_training
+from placed_training import SEED, adamw, params
 
-SEED = 123
 ENDS = "spilled, shards 0, 7 resident"  # tied_transformer(): 8 layers, the embedding tied to the head
 
 
-def adamw():
-    return ht.optim.AdamW(lr=3e-3, weight_decay=0.05)
-
-
-def train(model, data, placement, budget_fraction=1.0, devices="cpu", checkpoint_dir=None, **options):
-    torch.manual_seed(SEED)
-    task = ht.ModelTask(model, optimizer=options.pop("optimizer", None) or adamw(), loss_fn=lm_loss, data=data,
-                        **options)
-    results = ht.train([task], devices=devices, memory_budget=int(budget_fraction * model_bytes(model)),
-                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir)
-    assert results[0].ok, results[0].error
-    return results
-
-
-def params(model):
-    return [p.detach().clone() for p in model.parameters()]
+def train(model, data, placement, budget_fraction=1.0, **options):
+    return placed_training.train(model, data, placement, budget_fraction, **options)
 
 
 @pytest.mark.parametrize("accumulate, clip", [(1, None), (3, None), (1, 0.5), (2, 0.5)])

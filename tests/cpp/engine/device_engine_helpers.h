@@ -72,6 +72,23 @@ inline void expect_bound_to_master(ShardStore& store, int shard) {
 // Distinct, exactly representable gradient per (shard, parameter index).
 inline float grad_value(int shard, size_t index) { return 0.5f * static_cast<float>(shard + 1) + 0.25f * index; }
 
+// What autograd does to a parameter's gradient: a buffer that stays on the device (a resident or device-stepped
+// shard's) accumulates over micro-batches.
+inline void add_grads(ShardStore& store, int shard) {
+  const auto& layout = store.layout(shard);
+  for (size_t i = 0; i < layout.size(); ++i)
+    if (layout[i].trainable) layout[i].param.mutable_grad().add_(grad_value(shard, i));
+}
+
+// AdamW with decoupled weight decay, as the tests of steps use it.
+inline OptimizerSpec adamw_spec() {
+  OptimizerSpec spec;
+  spec.lr = 0.01;
+  spec.weight_decay = 0.1;
+  spec.decoupled_weight_decay = true;
+  return spec;
+}
+
 inline void write_grads(ShardStore& store, int shard) {
   const auto& layout = store.layout(shard);
   for (size_t i = 0; i < layout.size(); ++i) {

@@ -26,24 +26,9 @@ std::vector<std::vector<at::Tensor>> tied_shards() {
   return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({6}, 6.0), e}};
 }
 
-// What autograd does to a parameter's gradient: a buffer that stays on the device accumulates over micro-batches.
-void add_grads(ShardStore& store, int shard) {
-  const auto& layout = store.layout(shard);
-  for (size_t i = 0; i < layout.size(); ++i)
-    if (layout[i].trainable) layout[i].param.mutable_grad().add_(grad_value(shard, i));
-}
-
-OptimizerSpec adamw() {
-  OptimizerSpec spec;
-  spec.lr = 0.01;
-  spec.weight_decay = 0.1;
-  spec.decoupled_weight_decay = true;
-  return spec;
-}
-
 // Three steps of two micro-batches (the last clipped when `clip`), with the given shards resident and device-stepped.
 Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int>& device, bool clip) {
-  auto store = make_store(untied_shards(), bf16, adamw());
+  auto store = make_store(untied_shards(), bf16, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, resident, -1, device);
   EXPECT_EQ(engine.device_shards(m), device);
@@ -76,7 +61,7 @@ TEST(DeviceSteps, InBf16TheirStepMatchesAResidentShards) {
 }
 
 TEST(DeviceSteps, TheirGradientsNeverLeaveTheirStateGoesRoundOncePerStepAndTheirWeightsStay) {
-  auto store = make_store(untied_shards(), /*bf16=*/true, adamw());
+  auto store = make_store(untied_shards(), /*bf16=*/true, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1});
   for (int step = 0; step < 2; ++step)
@@ -121,7 +106,7 @@ void step_with_prefetch(DeviceEngine& engine, int m, ShardStore& store, bool ste
 TEST(DeviceSteps, StatePrefetchedAtTheBackwardStepsAsStateBroughtByTheStep) {
   Trained got[2];
   for (bool prefetch : {false, true}) {
-    auto store = make_store(untied_shards(), /*bf16=*/true, adamw());
+    auto store = make_store(untied_shards(), /*bf16=*/true, adamw_spec());
     DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
     const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {0, 1, 2});
     for (int step = 0; step < 3; ++step) {
@@ -140,7 +125,7 @@ TEST(DeviceSteps, StatePrefetchedAtTheBackwardStepsAsStateBroughtByTheStep) {
 TEST(DeviceSteps, StatePrefetchedForAStepThatDoesNotComeIsGivenBack) {
   // Each shard's prefetched state is given back at its release when no step used it (its loss gate closed): the
   // arena holds no step's regions between units, and the next backward's prefetch brings the state in afresh.
-  auto store = make_store(untied_shards(), false, adamw());
+  auto store = make_store(untied_shards(), false, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);  // every shard's weights stay cached
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {0, 1, 2});
   const at::Tensor before = store->master(1).clone();
@@ -180,7 +165,7 @@ TEST(DeviceSteps, ATiedRepeatedResidentOrMissingShardIsRefusedChangingNothing) {
 }
 
 TEST(DeviceSteps, TheirGradientBuffersCountAgainstTheBudgetAndAreGivenBackOnRelease) {
-  auto store = make_store(untied_shards(), false, adamw());
+  auto store = make_store(untied_shards(), false, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int64_t free = engine.free_bytes();
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1, 2});
@@ -221,7 +206,7 @@ TEST(DeviceSteps, AfterAFailedHostJobAClippedStepStepsNoDeviceShard) {
 
 TEST(Placement, DeviceStepsTakeEveryUntiedShardThatFitsFirstShardsFirst) {
   auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30), linear_shard(3, 30)},
-                          false, adamw());
+                          false, adamw_spec());
   const int64_t working_set = SpilledModel::spilled_need(*store, {}, nullptr, {0, 1, 2, 3});
   const int64_t all = SpilledModel::held_grads_need(*store, {0, 1, 2, 3}) + working_set;
   ASSERT_LT(all, DeviceEngine::resident_need(*store)) << "the model must not fit whole";
@@ -236,7 +221,7 @@ TEST(Placement, DeviceStepsTakeEveryUntiedShardThatFitsFirstShardsFirst) {
   DeviceEngine a(kCpu, 2 * all), b(kCpu, 2 * all);
   placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, {true});
   EXPECT_TRUE(placed[0].device_shards.empty()) << "on several devices a spilled model runs anywhere";
-  auto tied = make_store(tied_shards(), false, adamw());
+  auto tied = make_store(tied_shards(), false, adamw_spec());
   DeviceEngine one(kCpu, DeviceEngine::resident_need(*tied) - 1);
   placed = place_models({&one}, {tied}, {"t"}, {}, {}, {}, {true});
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2})) << "shards 0 and 3 share a tied weight";

@@ -20,24 +20,9 @@ struct EndsTied {
   }
 };
 
-// What autograd does to a parameter's gradient: a resident shard's buffer accumulates over micro-batches.
-void add_grads(ShardStore& store, int shard) {
-  const auto& layout = store.layout(shard);
-  for (size_t i = 0; i < layout.size(); ++i)
-    if (layout[i].trainable) layout[i].param.mutable_grad().add_(grad_value(shard, i));
-}
-
-OptimizerSpec adamw() {
-  OptimizerSpec spec;
-  spec.lr = 0.01;
-  spec.weight_decay = 0.1;
-  spec.decoupled_weight_decay = true;
-  return spec;
-}
-
 // Three steps of two micro-batches (the last clipped when `clip`), with the given shards resident.
 Trained train(const std::vector<int>& resident_shards, bool clip) {
-  auto store = make_store(EndsTied().shards(), false, adamw());
+  auto store = make_store(EndsTied().shards(), false, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, resident_shards);
   EXPECT_EQ(engine.resident_shards(m), resident_shards);
@@ -59,7 +44,7 @@ TEST(ResidentShards, AModelWithResidentEndsEndsAsOneWithEveryShardSpilled) {
 
 TEST(ResidentShards, AreUploadedOnceAndNeverEvictedOrCopiedBack) {
   ASSERT_TRUE(op_registered("hydra::adam_step")) << "the engine tests link the op registrations";
-  auto store = make_store(EndsTied().shards(), false, adamw());
+  auto store = make_store(EndsTied().shards(), false, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store));
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {0, 3});
   for (int step = 0; step < 2; ++step)
@@ -115,7 +100,7 @@ TEST(ResidentShards, ATiedWeightSplitAcrossPlacementsIsRefusedChangingNothing) {
 }
 
 TEST(ResidentShards, TheirHomesCountAgainstTheBudgetAndAreGivenBackOnRelease) {
-  auto store = make_store(EndsTied().shards(), false, adamw());
+  auto store = make_store(EndsTied().shards(), false, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int64_t free = engine.free_bytes();
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {0, 3});
@@ -128,7 +113,7 @@ TEST(ResidentShards, TheirHomesCountAgainstTheBudgetAndAreGivenBackOnRelease) {
 }
 
 TEST(Placement, OnOneDeviceASpilledModelKeepsItsEndsResidentWhereTheyFit) {
-  auto store = make_store(EndsTied().shards(), false, adamw());
+  auto store = make_store(EndsTied().shards(), false, adamw_spec());
   const int64_t homes = hydra::engine::SpilledModel::homes_need(*store, {0, 3});
   const int64_t working_set = hydra::engine::SpilledModel::spilled_need(*store, {0, 3});
   ASSERT_LT(homes + working_set, DeviceEngine::resident_need(*store));
@@ -150,7 +135,8 @@ TEST(Placement, OnOneDeviceASpilledModelKeepsItsEndsResidentWhereTheyFit) {
 }
 
 TEST(Placement, BesideAnotherSpilledModelEndsAreResidentOnlyWhereEveryWeightStaysCached) {
-  auto first = make_store(EndsTied().shards(), false, adamw()), second = make_store(EndsTied().shards(), false, adamw());
+  auto first = make_store(EndsTied().shards(), false, adamw_spec());
+  auto second = make_store(EndsTied().shards(), false, adamw_spec());
   const int64_t homes = hydra::engine::SpilledModel::homes_need(*first, {0, 3});
   const int64_t working_set = DeviceEngine::spilled_need(*first);
   auto cached = [](const ShardStore& store, const std::vector<int>& shards) {  // as the arena caches them

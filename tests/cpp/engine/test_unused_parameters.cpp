@@ -9,14 +9,6 @@ using namespace engine_test;
 // Parameters that receive no gradient: left alone by the step, as torch.optim leaves a parameter whose .grad
 // is None (no update, no decay, no state change, no step counted for it)
 
-OptimizerSpec adamw_spec() {
-  OptimizerSpec adamw;
-  adamw.lr = 1e-2;
-  adamw.weight_decay = 0.1;
-  adamw.decoupled_weight_decay = true;
-  return adamw;
-}
-
 // The layout entry of the shard that owns `p`.
 const ParamEntry& home_entry(const ShardStore& store, const at::Tensor& p) {
   for (int s = 0; s < store.num_shards(); ++s)

@@ -1,0 +1,27 @@
+"""One tied test model trained alone under a given placement: what the tests of shards placed apart (resident
+ends, device-stepped shards) share."""
+import torch
+
+import hydra_torch as ht
+from models import lm_loss, model_bytes
+
+SEED = 123
+
+
+def adamw():
+    return ht.optim.AdamW(lr=3e-3, weight_decay=0.05)
+
+
+def train(model, data, placement, budget_fraction, devices="cpu", checkpoint_dir=None, **options):
+    """ht.train of one task of `model` under a budget of `budget_fraction` times its fp32 weights; it must end ok."""
+    torch.manual_seed(SEED)
+    task = ht.ModelTask(model, optimizer=options.pop("optimizer", None) or adamw(), loss_fn=lm_loss, data=data,
+                        **options)
+    results = ht.train([task], devices=devices, memory_budget=int(budget_fraction * model_bytes(model)),
+                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir)
+    assert results[0].ok, results[0].error
+    return results
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
