@@ -7,9 +7,10 @@ compute is the sum of the units' times in the same training at memory speed, the
 counts. Reported, medians of interleaved rounds: the span (first unit's start to last unit's end) over the
 bound, and the shares of the span the compute waited for weights to land (`acquire_wait_seconds`, the exposed
 copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
-With several `--placements` (ht.train's `placement`: "auto" keeps each model's first and last shards resident,
-"device" also steps the others on the device, "host" spills every shard), each runs in every round under one
-budget, which then also holds every model's resident ends and, with "device", its other shards' gradient buffers
+With several `--placements` (ht.train's `placement`: "auto" keeps each model's first and last shards resident
+and, on the emulated lanes, lets the lane model make more shards resident or step them on the device from the
+rates it measures, "device" steps every other untied shard on the device, "host" spills every shard), each runs in
+every round under one budget, which then also holds every model's resident ends and, with "device", its other shards' gradient buffers
 and the largest device step's regions. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
 (`hydra_torch.testing.emulated_host`), and the bound also counts the host lane: the bytes the host steps touched
 over that bandwidth. With `--forecast`, each run is also forecast by the lane model (`_C.lane_forecast`, the
@@ -135,8 +136,8 @@ def main():
     parser.add_argument("--by-unit", action="store_true",
                         help="also where the span beyond memory speed goes: each kind of unit's extra seconds")
     parser.add_argument("--placements", nargs="+", default=["host"], choices=["host", "auto", "device"],
-                        help="ht.train's placement, each run in every round (auto: resident first and last shards; "
-                             "device: and the others stepped on the device)")
+                        help="ht.train's placement, each run in every round (auto: resident first and last shards, "
+                             "and the lane model's choice for the others; device: the others stepped on the device)")
     parser.add_argument("--host-speed", type=float, default=None,
                         help="emulate a host memory bandwidth of this many times the link's (default: the machine's)")
     parser.add_argument("--forecast", action="store_true",

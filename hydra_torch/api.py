@@ -13,7 +13,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner, sharding
 from hydra_torch.models.memory import format_bytes, parse_budget
 from hydra_torch.report.results import Results
-from hydra_torch.run import call_end, lifecycle, saved_bytes
+from hydra_torch.run import call_end, lane_choice, lifecycle, saved_bytes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
@@ -105,8 +105,12 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     placement: where a spilled task's shards live and step. "auto": on one device, its first and last shards
         stay resident where the budget has room for their whole state beside every task's working set and,
         beside other spilled tasks, still caches every spilled shard's weights (they step on the device, and the
-        next step's forward need not wait for the first shard's round trip through the host); the others, and
-        every shard on several devices or of a task joining later, are spilled.
+        next step's forward need not wait for the first shard's round trip through the host). Where the device's
+        lanes are apart (a GPU; a CPU device only with an emulated link or host, hydra_torch.testing), the lane
+        model then weighs each other shard's step on the host against the device from the lanes' rates measured at
+        the start and each layer's measured compute, and keeps the shortest simulated run: more shards resident,
+        stepped on the device (see "device"), or on the host (hydra_torch.run.lane_choice). Every shard on
+        several devices or of a task joining later is spilled.
         "host": every shard of a spilled task is spilled.
         "device": as "auto", and every other shard of a spilled task on one device that is not tied to another
         (a shared embedding and head are) steps on the device: its gradients stay there, its fp32 master and
@@ -139,12 +143,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         host_steps, pin = _C.HostSteps(threads, team), pinned(pin_memory, resolved)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
         planner.plan_for_devices(tasks, resolved, budgets)
+        lane_choice.measure_tasks(tasks, resolved, placement)  # the units' compute the lane model weighs
         kept_outside = saved_bytes.kept_outside_arena(tasks)  # (working set, saved inputs)
         engines = _engines(resolved, budgets, host_steps, arrivals, sum(kept_outside))
         runners, start_rng = _runners(tasks, resolved)
         # From train itself: the stack level of its warning counts on it.
-        lifecycle.place(runners, engines, pin, saved_bytes.graphs_beyond_inputs(tasks), sum(kept_outside),
-                        placement)
+        lane_plan = lifecycle.place(runners, engines, resolved, pin, saved_bytes.graphs_beyond_inputs(tasks),
+                                    sum(kept_outside), placement)
         _restore_checkpoints(runners, loaded)
         selection_run = selection.start(runners) if selection is not None else None
         # The checkpointer holds the tasks' checkpoint directories until call_end.bring_home closes it, or an error
@@ -169,6 +174,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             bars.close(runners)
             call_end.bring_home(runners, engines, checkpoints)
             results = call_end.results_of(runners, engines, workers, start, resolved, wall, checkpoints, threads)
+            results.lane_plan = lane_plan
         if interrupted is not None:
             raise interrupted
         call_end.tell(results, workers.stop, checkpoints, checkpoint_dir)

@@ -184,6 +184,7 @@ class ModelTask:
         # Measured by the planner (else 0): one unit's peak beside its weights, and what one micro-batch holds
         # through its step, spilled (its shards' inputs) and resident (its whole autograd graph).
         self.working_set_bytes = self.boundary_bytes = self.graph_bytes = 0
+        self.piece_seconds = None  # each piece's forward + backward, once the planner has measured them
         groups = sharding.split(adapter.pieces if adapter else model, None if self.auto_shards else shards)
         # The ordered modules the shards were cut from: what the planner probes and its starts index.
         if adapter is not None:

@@ -47,6 +47,23 @@ def token_batches(count: int, batch: int = 4, seed: int = 1):
     return data
 
 
+class OneShot:
+    """`n` token batches, sized, that can be drawn once (iter() returns the same iterator)."""
+
+    def __init__(self, n: int):
+        self.items = iter(token_batches(n))
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.items)
+
+
 def lm_loss(output, batch):
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), batch[1].reshape(-1).to(output.device))
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import hydra_torch as ht
-from models import lm_loss, model_bytes, tied_transformer, token_batches
+from models import OneShot, lm_loss, model_bytes, tied_transformer, token_batches
 
 
 def snapshot(model):
@@ -73,20 +73,6 @@ def test_data_is_read_as_the_steps_need_it():
 def test_empty_or_one_shot_data():
     with pytest.raises(ValueError, match="data is empty"):
         ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=[])
-
-    class OneShot:
-        def __init__(self, n):
-            self.items = iter(token_batches(n))
-            self.n = n
-
-        def __len__(self):
-            return self.n
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.items)
 
     with pytest.raises(ValueError, match="one-shot iterator"):
         ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4), epochs=2)

@@ -34,6 +34,15 @@ StepPlace parse_place(const std::string& name) {
   throw py::value_error("lane_forecast: a shard's place is 'host', 'device' or 'resident', got '" + name + "'");
 }
 
+core::Placement parse_placement(const std::vector<std::vector<std::string>>& names) {
+  core::Placement placement;
+  for (const auto& places : names) {
+    placement.emplace_back();
+    for (const std::string& name : places) placement.back().push_back(parse_place(name));
+  }
+  return placement;
+}
+
 py::dict bound_dict(const core::LaneBound& b) {
   py::dict d;
   d["compute"] = b.compute;
@@ -53,7 +62,8 @@ void bind_lanes(py::module_& m) {
       [](const std::vector<std::tuple<std::vector<ShardTuple>, int64_t, int64_t>>& tasks,
          const std::tuple<double, double, double, double>& rates,
          const std::optional<std::tuple<double, double, double, double, double>>& bytes, int devices,
-         const std::optional<std::vector<std::vector<std::string>>>& placement, std::optional<int64_t> room) {
+         const std::optional<std::vector<std::vector<std::string>>>& placement, std::optional<int64_t> room,
+         const std::optional<std::vector<std::vector<std::string>>>& start) {
         std::vector<core::TaskShape> shapes;
         for (const auto& [shards, micro_batches, accumulate] : tasks)
           shapes.push_back(task_shape(shards, micro_batches, accumulate));
@@ -68,15 +78,13 @@ void bind_lanes(py::module_& m) {
         core::Placement chosen;
         core::SimulationResult run;
         if (placement) {
-          for (const auto& places : *placement) {
-            chosen.emplace_back();
-            for (const std::string& name : places) chosen.back().push_back(parse_place(name));
-          }
+          chosen = parse_placement(*placement);
           run = core::simulate(core::lane_simulation(shapes, chosen, lane_rates, step_bytes, devices));
           result["headroom"] = py::none();
         } else {
           if (!room) throw py::value_error("lane_forecast: without a placement, give the room to choose one in");
-          core::LanePlan plan = core::plan_lanes(shapes, lane_rates, step_bytes, devices, *room);
+          core::LanePlan plan = core::plan_lanes(shapes, lane_rates, step_bytes, devices, *room,
+                                                 start ? parse_placement(*start) : core::Placement{});
           chosen = std::move(plan.placement);
           run = std::move(plan.run);
           result["headroom"] = plan.headroom;
@@ -102,12 +110,13 @@ void bind_lanes(py::module_& m) {
         return result;
       },
       py::arg("tasks"), py::arg("rates"), py::arg("bytes") = py::none(), py::arg("devices") = 1,
-      py::arg("placement") = py::none(), py::arg("room") = py::none(),
+      py::arg("placement") = py::none(), py::arg("room") = py::none(), py::arg("start") = py::none(),
       "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate), each shard "
       "(forward s, backward s, weights, grads, params, tied_to); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
       "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated; "
-      "without it plan_lanes chooses one within `room` device bytes. Returns its placement, headroom, simulated "
+      "without it plan_lanes chooses one within `room` device bytes, from `start` (placed alike; None: every shard on "
+      "the host) with `room` counted beyond what start's shards hold. Returns its placement, headroom, simulated "
       "makespan (its last step done), span (its last unit done), four-lane bound and lanes' busy seconds.");
 }
 

@@ -89,6 +89,8 @@ PYBIND11_MODULE(_C, m) {
       .def("owned_numel", &ShardStore::owned_numel)
       .def("device_numel", &ShardStore::device_numel)
       .def("trainable_numel", &ShardStore::trainable_numel)
+      .def("gradient_numel", &ShardStore::gradient_numel)
+      .def("sources", &ShardStore::sources)
       .def("steps_taken", &ShardStore::steps_taken)
       .def("master", &ShardStore::master)
       .def("grad", &ShardStore::grad)
@@ -252,20 +254,31 @@ PYBIND11_MODULE(_C, m) {
 
   // A run's models registered with its devices' engines (engine/placement.h): per model, the device it is
   // resident on (-1: none), the one device it trains on (-1: any), a spilled model's resident shards, and its id
-  // in each engine (-1 where it is not registered), and its device-stepped shards.
+  // in each engine (-1 where it is not registered), and its device-stepped shards; `wishes`, per model, (more
+  // resident shards, device-stepped shards) asked. With `decide_only` nothing is registered, and what each
+  // device's budget would have left comes after them.
+  using Placed = std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>, std::vector<int>>>;
   m.def(
       "place_models",
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
          const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes,
-         const std::vector<bool>& resident_ends, const std::vector<int>& bases, const std::vector<bool>& device_steps) {
-        std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>, std::vector<int>>> placed;
+         const std::vector<bool>& resident_ends, const std::vector<int>& bases,
+         const std::vector<std::pair<std::vector<int>, std::vector<int>>>& wished, bool decide_only) {
+        std::vector<hydra::engine::ShardWishes> wishes;
+        for (const auto& [resident, device] : wished) wishes.push_back({resident, device});
+        std::vector<int64_t> free_left;
+        Placed placed;
         for (hydra::engine::Placement& p :
-             hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends, bases, device_steps))
+             decide_only ? hydra::engine::decide_placement(engines, stores, names, graph_bytes, resident_ends, bases,
+                                                           wishes, free_left)
+                         : hydra::engine::place_models(engines, stores, names, graph_bytes, resident_ends, bases,
+                                                       wishes))
           placed.emplace_back(p.resident_device, p.home_device, std::move(p.resident_shards), std::move(p.model_ids),
                               std::move(p.device_shards));
-        return placed;
+        return std::make_pair(std::move(placed), std::move(free_left));
       },
       py::arg("engines"), py::arg("stores"), py::arg("names"), py::arg("graph_bytes") = std::vector<int64_t>{},
       py::arg("resident_ends") = std::vector<bool>{}, py::arg("bases") = std::vector<int>{},
-      py::arg("device_steps") = std::vector<bool>{}, release_gil());
+      py::arg("wishes") = std::vector<std::pair<std::vector<int>, std::vector<int>>>{}, py::arg("decide_only") = false,
+      release_gil());
 }

@@ -11,7 +11,7 @@ namespace {
 // see what that saves: the first shards' steps are the ones the next step's first units wait for, in turn, and the
 // scheduler may give the device those units at once.
 Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement placement, int count,
-                                  const StepBytes& bytes, int num_devices, int64_t room) {
+                                  const StepBytes& bytes, int num_devices, int64_t room, const Placement& start) {
   for (int s = 0; s < count; ++s)
     for (size_t t = 0; t < tasks.size(); ++t) {
       if (s >= static_cast<int>(tasks[t].shards.size()) || placement[t][static_cast<size_t>(s)] != StepPlace::kHost)
@@ -21,7 +21,7 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
         if (to == StepPlace::kResident && num_devices > 1) continue;
         Placement moved = placement;
         for (int g : group) moved[t][static_cast<size_t>(g)] = to;
-        if (placement_bytes(tasks, moved, bytes) <= room) {
+        if (placement_bytes(tasks, moved, bytes, start) <= room) {
           placement = std::move(moved);
           break;
         }
@@ -33,14 +33,14 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
 }  // namespace
 
 LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                    int num_devices, int64_t room) {
+                    int num_devices, int64_t room, const Placement& start) {
   std::optional<LanePlan> best;
   std::vector<Placement> tried;
   for (double headroom : kHeadrooms) {
-    const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom);
+    const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom, start);
     std::vector<Placement> variants{chosen};
     for (int count : kLeadingShards)
-      variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room));
+      variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room, start));
     for (Placement& placement : variants) {
       bool seen = false;
       for (const Placement& p : tried) seen = seen || p == placement;

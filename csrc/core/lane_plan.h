@@ -24,7 +24,8 @@ inline constexpr double kHeadrooms[] = {1.0, 0.9, 0.8, 0.7, 0.6};
 // How many of each task's first shards are tried off the host (resident where room allows, else on the device).
 inline constexpr int kLeadingShards[] = {1, 2, 4, 8};
 
+// From `start` (empty: every shard on the host) within `room` bytes beyond it, as choose_placement.
 LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                    int num_devices, int64_t room);
+                    int num_devices, int64_t room, const Placement& start = {});
 
 }  // namespace hydra::core

@@ -181,10 +181,10 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
   return lanes;
 }
 
-int64_t held_bytes(const ShardShape& shard, StepPlace place, bool accumulates, const StepBytes& bytes) {
+int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes) {
   switch (place) {
     case StepPlace::kHost: return 0;
-    case StepPlace::kDevice: return accumulates ? static_cast<int64_t>(std::ceil(shard.grads * bytes.weight)) : 0;
+    case StepPlace::kDevice: return static_cast<int64_t>(std::ceil(shard.grads * bytes.weight));
     case StepPlace::kResident:
       return static_cast<int64_t>(std::ceil((shard.weights + shard.grads) * bytes.weight + shard.params * bytes.state));
   }
@@ -233,25 +233,33 @@ Placement host_placement(const std::vector<TaskShape>& tasks) {
   return placement;
 }
 
-int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
+int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes,
+                        const Placement& start) {
   validate_placement(tasks, placement);
+  if (!start.empty()) validate_placement(tasks, start);
   int64_t held = 0, step = 0;
   for (size_t t = 0; t < tasks.size(); ++t)
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
       const ShardShape& shard = tasks[t].shards[s];
-      held += held_bytes(shard, placement[t][s], tasks[t].accumulate > 1, bytes);
+      held += held_bytes(shard, placement[t][s], bytes) - (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes));
       step = std::max(step, step_room(shard, placement[t][s], bytes));
     }
   return held + step;
 }
 
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                           int num_devices, int64_t room, double headroom) {
+                           int num_devices, int64_t room, double headroom, const Placement& start) {
   validate(tasks, rates, bytes, num_devices);
   require(room >= 0, "room must be >= 0");
   require(headroom > 0.0 && headroom <= 1.0, "headroom must be in (0, 1]");
-  Placement placement = host_placement(tasks);
   const bool one_device = num_devices == 1;
+  if (!start.empty()) {
+    validate_placement(tasks, start);
+    for (const auto& places : start)
+      for (StepPlace place : places)
+        require(one_device || place != StepPlace::kResident, "a start with resident shards needs one device");
+  }
+  Placement placement = start.empty() ? host_placement(tasks) : start;
   std::vector<TaskLanes> per_task;
   for (size_t t = 0; t < tasks.size(); ++t)
     per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, one_device));
@@ -267,7 +275,8 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
       std::vector<int> group = tie_group(tasks[t], s);
       if (group.front() == s) groups[t].push_back(std::move(group));
     }
-  int64_t held = 0, step = 0;
+  int64_t held = 0;  // beyond the start's
+  int64_t step = placement_bytes(tasks, placement, bytes, placement);  // its largest device step's room
   Ranking current = ranking(combine(per_task, num_devices), headroom);
   for (;;) {
     struct Move {
@@ -281,7 +290,6 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
     Ranking best_rank = current;
     for (size_t t = 0; t < tasks.size(); ++t) {
       const TaskShape& task = tasks[t];
-      const bool accumulates = task.accumulate > 1;
       for (const std::vector<int>& group : groups[t]) {
         const StepPlace now = placement[t][static_cast<size_t>(group.front())];
         for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
@@ -289,7 +297,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
           int64_t group_held = held, group_step = step;
           for (int g : group) {
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];
-            group_held += held_bytes(shard, to, accumulates, bytes) - held_bytes(shard, now, accumulates, bytes);
+            group_held += held_bytes(shard, to, bytes) - held_bytes(shard, now, bytes);
             group_step = std::max(group_step, step_room(shard, to, bytes));
           }
           const int64_t asked = group_held + (reserve <= room ? std::max(group_step, reserve) : group_step);

@@ -81,9 +81,9 @@ struct ShardLanes {
 ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
                        const StepBytes& bytes);
 
-// Device memory a shard in `place` holds for the whole run (a home, or a gradient kept across micro-batches),
-// and what its step needs while it runs (kDevice: master and moments).
-int64_t held_bytes(const ShardShape& shard, StepPlace place, bool accumulates, const StepBytes& bytes);
+// Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer), and what
+// its step needs while it runs (kDevice: master and moments).
+int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes);
 int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes);
 
 struct LaneBound {
@@ -99,20 +99,23 @@ struct LaneBound {
 LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& placement, const LaneRates& rates,
                      const StepBytes& bytes, int num_devices);
 
-// A placement with the smallest bound found: from every shard on kHost, one move at a time (a shard, with the
-// shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within `room` bytes a
-// device for homes, kept gradients and the largest device step (homes leave room for one). kResident only with
-// one device, where a task's home is. `headroom` < 1 counts the copy and host lanes that much busier, so that
-// they keep slack: a lane near full queues, and a step late off the host stalls the shard's next visit (see
-// lane_plan.h, which picks it by simulation). Throws std::invalid_argument for malformed shapes or rates.
+// A placement with the smallest bound found: from `start` (empty: every shard on kHost), one move at a time (a
+// shard, with the shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within
+// `room` bytes a device for homes, kept gradients and the largest device step beyond what the start's shards hold
+// (homes leave room for one). kResident only with one device, where a task's home is. `headroom` < 1 counts the
+// copy and host lanes that much busier, so that they keep slack: a lane near full queues, and a step late off the
+// host stalls the shard's next visit (see lane_plan.h, which picks it by simulation). Throws
+// std::invalid_argument for malformed shapes, rates or start.
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                           int num_devices, int64_t room, double headroom = 1.0);
+                           int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {});
 Placement host_placement(const std::vector<TaskShape>& tasks);
 // The shards that step in one place with `shard`: those tied to it, and to them, in order.
 std::vector<int> tie_group(const TaskShape& task, int shard);
 
-// Device memory a placement asks: held bytes plus the largest step's room.
-int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes);
+// Device memory a placement asks: held bytes (beyond what `start`'s shards hold, where given) plus the largest
+// step's room.
+int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes,
+                        const Placement& start = {});
 
 // The simulator's view of a task under a placement.
 struct StepSchedule {

@@ -40,15 +40,18 @@ std::vector<std::vector<int>> resident_end_choices(const ShardStore& store) {
   return choices;
 }
 
-// The shards "device" steps on the device for a spilled model beside its resident `homed` ones: every shard that is
+// The shards a spilled model steps on the device beside its resident `homed` ones: every shard of `wanted` that is
 // neither resident nor tied and has something to train, less the last ones while their gradient buffers and the
 // model's working set do not fit in `room` beside the other models' working set `may_spill` (the first shards'
 // steps are the ones the next step's first units wait for).
-std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& homed, const ShardStore* base,
-                                    int64_t may_spill, int64_t room) {
+std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& wanted,
+                                    const std::vector<int>& homed, const ShardStore* base, int64_t may_spill,
+                                    int64_t room) {
   std::vector<int> shards;
   for (int s = 0; s < store.num_shards(); ++s)
-    if (SpilledModel::device_shards_error(store, homed, {s}).empty()) shards.push_back(s);
+    if (std::find(wanted.begin(), wanted.end(), s) != wanted.end() &&
+        SpilledModel::device_shards_error(store, homed, {s}).empty())
+      shards.push_back(s);
   while (!shards.empty() && SpilledModel::held_grads_need(store, shards) +
                                     std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) >
                                 room)
@@ -56,13 +59,33 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
   return shards;
 }
 
-}  // namespace
+// The resident `homed` shards grown by `wanted` ones (each with the shards tied to it), first shards first, while
+// the homes and the model's working set fit in `room` beside the other models' working set `may_spill`; never the
+// whole model (whether a model is resident is the rule's call).
+std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, const std::vector<int>& wanted,
+                            const ShardStore* base, int64_t may_spill, int64_t room) {
+  for (int s : wanted) {
+    if (s < 0 || s >= store.num_shards() || std::find(homed.begin(), homed.end(), s) != homed.end()) continue;
+    std::vector<int> grown = homed;
+    grown.push_back(s);
+    grown = closed_under_ties(store, std::move(grown));
+    if (static_cast<int>(grown.size()) == store.num_shards() ||
+        SpilledModel::homes_need(store, grown) +
+                std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) > room)
+      continue;
+    homed = std::move(grown);
+  }
+  return homed;
+}
 
-std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
-                                    const std::vector<std::shared_ptr<ShardStore>>& stores,
-                                    const std::vector<std::string>& names,
-                                    const std::vector<int64_t>& graph_bytes, const std::vector<bool>& resident_ends,
-                                    const std::vector<int>& bases, const std::vector<bool>& device_steps) {
+// place_models, which registers each model as it is placed, and decide_placement (`registers` false), which
+// only decides.
+std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
+                                     const std::vector<std::shared_ptr<ShardStore>>& stores,
+                                     const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes,
+                                     const std::vector<bool>& resident_ends, const std::vector<int>& bases,
+                                     const std::vector<ShardWishes>& wishes, bool registers,
+                                     std::vector<int64_t>* free_left) {
   TORCH_CHECK(!engines.empty(), "place_models: no devices");
   TORCH_CHECK(names.size() == stores.size(), "place_models: ", stores.size(), " stores but ", names.size(), " names");
   TORCH_CHECK(graph_bytes.empty() || graph_bytes.size() == stores.size(), "place_models: ", stores.size(),
@@ -72,8 +95,8 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
               " stores but ", resident_ends.size(), " resident_ends");
   TORCH_CHECK(bases.empty() || bases.size() == stores.size(), "place_models: ", stores.size(), " stores but ",
               bases.size(), " bases");
-  TORCH_CHECK(device_steps.empty() || device_steps.size() == stores.size(), "place_models: ", stores.size(),
-              " stores but ", device_steps.size(), " device_steps");
+  TORCH_CHECK(wishes.empty() || wishes.size() == stores.size(), "place_models: ", stores.size(), " stores but ",
+              wishes.size(), " wishes");
   const size_t n = stores.size();
   std::vector<const ShardStore*> base(n);
   for (size_t i = 0; i < n; ++i)
@@ -115,9 +138,11 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
       if (resident[i] + graph + std::max(may_spill, held[i]) + base_cached <= free[device]) {
         // add_model's own check is implied: what it has reserved for earlier spilled models is within
         // may_spill, and what earlier resident models took is what `free` no longer counts.
-        p.model_ids[device] =
-            engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident, i, {}, base_id(i));
-        engines[device]->keep_outside_arena(graph);
+        if (registers) {
+          p.model_ids[device] =
+              engines[device]->add_model(stores[i], DeviceEngine::Residency::kResident, i, {}, base_id(i));
+          engines[device]->keep_outside_arena(graph);
+        }
         p.resident_device = p.home_device = device;
         free[device] -= resident[i] + graph + (base[i] && !base_kept ? base_cached : 0);
         if (base[i]) kept[device].insert(bases[i]);
@@ -142,12 +167,16 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
         }
       }
       std::vector<int> stepped;
-      if (!device_steps.empty() && device_steps[i] && engines.size() == 1)
-        stepped = device_step_choice(*stores[i], homed, base[i], may_spill,
-                                     free[device] - SpilledModel::homes_need(*stores[i], homed));
+      if (!wishes.empty() && engines.size() == 1) {
+        homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device]);
+        if (!wishes[i].device.empty())
+          stepped = device_step_choice(*stores[i], wishes[i].device, homed, base[i], may_spill,
+                                       free[device] - SpilledModel::homes_need(*stores[i], homed));
+      }
       if (!homed.empty() || !stepped.empty()) {
-        p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled,
-                                                         static_cast<int>(i), homed, base_id(i), stepped);
+        if (registers)
+          p.model_ids[device] = engines[device]->add_model(stores[i], DeviceEngine::Residency::kSpilled,
+                                                           static_cast<int>(i), homed, base_id(i), stepped);
         p.home_device = device;
         free[device] -=
             SpilledModel::homes_need(*stores[i], homed) + SpilledModel::held_grads_need(*stores[i], stepped);
@@ -155,13 +184,34 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
         p.device_shards = std::move(stepped);
         continue;
       }
-      for (size_t d = 0; d < engines.size(); ++d)
+      for (size_t d = 0; d < engines.size() && registers; ++d)
         p.model_ids[d] = engines[d]->add_model(stores[i], DeviceEngine::Residency::kSpilled, i, {}, base_id(i));
     } catch (const c10::Error& error) {
       TORCH_CHECK(false, "task '", names[i], "': ", error.what_without_backtrace());
     }
   }
+  if (free_left) *free_left = free;
   return placed;
+}
+
+}  // namespace
+
+std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
+                                    const std::vector<std::shared_ptr<ShardStore>>& stores,
+                                    const std::vector<std::string>& names,
+                                    const std::vector<int64_t>& graph_bytes, const std::vector<bool>& resident_ends,
+                                    const std::vector<int>& bases,
+                                    const std::vector<ShardWishes>& wishes) {
+  return placed_models(engines, stores, names, graph_bytes, resident_ends, bases, wishes, true, nullptr);
+}
+
+std::vector<Placement> decide_placement(const std::vector<DeviceEngine*>& engines,
+                                        const std::vector<std::shared_ptr<ShardStore>>& stores,
+                                        const std::vector<std::string>& names,
+                                        const std::vector<int64_t>& graph_bytes,
+                                        const std::vector<bool>& resident_ends, const std::vector<int>& bases,
+                                        const std::vector<ShardWishes>& wishes, std::vector<int64_t>& free_left) {
+  return placed_models(engines, stores, names, graph_bytes, resident_ends, bases, wishes, false, &free_left);
 }
 
 }  // namespace hydra::engine

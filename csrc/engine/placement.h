@@ -19,9 +19,12 @@
 // With several devices a spilled model runs on any of them, which resident shards would give up: there every
 // spilled model spills whole.
 //
-// Where `device_steps[i]` (placement "device") on one device, model i, if spilled, also steps on the device every
-// shard that is neither resident nor tied (SpilledModel's device-stepped shards), less the last ones while their
-// gradient buffers and its working set do not fit beside every other model's working set.
+// Where `wishes[i]` asks (on one device; placement "device": every shard stepped on the device; "auto": what the
+// lane model takes off the host, hydra_torch/run/lane_choice.py), model i, if spilled, also keeps resident each
+// shard of `wishes[i].resident` (with the shards tied to it, first shards first) whose home and its working set
+// still fit beside every other model's working set, and steps on the device each shard of `wishes[i].device` that
+// is neither resident nor tied (SpilledModel's device-stepped shards), less the last ones while their gradient
+// buffers and its working set do not fit.
 //
 // `bases[i]` (empty: none) is the frozen base model i uses (DeviceEngine::add_base, the same id on every engine),
 // or -1: its units hold their base shards beside their own, which its working set counts, and it is resident
@@ -36,6 +39,11 @@
 #include "engine/shard_store.h"
 
 namespace hydra::engine {
+
+struct ShardWishes {
+  std::vector<int> resident;  // more resident shards than the resident ends
+  std::vector<int> device;    // shards stepped on the device
+};
 
 struct Placement {
   int resident_device = -1;    // -1: spilled on every device, or with resident shards on `home_device`
@@ -55,7 +63,18 @@ std::vector<Placement> place_models(const std::vector<DeviceEngine*>& engines,
                                     const std::vector<int64_t>& graph_bytes = {},
                                     const std::vector<bool>& resident_ends = {},
                                     const std::vector<int>& bases = {},
-                                    const std::vector<bool>& device_steps = {});
+                                    const std::vector<ShardWishes>& wishes = {});
+
+// What place_models would decide, registering nothing: each model's placement (model_ids all -1) and, in
+// `free_left`, what each device's budget would have left beyond the resident models, resident shards and
+// device-stepped shards' gradient buffers (the spilled models' working sets not taken from it). The lane model
+// plans device steps around the resident ends this decides (hydra_torch/run/lane_choice.py).
+std::vector<Placement> decide_placement(const std::vector<DeviceEngine*>& engines,
+                                        const std::vector<std::shared_ptr<ShardStore>>& stores,
+                                        const std::vector<std::string>& names,
+                                        const std::vector<int64_t>& graph_bytes,
+                                        const std::vector<bool>& resident_ends, const std::vector<int>& bases,
+                                        const std::vector<ShardWishes>& wishes, std::vector<int64_t>& free_left);
 
 // The shards `shards` names and every shard that shares a tied weight with one of them, sorted.
 std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> shards);

@@ -150,6 +150,8 @@ def apply_plan(task, plan_: Plan) -> None:
     # resident, every piece's autograd graph (the shards' inputs among it).
     task.boundary_bytes = sum(plan_.piece_input_bytes[start] for start in plan_.starts)
     task.graph_bytes = sum(plan_.piece_activation_bytes)
+    # Each piece's forward + backward on the plan's device: the lane model's unit times (hydra_torch.run.lane_choice).
+    task.piece_seconds = list(plan_.piece_seconds)
 
 
 def cut_like(task, other) -> None:

@@ -110,6 +110,10 @@ def _device_lanes(lanes: dict) -> str:
     return f"{computing}, copies in {100 * lanes['copies_in']:.0f}% and out {100 * lanes['copies_out']:.0f}%"
 
 
+def _rate(bytes_per_second: float) -> str:
+    return f"{format_bytes(int(bytes_per_second))}/s"
+
+
 @dataclass
 class TraceEntry:
     device: int
@@ -136,6 +140,10 @@ class Results:
     # FrozenBase name -> {"tasks": its tasks' names, "host_bytes": what it holds once for all of them,
     # "copied_bytes": what was copied of it to the devices}
     bases: dict = field(default_factory=dict)
+    # placement "auto" on a device whose lanes are apart: the lanes' rates measured at the start ("rates": copies_in,
+    # copies_out, host_steps, device_steps, bytes/s) and the lane model's forecast busy share of each lane ("busy":
+    # compute, copies_in, copies_out, host); None where the lane model was not asked
+    lane_plan: dict | None = None
 
     def __iter__(self):
         return iter(self.tasks)
@@ -231,6 +239,13 @@ class Results:
             host_steps, device_steps = (sum(s.get(key, 0) for s in self.stats)
                                         for key in ("host_steps", "device_steps"))
             lines.append(f"shard steps: {device_steps} on the devices, {host_steps} on the host")
+        if self.lane_plan is not None:
+            rates, busy = self.lane_plan["rates"], self.lane_plan["busy"]
+            lines.append(f"lane model: link {_rate(rates['copies_in'])} in, {_rate(rates['copies_out'])} out, steps "
+                         f"{_rate(rates['host_steps'])} on the host, {_rate(rates['device_steps'])} on the device; "
+                         f"forecast busy: compute {100 * busy['compute']:.0f}%, copies in "
+                         f"{100 * busy['copies_in']:.0f}%, out {100 * busy['copies_out']:.0f}%, host "
+                         f"{100 * busy['host']:.0f}%")
         if self.checkpoint_failures:
             lines.append(f"{self.checkpoint_failures} checkpoints could not be written (see the warnings)")
         best = self.best

@@ -7,7 +7,7 @@ import warnings
 from hydra_torch._loader import native as _C
 from hydra_torch.report.errors import detached
 from hydra_torch.report.results import TaskResult
-from hydra_torch.run import bases
+from hydra_torch.run import bases, lane_choice
 
 
 def make_store(runner, pin: bool):
@@ -31,21 +31,26 @@ def may_keep_ends(task) -> bool:
     return not (task.precision == "bf16" and task.accumulate > 1)
 
 
-def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, placement: str = "auto"):
+def place(runners, engines, devices, pin: bool, graph_bytes=(), kept_outside: int = 0, placement: str = "auto"):
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
     there keeps room for its working set, and its own autograd graph, `graph_bytes`, fits beside it). With
     `placement="auto"` (or "device") on one device a spilled task keeps its first and last shards resident where
-    they fit, and with "device" steps its other untied shards on the device (engine/placement.h). The engines'
-    budgets are memory_budget less `kept_outside`, which a refusal says.
-    The frozen bases the tasks share (ht.FrozenBase) are held and registered first (hydra_torch.run.bases)."""
+    they fit; with "auto" it also keeps resident, or steps on the device, the shards the lane model takes off the
+    host (hydra_torch.run.lane_choice), and with "device" it steps all its other untied shards on the device
+    (engine/placement.h). The engines' budgets are
+    memory_budget less `kept_outside`, which a refusal says.
+    The frozen bases the tasks share (ht.FrozenBase) are held and registered first (hydra_torch.run.bases).
+    Returns what the lane model was told and forecast (Results.lane_plan), or None where it was not asked."""
     held = bases.hold(runners, engines, pin)
     stores = [make_store(runner, pin) for runner in runners]
+    off_host = [placement in ("auto", "device") and may_keep_ends(runner.task) for runner in runners]
+    base_ids = [runner.base.group if runner.base is not None else -1 for runner in runners]
     try:
-        placed = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
-                                 [placement in ("auto", "device") and may_keep_ends(runner.task) for runner in runners],
-                                 [runner.base.group if runner.base is not None else -1 for runner in runners],
-                                 [placement == "device" and may_keep_ends(runner.task) for runner in runners])
+        wishes, lane_plan = lane_choice.wishes(runners, stores, engines, devices, placement, off_host,
+                                               list(graph_bytes), base_ids)
+        placed, _ = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
+                                    off_host, base_ids, wishes)
     except RuntimeError as error:
         kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
                 f"set and one micro-batch's saved inputs)" if kept_outside else "")
@@ -61,6 +66,7 @@ def place(runners, engines, pin: bool, graph_bytes=(), kept_outside: int = 0, pl
     for base in held:
         for runner in base.members:
             base.attach(runner, engines)
+    return lane_plan
 
 
 def home_slot(runner) -> int:

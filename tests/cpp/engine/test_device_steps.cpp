@@ -11,6 +11,7 @@ namespace {
 
 using hydra::engine::ClipNorm;
 using hydra::engine::place_models;
+using hydra::engine::ShardWishes;
 using hydra::engine::SpilledModel;
 
 // Four shards, none tied; shard 1 ends in a frozen parameter (its trainable prefix is shorter than its weights).
@@ -204,27 +205,76 @@ TEST(DeviceSteps, AfterAFailedHostJobAClippedStepStepsNoDeviceShard) {
   EXPECT_EQ(engine.stats().device_steps, 0);
 }
 
-TEST(Placement, DeviceStepsTakeEveryUntiedShardThatFitsFirstShardsFirst) {
+TEST(Placement, DeviceStepsTakeEveryWantedUntiedShardThatFitsFirstShardsFirst) {
   auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30), linear_shard(3, 30)},
                           false, adamw_spec());
   const int64_t working_set = SpilledModel::spilled_need(*store, {}, nullptr, {0, 1, 2, 3});
   const int64_t all = SpilledModel::held_grads_need(*store, {0, 1, 2, 3}) + working_set;
   ASSERT_LT(all, DeviceEngine::resident_need(*store)) << "the model must not fit whole";
   DeviceEngine roomy(kCpu, all);
-  auto placed = place_models({&roomy}, {store}, {"m"}, {}, {}, {}, {true});
+  const std::vector<ShardWishes> every{{{}, {0, 1, 2, 3}}};
+  auto placed = place_models({&roomy}, {store}, {"m"}, {}, {}, {}, every);
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(placed[0].home_device, 0);
   EXPECT_EQ(roomy.device_shards(0), placed[0].device_shards);
   DeviceEngine tight(kCpu, all - 1);  // one gradient buffer less: the last shard steps on the host
-  placed = place_models({&tight}, {store}, {"m"}, {}, {}, {}, {true});
+  placed = place_models({&tight}, {store}, {"m"}, {}, {}, {}, every);
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 2}));
+  DeviceEngine some(kCpu, all);
+  placed = place_models({&some}, {store}, {"m"}, {}, {}, {}, {{{}, {1, 3}}});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 3})) << "only the shards asked for";
+  DeviceEngine none(kCpu, all);
+  placed = place_models({&none}, {store}, {"m"}, {}, {}, {}, {{{}, {}}});
+  EXPECT_TRUE(placed[0].device_shards.empty());
+  EXPECT_EQ(placed[0].home_device, -1) << "a model with no shard on the device spills on every device";
   DeviceEngine a(kCpu, 2 * all), b(kCpu, 2 * all);
-  placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, {true});
+  placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, every);
   EXPECT_TRUE(placed[0].device_shards.empty()) << "on several devices a spilled model runs anywhere";
+  // Deciding registers nothing, and says what place_models then does and leaves.
+  DeviceEngine decided(kCpu, all), placed_alike(kCpu, all);
+  std::vector<int64_t> free_left;
+  const auto decision =
+      hydra::engine::decide_placement({&decided}, {store}, {"m"}, {}, {true}, {}, {{{}, {1, 2, 3}}}, free_left);
+  EXPECT_EQ(decided.model_of(0), -1);
+  EXPECT_EQ(decided.free_bytes(), all);
+  placed = place_models({&placed_alike}, {store}, {"m"}, {}, {true}, {}, {{{}, {1, 2, 3}}});
+  EXPECT_EQ(decision[0].resident_shards, placed[0].resident_shards);
+  EXPECT_EQ(decision[0].device_shards, placed[0].device_shards);
+  EXPECT_EQ(decision[0].model_ids, (std::vector<int>{-1}));
+  // What the resident shards and gradient buffers leave; the engine also keeps the model's working set from it.
+  ASSERT_EQ(free_left.size(), 1u);
+  const int64_t placed_working_set =
+      SpilledModel::spilled_need(*store, placed[0].resident_shards, nullptr, placed[0].device_shards);
+  EXPECT_EQ(free_left[0] - placed_working_set, placed_alike.free_bytes());
   auto tied = make_store(tied_shards(), false, adamw_spec());
   DeviceEngine one(kCpu, DeviceEngine::resident_need(*tied) - 1);
-  placed = place_models({&one}, {tied}, {"t"}, {}, {}, {}, {true});
+  placed = place_models({&one}, {tied}, {"t"}, {}, {}, {}, {{{}, {0, 1, 2, 3}}});
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2})) << "shards 0 and 3 share a tied weight";
+}
+
+TEST(Placement, WishedResidentShardsAreKeptWhereTheyFitNeverTheWholeModel) {
+  auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30), linear_shard(3, 30)},
+                          false, adamw_spec());
+  const int64_t roomy = DeviceEngine::resident_need(*store) - 1;
+  DeviceEngine a(kCpu, roomy);
+  auto placed = place_models({&a}, {store}, {"m"}, {}, {}, {}, {{{2, 1}, {0, 3}}});
+  EXPECT_EQ(placed[0].resident_shards, (std::vector<int>{1, 2}));
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 3}));
+  EXPECT_EQ(a.resident_shards(0), placed[0].resident_shards);
+  DeviceEngine b(kCpu, roomy);
+  placed = place_models({&b}, {store}, {"m"}, {}, {}, {}, {{{0, 1, 2, 3}, {}}});
+  EXPECT_EQ(placed[0].resident_shards, (std::vector<int>{0, 1, 2})) << "never every shard: that is a resident model";
+  const int64_t one_home = SpilledModel::homes_need(*store, {0}) + SpilledModel::spilled_need(*store, {0}, nullptr);
+  DeviceEngine tight(kCpu, one_home);
+  placed = place_models({&tight}, {store}, {"m"}, {}, {}, {}, {{{0, 1}, {}}});
+  EXPECT_EQ(placed[0].resident_shards, (std::vector<int>{0})) << "the first shards first, as far as they fit";
+  auto tied = make_store(tied_shards(), false, adamw_spec());
+  DeviceEngine c(kCpu, DeviceEngine::resident_need(*tied) - 1);
+  placed = place_models({&c}, {tied}, {"t"}, {}, {}, {}, {{{3}, {}}});
+  EXPECT_EQ(placed[0].resident_shards, (std::vector<int>{0, 3})) << "with the shard it shares a tied weight with";
+  DeviceEngine d(kCpu, roomy), e(kCpu, roomy);
+  placed = place_models({&d, &e}, {store}, {"m"}, {}, {}, {}, {{{1}, {2}}});
+  EXPECT_TRUE(placed[0].resident_shards.empty() && placed[0].device_shards.empty()) << "one device only";
 }
 
 }  // namespace

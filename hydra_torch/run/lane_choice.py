@@ -1,0 +1,162 @@
+"""Where placement "auto" keeps and steps each spilled task's shards: the lane model's choice (`_C.lane_forecast`,
+core/lanes.h and core/lane_plan.h) for this run's tasks, from the rates this machine's lanes are measured at when
+the call starts (hydra_torch.run.lane_rates) and each shard's compute as measured on one batch.
+
+The lane model weighs, for every shard of a spilled task, what its step costs on the host (gradient out, the host's
+memory traffic, weights back in) against the device (master and moments in and out over the link, the step on the
+device's memory), and keeps the placement whose simulated run is shortest within the device's room. The plan starts
+from the engine's rule (its resident models and resident ends, engine/placement.h); the engine then keeps resident
+the further shards the plan makes resident and steps on the device those it steps there, as far as the budget holds
+their homes and gradient buffers.
+
+The lanes are apart on a GPU: a CPU device shares its cores and memory with the host, and there the lane model
+runs only where the link or the host is emulated (hydra_torch.testing), else "auto" keeps the engine's rule.
+
+Each shard's compute is its pieces' forward + backward as the planner measured them (shards="auto"); a task cut
+otherwise has its pieces measured when the call starts (measure_tasks), on one batch of its data, with every random
+generator left as it was. A one-shot iterator's batch cannot be drawn twice: such a task is priced by its elements
+at the seconds per element of the measured tasks, and where no task could be measured "auto" keeps the engine's
+rule. What the lane model was told and forecast is Results.lane_plan.
+"""
+from __future__ import annotations
+
+import collections.abc
+import statistics
+
+import torch
+
+from hydra_torch import testing
+from hydra_torch._loader import native as _C
+from hydra_torch.models import planner
+from hydra_torch.run import lane_rates
+
+STEPS_FORECAST = 6  # steps of each task the lane model simulates: enough for its steady state, bounded in time
+
+
+def step_bytes(task) -> tuple[float, float, float, float, float]:
+    """Bytes per element as the engine counts them (core/lanes.h StepBytes): (weight, state, host step, host
+    accumulate, device step). The fp32 master is the weight itself in fp32 and a copy beside the bf16 weight in
+    bf16; every step reads the gradient, reads and writes the master and each optimizer state (a bf16 shadow written
+    on top, where the gradient is half the size): 12 + 8 a state in both."""
+    states = task.optimizer.spec().num_states
+    weight = 2.0 if task.precision == "bf16" else 4.0
+    state = 4.0 * states + (4.0 if task.precision == "bf16" else 0.0)
+    touched = 12.0 + 8.0 * states
+    return weight, state, touched, 8.0, touched
+
+
+def shard_seconds(task) -> list[float] | None:
+    """Each shard's forward + backward as the planner measured its pieces, or None."""
+    pieces = task.piece_seconds
+    if pieces is None or len(pieces) != sum(len(group) for group in task.modules):
+        return None
+    seconds, start = [], 0
+    for group in task.modules:
+        seconds.append(sum(pieces[start:start + len(group)]))
+        start += len(group)
+    return seconds
+
+
+def task_shape(runner, store, seconds: list[float]) -> tuple:
+    """(shards, micro-batches, accumulate) for the lane model. A unit's recomputing backward costs three forwards
+    (CostModel::kPhaseWeight): the probe's forward + backward, without recomputation, is three forwards too."""
+    shards = []
+    for s in range(store.num_shards):
+        last = s == store.num_shards - 1
+        forward, backward = (0.0, seconds[s]) if last else (seconds[s] / 3, seconds[s])
+        sources = store.sources(s)
+        tied_to = sources[1] if len(sources) > 1 else -1  # the owner of a weight it borrows
+        shards.append((forward, backward, store.device_numel(s), store.gradient_numel(s), store.trainable_numel(s),
+                       tied_to))
+    accumulate = runner.task.accumulate
+    return shards, STEPS_FORECAST * accumulate, accumulate
+
+
+def measure_tasks(tasks, devices, placement: str) -> None:
+    """Times the pieces of every task the planner did not cut (planner.probe, on one batch), where "auto" will
+    ask the lane model: on one device whose lanes are apart. Before the engines exist, as the planner's probes are,
+    so that nothing else holds device memory; every random generator is left as it was (a shuffling DataLoader
+    draws its order from them). A one-shot iterator's batch cannot be drawn twice: its task is not measured."""
+    if placement != "auto" or len(devices) != 1 or not lanes_apart(devices[0]):
+        return
+    device = torch.device(devices[0])
+    forked = ([device.index if device.index is not None else torch.cuda.current_device()]
+              if device.type == "cuda" else [])
+    for task in tasks:
+        # The planner has just measured a task it cut (on the same device); the others anew, for this device.
+        if task.auto_shards or isinstance(task.data, collections.abc.Iterator) or len(task.data) == 0:
+            continue
+        with torch.random.fork_rng(devices=forked):
+            task.piece_seconds = [seconds for _, _, seconds in planner.probe(task, device, repeats=1).costs]
+
+
+def timed_seconds(runners, stores) -> list[list[float] | None]:
+    """Each task's shard seconds: measured, else priced by its elements at the median seconds per element of the
+    measured tasks; None for every task where none was measured."""
+    measured = [shard_seconds(runner.task) for runner in runners]
+    per_element = [sum(seconds) / sum(store.device_numel(s) for s in range(store.num_shards))
+                   for seconds, store in zip(measured, stores) if seconds is not None]
+    if not per_element:
+        return [None] * len(runners)
+    rate = statistics.median(per_element)
+    return [seconds if seconds is not None else [rate * store.device_numel(s) for s in range(store.num_shards)]
+            for seconds, store in zip(measured, stores)]
+
+
+def lanes_apart(device) -> bool:
+    """Whether the device's compute, its link and the host's memory are lanes apart (see the module)."""
+    return torch.device(device).type != "cpu" or testing.link_bytes_per_second() > 0 \
+        or testing.host_bytes_per_second() > 0
+
+
+def plan(runners, stores, device, candidates: list[bool], decided, free_left: int):
+    """(per task, per shard: "host", "device" or "resident"; what the lane model was told and forecast) for the
+    lane model's choice from the placement the engine's rule `decided` (place_models' decision: resident models and
+    resident ends), within the room its budget leaves beyond that (`free_left`) less the largest working set; None
+    where no task is spilled or none had its compute measured. Tasks that may not step off the host (`candidates`)
+    are in the model for the lanes they load, and keep their steps on the host whatever it says of them."""
+    spilled = [store for store, (resident_on, *_) in zip(stores, decided) if resident_on < 0]
+    seconds = timed_seconds(runners, stores)
+    if not spilled or seconds[0] is None:
+        return None
+    shapes = [task_shape(runner, store, s) for runner, store, s in zip(runners, stores, seconds)]
+    start = [["resident" if resident_on >= 0 or s in resident_shards else "host" for s in range(store.num_shards)]
+             for store, (resident_on, _, resident_shards, _, _) in zip(stores, decided)]
+    largest = max(max(store.device_numel(s) for s in range(store.num_shards)) for store in stores)
+    rates = lane_rates.measure(device, largest)
+    room = max(0, free_left - max(_C.DeviceEngine.spilled_need(store) for store in spilled))
+    bytes_ = step_bytes(runners[candidates.index(True)].task)
+    forecast = _C.lane_forecast(shapes, rates, bytes_, 1, None, room, start)
+    places = [list(p) if candidate else ["host"] * len(p) for p, candidate in zip(forecast["placement"], candidates)]
+    return places, told_and_forecast(rates, forecast)
+
+
+def told_and_forecast(rates, forecast) -> dict:
+    """Results.lane_plan: the lanes' measured rates (bytes/s) and the forecast's busy share of each lane over its
+    run of STEPS_FORECAST steps of every task."""
+    busy, makespan = forecast["busy_seconds"], forecast["makespan"]
+    return {"rates": dict(zip(("copies_in", "copies_out", "host_steps", "device_steps"), rates)),
+            "busy": {"compute": forecast["bound"]["compute"] / makespan,
+                     "copies_in": busy["host_to_device"] / makespan, "copies_out": busy["device_to_host"] / makespan,
+                     "host": busy["host"] / makespan}}
+
+
+def wishes(runners, stores, engines, devices, placement: str, candidates: list[bool], graph_bytes, bases):
+    """(per task, the shards it asks to keep resident beyond the resident ends and the shards it asks to step on
+    the device: engine/placement.h's `wishes`; the lane model's rates and forecast, or None). Every shard on the
+    device for "device"; the lane model's choice for "auto" on one device whose lanes are apart; nothing for
+    "host". `candidates`, `graph_bytes` and `bases` are place_models' `resident_ends`, `graph_bytes` and `bases`."""
+    nothing = [([], []) for _ in stores]
+    if placement == "device":
+        return [([], list(range(store.num_shards)) if candidate else [])
+                for store, candidate in zip(stores, candidates)], None
+    if placement != "auto" or len(engines) != 1 or not any(candidates) or not lanes_apart(devices[0]):
+        return nothing, None
+    decided, free_left = _C.place_models(engines, stores, [runner.task.name for runner in runners], graph_bytes,
+                                         candidates, bases, [], True)
+    planned = plan(runners, stores, devices[0], candidates, decided, free_left[0])
+    if planned is None:
+        return nothing, None
+    places, told = planned
+    return [([s for s, place in enumerate(shard_places) if place == "resident"],
+             [s for s, place in enumerate(shard_places) if place == "device"]) for shard_places in places], told
