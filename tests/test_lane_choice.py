@@ -52,8 +52,10 @@ def test_auto_steps_shards_on_the_device_where_the_host_is_slow_and_trains_as_pl
     reference_losses = train_plain(reference, data, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
                                    seed=SEED)
     model = tied_transformer()
-    # The host steps the model's ~1.8 MB a step at 2 MB/s: a second a step, against milliseconds of compute.
-    results = train_auto(model, data, link=1e10, host=2e6, shards=shards)
+    # The host steps the model's ~1.8 MB a step at 2 MB/s: a second a step, against milliseconds of compute. The
+    # budget holds device steps beside the ends however the planner cuts the model (its cut follows the times it
+    # measures: the embedding alone or with the first block).
+    results = train_auto(model, data, link=1e10, host=2e6, shards=shards, budget_fraction=4.0)
     result, stats = results[0], results.stats[0]
     assert result.device_shards, result.placement
     assert stats["device_steps"] == len(result.device_shards) * result.steps
@@ -62,7 +64,7 @@ def test_auto_steps_shards_on_the_device_where_the_host_is_slow_and_trains_as_pl
     assert model[0].weight is model[-1].weight
     plan = results.lane_plan  # what the lane model was told, and its forecast
     assert plan["rates"]["copies_in"] == plan["rates"]["copies_out"] == 1e10 and plan["rates"]["host_steps"] == 2e6
-    assert all(0.0 <= share <= 1.0 for share in plan["busy"].values())
+    assert all(0.0 <= share <= 1.0 + 1e-9 for share in plan["busy"].values())
     assert "lane model: link 9.31 GiB/s in" in results.summary()
 
 

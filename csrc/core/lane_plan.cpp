@@ -37,10 +37,13 @@ LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates,
   std::optional<LanePlan> best;
   std::vector<Placement> tried;
   for (double headroom : kHeadrooms) {
-    const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom, start);
-    std::vector<Placement> variants{chosen};
-    for (int count : kLeadingShards)
-      variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room, start));
+    std::vector<Placement> variants;
+    for (bool homes : {true, false}) {
+      const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom, start, homes);
+      variants.push_back(chosen);
+      for (int count : kLeadingShards)
+        variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room, start));
+    }
     for (Placement& placement : variants) {
       bool seen = false;
       for (const Placement& p : tried) seen = seen || p == placement;

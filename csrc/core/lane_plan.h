@@ -1,7 +1,8 @@
-// The placement a run gets: the lane model's choice (choose_placement) at several headrooms, each also with each
-// task's first shards off the host, all simulated, the shortest simulated run kept. The bound alone cannot say how
-// much slack a copy or host lane needs, since that depends on how the tasks' steps bunch up, nor what a step late
-// off the host costs the unit that waits for it; the simulator, driving the real scheduler, can.
+// The placement a run gets: the lane model's choice (choose_placement) at several headrooms, with homes and
+// without (device steps only), each also with each task's first shards off the host, all simulated, the shortest
+// simulated run kept. The bound alone cannot say how much slack a copy or host lane needs, since that depends on
+// how the tasks' steps bunch up, nor what a step late off the host costs the unit that waits for it; the
+// simulator, driving the real scheduler, can.
 #pragma once
 
 #include <cstdint>

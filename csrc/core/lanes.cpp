@@ -248,7 +248,7 @@ int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& pl
 }
 
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                           int num_devices, int64_t room, double headroom, const Placement& start) {
+                           int num_devices, int64_t room, double headroom, const Placement& start, bool homes) {
   validate(tasks, rates, bytes, num_devices);
   require(room >= 0, "room must be >= 0");
   require(headroom > 0.0 && headroom <= 1.0, "headroom must be in (0, 1]");
@@ -293,7 +293,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
       for (const std::vector<int>& group : groups[t]) {
         const StepPlace now = placement[t][static_cast<size_t>(group.front())];
         for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
-          if (to <= now || (to == StepPlace::kResident && !one_device)) continue;
+          if (to <= now || (to == StepPlace::kResident && (!one_device || !homes))) continue;
           int64_t group_held = held, group_step = step;
           for (int g : group) {
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];

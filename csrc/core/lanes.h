@@ -104,10 +104,12 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
 // `room` bytes a device for homes, kept gradients and the largest device step beyond what the start's shards hold
 // (homes leave room for one). kResident only with one device, where a task's home is. `headroom` < 1 counts the
 // copy and host lanes that much busier, so that they keep slack: a lane near full queues, and a step late off the
-// host stalls the shard's next visit (see lane_plan.h, which picks it by simulation). Throws
-// std::invalid_argument for malformed shapes, rates or start.
+// host stalls the shard's next visit (see lane_plan.h, which picks it by simulation). Without `homes` no shard
+// moves to kResident: one home takes the room of several device steps' gradient buffers, so moves that each pay
+// most can together pay less. Throws std::invalid_argument for malformed shapes, rates or start.
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                           int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {});
+                           int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {},
+                           bool homes = true);
 Placement host_placement(const std::vector<TaskShape>& tasks);
 // The shards that step in one place with `shard`: those tied to it, and to them, in order.
 std::vector<int> tie_group(const TaskShape& task, int shard);

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include "engine/spilled_model.h"
@@ -40,38 +41,46 @@ std::vector<std::vector<int>> resident_end_choices(const ShardStore& store) {
   return choices;
 }
 
+// Where `others_cached` is given, the arena must also cache every spilled shard's weights at once: the other
+// models' (`*others_cached`) and this one's beside its resident `homed` shards.
+int64_t cache_need(const ShardStore& store, const std::vector<int>& homed, std::optional<int64_t> others_cached) {
+  return others_cached ? *others_cached + SpilledModel::cached_need(store, homed) : 0;
+}
+
 // The shards a spilled model steps on the device beside its resident `homed` ones: every shard of `wanted` that is
 // neither resident nor tied and has something to train, less the last ones while their gradient buffers and the
-// model's working set do not fit in `room` beside the other models' working set `may_spill` (the first shards'
-// steps are the ones the next step's first units wait for).
+// model's working set (and the cache, cache_need) do not fit in `room` beside the other models' working set
+// `may_spill` (the first shards' steps are the ones the next step's first units wait for).
 std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& wanted,
                                     const std::vector<int>& homed, const ShardStore* base, int64_t may_spill,
-                                    int64_t room) {
+                                    int64_t room, std::optional<int64_t> others_cached) {
   std::vector<int> shards;
   for (int s = 0; s < store.num_shards(); ++s)
     if (std::find(wanted.begin(), wanted.end(), s) != wanted.end() &&
         SpilledModel::device_shards_error(store, homed, {s}).empty())
       shards.push_back(s);
   while (!shards.empty() && SpilledModel::held_grads_need(store, shards) +
-                                    std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) >
+                                    std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) +
+                                    cache_need(store, homed, others_cached) >
                                 room)
     shards.pop_back();
   return shards;
 }
 
 // The resident `homed` shards grown by `wanted` ones (each with the shards tied to it), first shards first, while
-// the homes and the model's working set fit in `room` beside the other models' working set `may_spill`; never the
-// whole model (whether a model is resident is the rule's call).
+// the homes and the model's working set (and the cache, cache_need) fit in `room` beside the other models' working
+// set `may_spill`; never the whole model (whether a model is resident is the rule's call).
 std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, const std::vector<int>& wanted,
-                            const ShardStore* base, int64_t may_spill, int64_t room) {
+                            const ShardStore* base, int64_t may_spill, int64_t room,
+                            std::optional<int64_t> others_cached) {
   for (int s : wanted) {
     if (s < 0 || s >= store.num_shards() || std::find(homed.begin(), homed.end(), s) != homed.end()) continue;
     std::vector<int> grown = homed;
     grown.push_back(s);
     grown = closed_under_ties(store, std::move(grown));
     if (static_cast<int>(grown.size()) == store.num_shards() ||
-        SpilledModel::homes_need(store, grown) +
-                std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) > room)
+        SpilledModel::homes_need(store, grown) + std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) +
+                cache_need(store, grown, others_cached) > room)
       continue;
     homed = std::move(grown);
   }
@@ -160,7 +169,7 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
           // round, only where every spilled shard's weights stay cached beside them (measured:
           // bench_link_bound.py, four models at copy / forward 2 took 16% longer with one model's ends resident).
           const bool room_to_cache =
-              homes + working_set + others_cached + base_cached + SpilledModel::cached_need(*stores[i], shards) <= free[device];
+              homes + working_set + cache_need(*stores[i], shards, others_cached + base_cached) <= free[device];
           if (!alone && !room_to_cache) continue;
           homed = shards;
           break;
@@ -168,10 +177,13 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
       }
       std::vector<int> stepped;
       if (!wishes.empty() && engines.size() == 1) {
-        homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device]);
+        // As for the ends: beside other spilled models, only where every spilled shard's weights stay cached.
+        const std::optional<int64_t> cached =
+            wishes[i].keep_cached && !alone ? std::optional<int64_t>(others_cached + base_cached) : std::nullopt;
+        homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device], cached);
         if (!wishes[i].device.empty())
           stepped = device_step_choice(*stores[i], wishes[i].device, homed, base[i], may_spill,
-                                       free[device] - SpilledModel::homes_need(*stores[i], homed));
+                                       free[device] - SpilledModel::homes_need(*stores[i], homed), cached);
       }
       if (!homed.empty() || !stepped.empty()) {
         if (registers)

@@ -24,7 +24,8 @@
 // shard of `wishes[i].resident` (with the shards tied to it, first shards first) whose home and its working set
 // still fit beside every other model's working set, and steps on the device each shard of `wishes[i].device` that
 // is neither resident nor tied (SpilledModel's device-stepped shards), less the last ones while their gradient
-// buffers and its working set do not fit.
+// buffers and its working set do not fit (with `keep_cached`, beside other spilled models, and every spilled
+// shard's weights cached).
 //
 // `bases[i]` (empty: none) is the frozen base model i uses (DeviceEngine::add_base, the same id on every engine),
 // or -1: its units hold their base shards beside their own, which its working set counts, and it is resident
@@ -43,6 +44,10 @@ namespace hydra::engine {
 struct ShardWishes {
   std::vector<int> resident;  // more resident shards than the resident ends
   std::vector<int> device;    // shards stepped on the device
+  // Beside other models that may spill, granted only where every spilled shard's weights still fit cached, as the
+  // resident ends are ("auto": the lane model keeps no cache, and a step's regions or a home that evicts weights
+  // costs their copies again).
+  bool keep_cached = false;
 };
 
 struct Placement {

@@ -142,13 +142,14 @@ def told_and_forecast(rates, forecast) -> dict:
 
 
 def wishes(runners, stores, engines, devices, placement: str, candidates: list[bool], graph_bytes, bases):
-    """(per task, the shards it asks to keep resident beyond the resident ends and the shards it asks to step on
-    the device: engine/placement.h's `wishes`; the lane model's rates and forecast, or None). Every shard on the
+    """(per task, the shards it asks to keep resident beyond the resident ends, the shards it asks to step on the
+    device, and whether only with every weight cached: engine/placement.h's `wishes`; the lane model's rates and
+    forecast, or None). Every shard on the
     device for "device"; the lane model's choice for "auto" on one device whose lanes are apart; nothing for
     "host". `candidates`, `graph_bytes` and `bases` are place_models' `resident_ends`, `graph_bytes` and `bases`."""
-    nothing = [([], []) for _ in stores]
+    nothing = [([], [], False) for _ in stores]
     if placement == "device":
-        return [([], list(range(store.num_shards)) if candidate else [])
+        return [([], list(range(store.num_shards)) if candidate else [], False)
                 for store, candidate in zip(stores, candidates)], None
     if placement != "auto" or len(engines) != 1 or not any(candidates) or not lanes_apart(devices[0]):
         return nothing, None
@@ -158,5 +159,7 @@ def wishes(runners, stores, engines, devices, placement: str, candidates: list[b
     if planned is None:
         return nothing, None
     places, told = planned
+    # The lane model keeps no cache of weights: beside other spilled tasks, the engine grants what it asks only
+    # where every spilled shard's weights stay cached (keep_cached).
     return [([s for s, place in enumerate(shard_places) if place == "resident"],
-             [s for s, place in enumerate(shard_places) if place == "device"]) for shard_places in places], told
+             [s for s, place in enumerate(shard_places) if place == "device"], True) for shard_places in places], told

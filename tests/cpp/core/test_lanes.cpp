@@ -220,6 +220,27 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
   EXPECT_THROW(choose_placement(tasks, rates, bytes, 1, 0, 1.0, {{StepPlace::kHost}}), std::invalid_argument);
 }
 
+// Room for two homes or for four device steps' gradient buffers: each home pays more than a device step, so the
+// greedy choice with homes fills the room with two of them, but four device steps pay more; plan_lanes tries both.
+TEST(Lanes, PlanWeighsHomesAgainstTheDeviceStepsTheirRoomWouldHold) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks{task(std::vector<ShardShape>(6, shard(0.05, 0.1, 100)), 8)};
+  const LaneRates rates{20000.0, 20000.0, 100 * 28 / 1.0, 1e5};  // a host step: 1 s, against 0.15 s of compute
+  Placement start = host_placement(tasks);
+  start[0][0] = start[0][5] = StepPlace::kResident;
+  const int64_t room = 2 * held_bytes(tasks[0].shards[1], StepPlace::kResident, bytes) +
+                       step_room(tasks[0].shards[1], StepPlace::kDevice, bytes);
+  const Placement with_homes = choose_placement(tasks, rates, bytes, 1, room, 1.0, start);
+  EXPECT_EQ(std::count(with_homes[0].begin(), with_homes[0].end(), StepPlace::kResident), 4);
+  const Placement steps = choose_placement(tasks, rates, bytes, 1, room, 1.0, start, false);
+  EXPECT_EQ(steps[0], (std::vector<StepPlace>{StepPlace::kResident, StepPlace::kDevice, StepPlace::kDevice,
+                                              StepPlace::kDevice, StepPlace::kDevice, StepPlace::kResident}));
+  const double homes_run = simulate(lane_simulation(tasks, with_homes, rates, bytes, 1)).makespan;
+  const double steps_run = simulate(lane_simulation(tasks, steps, rates, bytes, 1)).makespan;
+  ASSERT_LT(steps_run, homes_run);
+  EXPECT_LE(plan_lanes(tasks, rates, bytes, 1, room, start).run.makespan, steps_run);
+}
+
 TEST(Lanes, PlacementLeavesAnIdleHostAlone) {
   const StepBytes bytes;
   // Two tasks: each one's step round trip hides behind the other's compute.
