@@ -76,7 +76,9 @@ def measure_tasks(tasks, devices, placement: str) -> None:
     """Times the pieces of every task the planner did not cut (planner.probe, on one batch), where "auto" will
     ask the lane model: on one device whose lanes are apart. Before the engines exist, as the planner's probes are,
     so that nothing else holds device memory; every random generator is left as it was (a shuffling DataLoader
-    draws its order from them). A one-shot iterator's batch cannot be drawn twice: its task is not measured."""
+    draws its order from them). A one-shot iterator's batch cannot be drawn twice: its task is not measured. Nor is
+    a task whose data yields nothing or whose pieces fail on its batch: the measurement only informs the placement,
+    and the task's own units then meet the error where it is the task's alone (its result says it)."""
     if placement != "auto" or len(devices) != 1 or not lanes_apart(devices[0]):
         return
     device = torch.device(devices[0])
@@ -84,10 +86,17 @@ def measure_tasks(tasks, devices, placement: str) -> None:
               if device.type == "cuda" else [])
     for task in tasks:
         # The planner has just measured a task it cut (on the same device); the others anew, for this device.
-        if task.auto_shards or isinstance(task.data, collections.abc.Iterator) or len(task.data) == 0:
+        if task.auto_shards:
+            continue
+        task.piece_seconds = None  # not another call's, perhaps on another device
+        if isinstance(task.data, collections.abc.Iterator):
             continue
         with torch.random.fork_rng(devices=forked):
-            task.piece_seconds = [seconds for _, _, seconds in planner.probe(task, device, repeats=1).costs]
+            try:
+                batch = next(iter(task.data))
+                task.piece_seconds = [c[2] for c in planner.probe(task, device, batch, repeats=1).costs]
+            except Exception:  # noqa: BLE001  (see the docstring; KeyboardInterrupt is not caught)
+                continue
 
 
 def timed_seconds(runners, stores) -> list[list[float] | None]:
