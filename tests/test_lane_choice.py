@@ -111,7 +111,7 @@ class LyingLength:
 
 
 def test_a_task_whose_data_lies_or_fails_is_not_measured_and_fails_alone():
-    float_ids = [{"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3, dtype=torch.long)}] * 2  # no embedding
+    float_ids = [(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))] * 2  # an embedding takes no floats
     tasks = [ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=LyingLength(), name="lies"),
              ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=float_ids, name="bad"),
              ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=token_batches(3), name="good")]
@@ -124,6 +124,30 @@ def test_a_task_whose_data_lies_or_fails_is_not_measured_and_fails_alone():
         results = ht.train(tasks[1:], devices="cpu", memory_budget=int(6.0 * model_bytes(tied_transformer())),
                            progress=False)
     assert not results["bad"].ok and results["good"].ok and results["good"].steps == 3
+
+
+def test_measuring_leaves_a_shuffling_loaders_own_generator_and_pythons_as_they_were():
+    import random
+
+    samples = [(x[i], y[i]) for x, y in token_batches(2) for i in range(4)]
+    generator = torch.Generator().manual_seed(5)
+    loader = torch.utils.data.DataLoader(samples, batch_size=4, shuffle=True, generator=generator)
+    task = ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=loader)
+    before, python_before = generator.get_state(), random.getstate()
+    with testing.emulated_link(1e10):
+        lane_choice.measure_tasks([task], [torch.device("cpu")], "auto")
+    assert task.piece_seconds is not None
+    assert torch.equal(generator.get_state(), before) and random.getstate() == python_before
+
+
+def test_a_failed_measurement_warns_and_keeps_the_engines_rule(monkeypatch):
+    def out_of_memory(device, elements):
+        raise torch.OutOfMemoryError("no room for the rates' buffers")
+
+    monkeypatch.setattr(lane_rates, "measure", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="could not ask the lane model .*no room"):
+        results = train_auto(tied_transformer(), token_batches(3), link=1e10, host=2e6, shards=None)
+    assert results[0].placement == ENDS and results.lane_plan is None
 
 
 def test_a_task_given_its_shards_is_priced_at_the_measured_tasks_rate():

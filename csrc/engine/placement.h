@@ -21,7 +21,7 @@
 //
 // Where `wishes[i]` asks (on one device; placement "device": every shard stepped on the device; "auto": what the
 // lane model takes off the host, hydra_torch/run/lane_choice.py), model i, if spilled, also keeps resident each
-// shard of `wishes[i].resident` (with the shards tied to it, first shards first) whose home and its working set
+// shard of `wishes[i].resident` (with the shards tied to it, in the order asked) whose home and its working set
 // still fit beside every other model's working set, and steps on the device each shard of `wishes[i].device` that
 // is neither resident nor tied (SpilledModel's device-stepped shards), less the last ones while their gradient
 // buffers and its working set do not fit (with `keep_cached`, beside other spilled models, and every spilled

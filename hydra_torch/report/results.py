@@ -142,7 +142,8 @@ class Results:
     bases: dict = field(default_factory=dict)
     # placement "auto" on a device whose lanes are apart: the lanes' rates measured at the start ("rates": copies_in,
     # copies_out, host_steps, device_steps, bytes/s) and the lane model's forecast busy share of each lane ("busy":
-    # compute, copies_in, copies_out, host); None where the lane model was not asked
+    # compute, copies_in, copies_out, host) for the placement it asked (the engine grants what the budget holds);
+    # None where the lane model was not asked
     lane_plan: dict | None = None
 
     def __iter__(self):

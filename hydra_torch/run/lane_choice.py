@@ -21,7 +21,11 @@ rule. What the lane model was told and forecast is Results.lane_plan.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import random
 import statistics
+import sys
+import warnings
 
 import torch
 
@@ -76,8 +80,9 @@ def measure_tasks(tasks, devices, placement: str) -> None:
     """Times the pieces of every task the planner did not cut (planner.probe, on one batch), where "auto" will
     ask the lane model: on one device whose lanes are apart. Before the engines exist, as the planner's probes are,
     so that nothing else holds device memory; every random generator is left as it was (a shuffling DataLoader
-    draws its order from them). A one-shot iterator's batch cannot be drawn twice: its task is not measured. Nor is
-    a task whose data yields nothing or whose pieces fail on its batch: the measurement only informs the placement,
+    draws its order from them: torch's, Python's, NumPy's, and the loader's own). A one-shot iterator's batch cannot
+    be drawn twice, and a loader with worker processes would start them: their tasks are not measured. Nor is a
+    task whose data yields nothing or whose pieces fail on its batch: the measurement only informs the placement,
     and the task's own units then meet the error where it is the task's alone (its result says it)."""
     if placement != "auto" or len(devices) != 1 or not lanes_apart(devices[0]):
         return
@@ -89,14 +94,34 @@ def measure_tasks(tasks, devices, placement: str) -> None:
         if task.auto_shards:
             continue
         task.piece_seconds = None  # not another call's, perhaps on another device
-        if isinstance(task.data, collections.abc.Iterator):
-            continue
-        with torch.random.fork_rng(devices=forked):
+        if isinstance(task.data, collections.abc.Iterator) or getattr(task.data, "num_workers", 0) > 0:
+            continue  # a loader with workers would start them (and a persistent one keep this pass's order)
+        with torch.random.fork_rng(devices=forked), _generators_kept(task.data):
             try:
                 batch = next(iter(task.data))
                 task.piece_seconds = [c[2] for c in planner.probe(task, device, batch, repeats=1).costs]
             except Exception:  # noqa: BLE001  (see the docstring; KeyboardInterrupt is not caught)
                 continue
+
+
+@contextlib.contextmanager
+def _generators_kept(data):
+    """Python's and NumPy's generators, and a DataLoader's own and its sampler's (a shuffling loader given
+    `generator=` draws its order from it), as they were before the block."""
+    own = [g for g in (getattr(data, "generator", None), getattr(getattr(data, "sampler", None), "generator", None))
+           if isinstance(g, torch.Generator)]
+    states = [g.get_state() for g in own]
+    python_state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        for g, state in zip(own, states):
+            g.set_state(state)
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 def timed_seconds(runners, stores) -> list[list[float] | None]:
@@ -151,24 +176,43 @@ def told_and_forecast(rates, forecast) -> dict:
 
 
 def wishes(runners, stores, engines, devices, placement: str, candidates: list[bool], graph_bytes, bases):
-    """(per task, the shards it asks to keep resident beyond the resident ends, the shards it asks to step on the
-    device, and whether only with every weight cached: engine/placement.h's `wishes`; the lane model's rates and
-    forecast, or None). Every shard on the
-    device for "device"; the lane model's choice for "auto" on one device whose lanes are apart; nothing for
-    "host". `candidates`, `graph_bytes` and `bases` are place_models' `resident_ends`, `graph_bytes` and `bases`."""
+    """(per task, the shards it asks to keep resident (the resident ends among them), the shards it asks to step on
+    the device, and whether only with every weight cached: engine/placement.h's `wishes`; the lane model's rates and
+    the forecast of what it asked, or None). Every shard on the device for "device"; the lane model's choice for
+    "auto" on one device whose lanes are apart; nothing for "host". `candidates`, `graph_bytes` and `bases` are
+    place_models' `resident_ends`, `graph_bytes` and `bases`.
+
+    The lane model only informs the placement: where measuring or planning fails (a device out of memory for the
+    rates' buffers, say), a warning says so and "auto" keeps the engine's rule. So it does where granting its
+    wishes, task by task, would cost a later task the residency or resident ends the rule gives it."""
     nothing = [([], [], False) for _ in stores]
     if placement == "device":
         return [([], list(range(store.num_shards)) if candidate else [], False)
                 for store, candidate in zip(stores, candidates)], None
     if placement != "auto" or len(engines) != 1 or not any(candidates) or not lanes_apart(devices[0]):
         return nothing, None
-    decided, free_left = _C.place_models(engines, stores, [runner.task.name for runner in runners], graph_bytes,
-                                         candidates, bases, [], True)
-    planned = plan(runners, stores, devices[0], candidates, decided, free_left[0])
+    names = [runner.task.name for runner in runners]
+    decided, free_left = _C.place_models(engines, stores, names, graph_bytes, candidates, bases, [], True)
+    try:
+        planned = plan(runners, stores, devices[0], candidates, decided, free_left[0])
+    except Exception as error:  # noqa: BLE001  (see the docstring; KeyboardInterrupt is not caught)
+        warnings.warn(f"placement='auto' could not ask the lane model ({type(error).__name__}: {error}); every "
+                      f"spilled task keeps the engine's rule (resident ends)", RuntimeWarning, stacklevel=5)
+        return nothing, None
     if planned is None:
         return nothing, None
     places, told = planned
     # The lane model keeps no cache of weights: beside other spilled tasks, the engine grants what it asks only
     # where every spilled shard's weights stay cached (keep_cached).
-    return [([s for s, place in enumerate(shard_places) if place == "resident"],
-             [s for s, place in enumerate(shard_places) if place == "device"], True) for shard_places in places], told
+    asked = [([s for s, place in enumerate(shard_places) if place == "resident"],
+              [s for s, place in enumerate(shard_places) if place == "device"], True) for shard_places in places]
+    granted, _ = _C.place_models(engines, stores, names, graph_bytes, candidates, bases, asked, True)
+    if any(_loses(rule, got) for rule, got in zip(decided, granted)):
+        return nothing, None
+    return asked, told
+
+
+def _loses(rule, got) -> bool:
+    """Whether a task placed `got` lost what the rule gave it (`rule`): its residency, or a resident shard."""
+    (rule_device, _, rule_shards, _, _), (device, _, shards, _, _) = rule, got
+    return (rule_device >= 0 and device < 0) or not set(rule_shards) <= set(shards)

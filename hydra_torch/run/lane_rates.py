@@ -3,8 +3,8 @@
 
 - The link, each way: a copy of a pinned host buffer to the device and back, timed. A CPU device's copies run at
   the emulated link's pace where one is set (hydra_torch.testing.emulated_link), else at the memory's.
-- The host: the memory traffic of one fused AdamW step on the host (hydra.adam_step with a bf16 shadow: 28 bytes
-  an element, the engine's count), timed; the emulated host's pace where one is set.
+- The host: the memory traffic of one fused AdamW step on the host (hydra.adam_step with an fp32 gradient and a
+  bf16 shadow: 30 bytes an element), timed; the emulated host's pace where one is set.
 - The device's memory: the same step on the device (on a CPU device, the host's own unpaced rate: the emulated
   host paces host steps only).
 
@@ -22,8 +22,8 @@ from hydra_torch import ops, testing
 MAX_ELEMENTS = 1 << 24  # 64 MB of fp32 a buffer: long enough to time, short enough not to delay the start
 MIN_ELEMENTS = 1 << 16
 REPEATS = 3
-ADAMW_BYTES = 28  # an element's traffic in one AdamW step: fp32 gradient read, master and two moments read and
-                  # written, bf16 shadow written (ShardStore's host_step_bytes count)
+ADAMW_BYTES = 30  # an element's traffic in the timed AdamW step: fp32 gradient read (4), master and two moments
+                  # read and written (24), bf16 shadow written (2)
 
 
 def _synchronize(device: torch.device) -> None:
