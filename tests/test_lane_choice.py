@@ -12,6 +12,7 @@ from hydra_torch import testing
 from hydra_torch.run import lane_choice, lane_rates
 from models import OneShot, lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 import placed_training
+from test_bad_input import LyingData
 from placed_training import SEED
 
 ENDS = "spilled, shards 0, 7 resident"
@@ -100,19 +101,9 @@ def test_a_one_shot_iterator_is_not_measured_and_loses_no_batch():
     assert results[0].device_shards == [], "nothing measured: the engine's rule"
 
 
-class LyingLength:
-    """Says it has batches, yields none."""
-
-    def __len__(self):
-        return 4
-
-    def __iter__(self):
-        return iter(())
-
-
 def test_a_task_whose_data_lies_or_fails_is_not_measured_and_fails_alone():
     float_ids = [(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))] * 2  # an embedding takes no floats
-    tasks = [ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=LyingLength(), name="lies"),
+    tasks = [ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=LyingData(0, 4), name="lies"),
              ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=float_ids, name="bad"),
              ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=token_batches(3), name="good")]
     tasks[1].piece_seconds = [1.0] * len(tasks[1].pieces)  # another call's times: not kept

@@ -206,7 +206,7 @@ def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3,
     if dtype != torch.float32:
         x = tree_map(lambda t: t.to(dtype) if _floating(t) else t, x)
     # Dropout and other random layers must not advance the generators the training run will start from.
-    forked = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    forked = rng_devices(device)
     costs = []
     with torch.random.fork_rng(devices=forked):
         # One untimed pass over the whole chain first: a process's first kernels (thread pools, allocator
@@ -251,17 +251,23 @@ def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
     activation_bytes = _activation_bytes(forward_backward, params, device)
     times = []
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         forward_backward()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), activation_bytes, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 
-def _synchronize(device):
+def synchronize(device) -> None:
+    """Waits for `device`'s queued work (a CUDA device's; a CPU runs it in line): what a timing needs."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def rng_devices(device) -> list[int]:
+    """The CUDA devices whose generators torch.random.fork_rng must fork for work on `device`."""
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
 
 def _activation_bytes(forward_backward, params, device) -> int:

@@ -87,8 +87,7 @@ def measure_tasks(tasks, devices, placement: str) -> None:
     if placement != "auto" or len(devices) != 1 or not lanes_apart(devices[0]):
         return
     device = torch.device(devices[0])
-    forked = ([device.index if device.index is not None else torch.cuda.current_device()]
-              if device.type == "cuda" else [])
+    forked = planner.rng_devices(device)
     for task in tasks:
         # The planner has just measured a task it cut (on the same device); the others anew, for this device.
         if task.auto_shards:

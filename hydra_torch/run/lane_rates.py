@@ -18,6 +18,7 @@ import time
 import torch
 
 from hydra_torch import ops, testing
+from hydra_torch.models.planner import synchronize
 
 MAX_ELEMENTS = 1 << 24  # 64 MB of fp32 a buffer: long enough to time, short enough not to delay the start
 MIN_ELEMENTS = 1 << 16
@@ -26,19 +27,14 @@ ADAMW_BYTES = 30  # an element's traffic in the timed AdamW step: fp32 gradient 
                   # read and written (24), bf16 shadow written (2)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best_seconds(device: torch.device, work) -> float:
     work()  # warm: first-touch pages, kernels loaded
     best = float("inf")
     for _ in range(REPEATS):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         work()
-        _synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return max(best, 1e-9)
 
