@@ -68,6 +68,11 @@ def test_a_cluster_run_equals_the_same_tasks_on_one_machine(cluster, tmp_path):
         same_weights(results.models[result.name], models[result.name])
     assert {e.task_name for e in results.trace} == {f"t{i}" for i in range(5)}
     assert {results.devices[e.device].split("/")[0] for e in results.trace} == {"node0", "node1", "node2"}
+    # Every step of every shard came home too, in its task's and device's names (resident: the budget holds all).
+    assert {e.task_name for e in results.steps} == {f"t{i}" for i in range(5)}
+    assert {e.place for e in results.steps} == {"resident"}
+    assert sorted((e.task_name, e.shard, e.step) for e in results.steps) == \
+        sorted((e.task_name, e.shard, e.step) for e in reference.steps)
     results.plot_schedule(tmp_path / "schedule.png")  # a row per node and device
     assert (tmp_path / "schedule.png").stat().st_size > 0
 

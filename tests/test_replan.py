@@ -78,6 +78,10 @@ def test_a_resident_task_that_runs_out_of_memory_is_spilled_and_retried(devices)
     assert not result.resident
     assert len(result.replans) == 1 and "resident" in result.replans[0] and "step 3" in result.replans[0], result.replans
     assert result.steps == 4
+    # The trace numbers its steps on across the re-plan: each step once per shard, resident before it, spilled after.
+    steps = [e for e in results.steps if e.task_name == task.name]
+    assert sorted((e.step, e.shard) for e in steps) == [(k, s) for k in range(1, 5) for s in range(len(task.modules))]
+    assert [{e.place for e in steps if e.step == k} for k in range(1, 5)] == [{"resident"}] * 2 + [{"host"}] * 2
     assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
     assert max_relative_error(model, ref) <= TOLERANCE
     assert model[0].weight is model[-1].weight
@@ -382,3 +386,22 @@ def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_an
     assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
     assert max_relative_error(model, ref) <= TOLERANCE
     assert model[0].weight is model[-1].weight
+
+
+def test_a_task_cut_finer_after_some_steps_numbers_its_steps_on():
+    """Results.steps numbers a re-planned task's steps on from where its old cut left off (the new store carries
+    the count), each step once per shard of the cut that took it."""
+    data = token_batches(6)
+    model, oom = model_with(lambda m: m.calls > 4 and len(m.shard) > 1)  # from step 2 or 3, until cut finer
+    torch.manual_seed(SEED)
+    task = task_for(model, oom, data, shards=2)
+    with pytest.warns(RuntimeWarning, match="re-planned"):
+        results = ht.train([task], devices="cpu", memory_budget=int(1.5 * model_bytes(model)), progress=False,
+                           placement="host")
+    result = results[0]
+    assert result.ok and result.steps == 6 and result.replans and oom.raised >= 1
+    steps = [e for e in results.steps if e.task_name == task.name]
+    by_step = {k: sorted(e.shard for e in steps if e.step == k) for k in range(1, 7)}
+    assert sorted({e.step for e in steps}) == list(range(1, 7))
+    assert all(shards == list(range(len(shards))) for shards in by_step.values()), by_step
+    assert len(by_step[1]) == 2 and len(by_step[6]) == task.num_shards > 2

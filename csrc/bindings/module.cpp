@@ -92,6 +92,7 @@ PYBIND11_MODULE(_C, m) {
       .def("gradient_numel", &ShardStore::gradient_numel)
       .def("sources", &ShardStore::sources)
       .def("steps_taken", &ShardStore::steps_taken)
+      .def("set_steps_taken", &ShardStore::set_steps_taken, py::arg("steps"))
       .def("master", &ShardStore::master)
       .def("grad", &ShardStore::grad)
       .def("has_grad", &ShardStore::has_grad)
@@ -225,7 +226,19 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
       .def("free_bytes", &DeviceEngine::free_bytes)
-      .def("shard_loads", &DeviceEngine::shard_loads);
+      .def("shard_loads", &DeviceEngine::shard_loads)
+      // Every shard's optimizer steps so far (engine/step_log.h): (task, shard, step, "host" | "device" |
+      // "resident", start, end), times in seconds of the steady clock (steady_seconds), task -1 for a model added
+      // without one.
+      .def("step_log", [](const DeviceEngine& e) {
+        std::vector<std::tuple<int, int, int64_t, std::string, double, double>> steps;
+        for (const hydra::engine::StepRecord& r : e.step_log())
+          steps.emplace_back(e.task_of(r.model), r.shard, r.step, hydra::engine::step_place_name(r.place),
+                             1e-9 * static_cast<double>(r.start_ns), 1e-9 * static_cast<double>(r.end_ns));
+        return steps;
+      });
+  // The steady clock the step log's times are read from, in seconds: its offset from time.perf_counter().
+  m.def("steady_seconds", [] { return 1e-9 * static_cast<double>(hydra::engine::steady_ns()); });
 
   // What DeviceLoop.end reports of a unit that ran a backward (DeviceEngine.backward_done's arguments).
   py::class_<BackwardDone>(m, "BackwardDone")

@@ -38,6 +38,7 @@
 #include "engine/host_worker.h"
 #include "engine/shard_store.h"
 #include "engine/staging_ring.h"
+#include "engine/step_log.h"
 
 namespace hydra::engine {
 
@@ -198,6 +199,10 @@ class DeviceEngine {
   int64_t free_bytes() const { return pool_.budget() - resident_committed_ - spilled_reserve_; }
   // How many times each of the model's shards was copied to the device.
   std::vector<int64_t> shard_loads(int model) const;
+  // Every optimizer step of a shard this device ran or handed to the host so far (engine/step_log.h), and the
+  // scheduler's task of a model added here (-1: added without one), released or not.
+  std::vector<StepRecord> step_log() const { return step_log_.records(); }
+  int task_of(int model) const;
 
  private:
   friend class DeviceModel;
@@ -238,6 +243,7 @@ class DeviceEngine {
   std::vector<std::unique_ptr<DeviceModel>> models_;
   std::deque<int64_t> upcoming_;
   std::unordered_map<int, int> task_models_;  // scheduler task id -> model id
+  std::unordered_map<int, int> model_tasks_;  // model id -> scheduler task id, kept after the model's release
   std::unordered_map<int, BaseUse> base_uses_;  // model id -> the frozen base it uses
   int64_t resident_committed_ = 0;  // the resident models' whole state, and spilled models' resident shards'
   int64_t spilled_reserve_ = 0;     // a unit's largest working set: a spilled shard's weights, gradients, base shard
@@ -245,6 +251,7 @@ class DeviceEngine {
   bool arrivals_ = false;           // see expect_arrivals()
   bool uploads_pending_ = false;    // a resident model is not on the device yet (start() uploads it)
   EngineStats stats_;
+  StepLog step_log_;  // written by every thread that runs a step
   // Written by host-step threads, read by stats(): kept apart from stats_, which only the caller's thread touches.
   std::atomic<int64_t> host_steps_done_{0}, host_step_ns_{0}, host_step_bytes_{0};
   std::shared_ptr<HostPace> host_pace_;

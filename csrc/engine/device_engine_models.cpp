@@ -95,7 +95,10 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   resident_committed_ += committed;
   models_.back()->set_committed_bytes(committed);
   uploads_pending_ = uploads_pending_ || committed > 0;
-  if (task >= 0) task_models_[task] = id;
+  if (task >= 0) {
+    task_models_[task] = id;
+    model_tasks_[id] = task;
+  }
   if (base_of) base_uses_[id] = BaseUse{base, {}};
   if (!arriving) size_arena();
   return id;
@@ -133,6 +136,11 @@ void DeviceEngine::expect_arrivals() {
 int DeviceEngine::model_of(int task) const {
   auto it = task_models_.find(task);
   return it == task_models_.end() ? -1 : it->second;
+}
+
+int DeviceEngine::task_of(int model) const {
+  auto it = model_tasks_.find(model);
+  return it == model_tasks_.end() ? -1 : it->second;
 }
 
 bool DeviceEngine::resident(int model) const {

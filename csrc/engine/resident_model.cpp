@@ -10,14 +10,14 @@
 namespace hydra::engine {
 
 ResidentModel::ResidentModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store)
-    : DeviceModel(engine, id, std::move(store)), homes_(engine) {}
+    : DeviceModel(engine, id, std::move(store)), homes_(engine, id) {}
 
 void ResidentModel::upload() {
   if (homes_.uploaded()) return;
   ShardStore& store = this->store();
   std::vector<int> shards(store.num_shards());
   std::iota(shards.begin(), shards.end(), 0);
-  homes_.upload(id(), store, shards);
+  homes_.upload(store, shards);
   for (int s : shards) count_upload(s, ShardHomes::upload_bytes(store, s));
 }
 

@@ -41,7 +41,7 @@ at::Tensor ShardHomes::grads(const ShardStore& store, int shard) const {
   return view(store, shard, homes_[shard].grads, store.compute_dtype());
 }
 
-void ShardHomes::upload(int model, ShardStore& store, const std::vector<int>& shards) {
+void ShardHomes::upload(ShardStore& store, const std::vector<int>& shards) {
   if (uploaded()) return;
   const at::ScalarType dtype = store.compute_dtype();
   c10::DeviceGuard device_guard(engine_.device_);
@@ -51,7 +51,7 @@ void ShardHomes::upload(int model, ShardStore& store, const std::vector<int>& sh
       Home& home = homes[s];
       const int64_t numel = store.owned_numel(s);
       auto region = [&](int64_t bytes) {
-        return engine_.allocate(model, s, bytes, DeviceEngine::Need::kMust).region;
+        return engine_.allocate(model_, s, bytes, DeviceEngine::Need::kMust).region;
       };
       home.weights = region(numel * store.element_bytes());
       home.grads = region(numel * store.element_bytes());
@@ -89,9 +89,12 @@ void ShardHomes::step(ShardStore& store, int shard, double grad_scale, double lr
   const at::Tensor param = store.bf16() ? view(store, shard, home.master, at::kFloat) : weights;
   std::vector<at::Tensor> states;
   for (const Region& r : home.states) states.push_back(state_view(store, shard, r));
-  step_ranges(store.optimizer(), param, grads, states, store.bf16() ? weights : at::Tensor(), store.take_step(shard),
-              grad_scale, lr_scale);
+  const int64_t start = steady_ns();
+  const std::vector<StepRange> ranges = store.take_step(shard);
+  step_ranges(store.optimizer(), param, grads, states, store.bf16() ? weights : at::Tensor(), ranges, grad_scale,
+              lr_scale);
   grads.zero_();
+  engine_.step_log_.add({model_, shard, store.steps_taken(shard), StepPlace::kResident, start, steady_ns()});
 }
 
 void ShardHomes::zero_grads(const ShardStore& store) {

@@ -26,13 +26,14 @@ class ShardHomes {
   // What a home of `shard` takes of the budget, its regions' alignment included.
   static int64_t need(const ShardStore& store, int shard);
 
-  explicit ShardHomes(DeviceEngine& engine) : engine_(engine) {}
+  // The homes of model `model` of the engine.
+  ShardHomes(DeviceEngine& engine, int model) : engine_(engine), model_(model) {}
   ShardHomes(const ShardHomes&) = delete;
   ShardHomes& operator=(const ShardHomes&) = delete;
 
   // Copies the listed shards' state to the device (the model's first use). Either all of it is uploaded, or,
   // when this throws, none: the next first use tries again.
-  void upload(int model, ShardStore& store, const std::vector<int>& shards);
+  void upload(ShardStore& store, const std::vector<int>& shards);
   bool uploaded() const { return !homes_.empty(); }
   bool holds(int shard) const;
   // The owner shard's weights and gradients in the compute dtype, in its master layout.
@@ -41,7 +42,7 @@ class ShardHomes {
   // The trainable part of each held shard's gradients: what a global norm sums.
   std::vector<at::Tensor> trainable_grads(const ShardStore& store) const;
   // The shard's optimizer step over its gradients (the parameters take_step chose), scaled by `grad_scale`,
-  // queued on the compute stream; the gradients are zeroed for the next step.
+  // queued on the compute stream; the gradients are zeroed for the next step. Logged (engine/step_log.h).
   void step(ShardStore& store, int shard, double grad_scale, double lr_scale);
   void zero_grads(const ShardStore& store);
   // Copies the held shards' state into the store (after the model's work on the device is issued).
@@ -61,6 +62,7 @@ class ShardHomes {
   at::Tensor state_view(const ShardStore& store, int shard, const Region& region) const;
 
   DeviceEngine& engine_;
+  const int model_;
   std::vector<Home> homes_;  // per shard of the model, once uploaded
 };
 

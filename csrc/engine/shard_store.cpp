@@ -298,6 +298,11 @@ void ShardStore::set_param_steps(const at::Tensor& param, int64_t steps) {
   param_steps_[shard][index] = steps;
 }
 
+void ShardStore::set_steps_taken(int64_t steps) {
+  TORCH_CHECK(steps >= 0, "set_steps_taken: a step count cannot be negative, got ", steps);
+  std::fill(steps_.begin(), steps_.end(), steps);
+}
+
 void ShardStore::set_param_options(const at::Tensor& param, double lr, double weight_decay) {
   TORCH_CHECK(lr >= 0 && weight_decay >= 0, "set_param_options: lr and weight_decay must be >= 0");
   const auto [shard, index] = owned_entry(param, "set_param_options");

@@ -103,6 +103,9 @@ class ShardStore {
 
   // Optimizer steps the shard has been through, whether or not any of its parameters received a gradient.
   int64_t steps_taken(int shard) const { return steps_.at(shard); }
+  // Every shard has been through `steps` steps: the task's count, where this store carries on from another (a
+  // checkpoint resumed, a re-plan's new cut). Before any step is taken here.
+  void set_steps_taken(int64_t steps);
   // Steps one owned parameter (entry `index` of the shard's layout) has taken: only those of steps in which it
   // received a gradient, as torch.optim, which skips a parameter whose .grad is None.
   int64_t param_steps(int shard, int index) const { return param_steps_.at(shard).at(index); }

@@ -21,7 +21,7 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
       resident_shards_(std::move(resident_shards)),
       device_shards_(std::move(device_shards)),
       frozen_base_(frozen_base),
-      homes_(engine) {
+      homes_(engine, id) {
   const std::string error = resident_shards_error(this->store(), resident_shards_);
   TORCH_CHECK(error.empty(), error);
   const std::string device_error = device_shards_error(this->store(), resident_shards_, device_shards_);
@@ -38,7 +38,7 @@ bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
 void SpilledModel::upload() {
   upload_held_grads();
   if (resident_shards_.empty() || homes_.uploaded()) return;
-  homes_.upload(id(), store(), resident_shards_);
+  homes_.upload(store(), resident_shards_);
   for (int s : resident_shards_) count_upload(s, ShardHomes::upload_bytes(store(), s));
 }
 

@@ -153,6 +153,7 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   // Room first: a step that cannot get it (out of memory, re-planned) must leave the step counts as they were.
   bring_state(shard, /*must=*/true);  // unless a prefetch brought it
   const std::vector<StepRange> ranges = store.take_step(shard);
+  const int64_t step_number = store.steps_taken(shard);
   const StateVisit visit = state_visits_[shard];  // forgotten once the step that uses it is queued
   Weights& w = weights_[shard];
   // A cached copy of the weights takes the new ones on the device: the next visit copies nothing in, and does not
@@ -167,9 +168,12 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   // A cached copy may still be on its way in (reloaded for the next visit before a clipped step): after it.
   std::vector<Fence> after{engine_.compute_point()};
   if (w.cached) after.push_back(w.ready);
-  const Fence stepped = track(lane.submit(std::move(after), [=, &lane]() -> DeviceEvent {
+  StepLog& log = engine_.step_log_;
+  const int model = id();
+  const Fence stepped = track(lane.submit(std::move(after), [=, &lane, &log]() -> DeviceEvent {
     visit.in.order_before(lane.order_stream());
-    return lane.run([&] {
+    const int64_t start = steady_ns();
+    DeviceEvent done = lane.run([&] {
       step_ranges(owner->optimizer(), visit.master, grads, visit.states, visit.shadow, ranges, grad_scale, lr_scale);
       grads.zero_();
       const at::Tensor fresh = visit.shadow.defined() ? visit.shadow : visit.master;
@@ -177,6 +181,8 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
         for (const StepRange& r : ranges)
           cached.narrow(0, r.begin, r.end - r.begin).copy_(fresh.narrow(0, r.begin, r.end - r.begin));
     });
+    log.add({model, shard, step_number, StepPlace::kDevice, start, steady_ns()});
+    return done;
   }));
   state_visits_[shard] = StateVisit{};
   CopyLane::Copies out{{store.master(shard).narrow(0, 0, numel), visit.master}};

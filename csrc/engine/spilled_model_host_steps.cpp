@@ -3,7 +3,6 @@
 // thread; and global-norm clipping, whose steps wait for every shard's gradient.
 #include <c10/util/Exception.h>
 
-#include <chrono>
 #include <cmath>
 #include <future>
 
@@ -14,11 +13,6 @@
 namespace hydra::engine {
 
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Steps the shard's host buffers over `ranges` (ShardStore::take_step, taken when the step was submitted);
 // runs on a host-step thread. `landed`: the shard's own gradient of this step, in device layout and compute
@@ -78,8 +72,10 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
   const std::vector<Fence> readers = store().readers(shard);  // the step rewrites the buffer they read
   // Taken now, on this thread: later micro-batches note their gradients for the next step meanwhile.
   const std::vector<StepRange> ranges = step ? store().take_step(shard) : std::vector<StepRange>{};
+  const int64_t step_number = store().steps_taken(shard);
   std::shared_ptr<ShardStore> owner = store_ptr();
   DeviceEngine& engine = engine_;
+  const int model = id();
   Fence done = submit([=, &engine]() -> DeviceEvent {
     landed.wait();
     if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
@@ -88,7 +84,8 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
       return nullptr;
     }
     const at::Tensor gradient = (*landing)->view(dtype, numel);
-    int64_t start = now_ns();
+    int64_t start = steady_ns();
+    int64_t step_start = start;
     // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
     // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
     const bool single_pass = step && !owner->has_grad(shard);
@@ -105,14 +102,16 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
     }
     if (step) {
       const bool zeroes_accumulator = !single_pass && owner->has_grad(shard);
-      const int64_t waiting = now_ns();
+      const int64_t waiting = steady_ns();
       for (const Fence& copy : readers) copy.wait_done();
-      start += now_ns() - waiting;  // waiting for copies to finish reading is not host memory traffic
+      step_start = steady_ns();
+      start += step_start - waiting;  // waiting for copies to finish reading is not host memory traffic
       step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
       ++engine.host_steps_done_;
       touched += step_bytes(*owner, shard, single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2);
     }
     engine.count_host_job(touched, start);
+    if (step) engine.step_log_.add({model, shard, step_number, StepPlace::kHost, step_start, steady_ns()});
     landing->reset();
     return nullptr;
   });
@@ -190,7 +189,9 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
   std::shared_ptr<ShardStore> owner = store_ptr();
   const std::vector<Fence> readers = owner->readers(shard);
   const std::vector<StepRange> ranges = owner->take_step(shard);
+  const int64_t step_number = owner->steps_taken(shard);
   DeviceEngine& engine = engine_;
+  const int model = id();
   const Fence done = submit([=, &engine]() -> DeviceEvent {
     bool finite = false;
     try {
@@ -205,11 +206,12 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
       return nullptr;
     }
     for (const Fence& copy : readers) copy.wait_done();
-    const int64_t start = now_ns();
+    const int64_t start = steady_ns();
     const bool zeroes_accumulator = owner->has_grad(shard);
     step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor());
     ++engine.host_steps_done_;
     engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
+    engine.step_log_.add({model, shard, step_number, StepPlace::kHost, start, steady_ns()});
     return nullptr;
   });
   owner->set_last_step(shard, done);

@@ -75,7 +75,7 @@ class NodeTrainer:
         from hydra_torch import api
         from hydra_torch.models.sharding import root_module
 
-        out = {"results": {}, "weights": {}, "trace": [], "devices": [], "stats": [], "warnings": [],
+        out = {"results": {}, "weights": {}, "trace": [], "steps": [], "devices": [], "stats": [], "warnings": [],
                "failed": failed}
         if not tasks:
             return out
@@ -93,6 +93,8 @@ class NodeTrainer:
                                      for k, v in root_module(task.model, task.pieces).state_dict().items()}
         out["trace"] = [(e.device, indices[e.task], e.unit, e.shard, e.phase, e.start + offset, e.end + offset,
                          e.bytes_copied) for e in results.trace]
+        out["steps"] = [(e.device, indices[e.task], e.shard, e.step, e.place, e.start + offset, e.end + offset)
+                        for e in results.steps]
         out["devices"], out["stats"] = results.devices, results.stats
         out["warnings"] = [str(w.message) for w in caught]
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from hydra_torch.models.sharding import root_module
-from hydra_torch.report.results import Results, TraceEntry
+from hydra_torch.report.results import Results, StepEntry, TraceEntry
 
 _KEPT_MAX = ("budget_bytes", "capacity_bytes", "high_water_bytes", "staging_bytes", "working_set_bytes",
              "saved_allowance_bytes", "saved_high_water_bytes")  # summed otherwise
@@ -33,6 +33,11 @@ def assemble(tasks, outcomes: dict, moves: list, runs: list, start: float) -> Re
             trace.append(TraceEntry(index[(node, payload["devices"][device])], task, tasks[task].name, unit, shard,
                                     phase, begin - start, end - start, copied))
     trace.sort(key=lambda e: e.start)
+    steps = [StepEntry(index[(node, payload["devices"][device])], task, tasks[task].name, shard, step, place,
+                       begin - start, end - start)
+             for node, payload in runs
+             for device, task, shard, step, place, begin, end in payload.get("steps", [])]
+    steps.sort(key=lambda e: e.start)
     results, models = [], {}
     for i, task in enumerate(tasks):
         node, result, weights = outcomes[i]
@@ -42,4 +47,4 @@ def assemble(tasks, outcomes: dict, moves: list, runs: list, start: float) -> Re
         result.node = f"node{node}" if node is not None else None
         results.append(result)
         models[task.name] = task.model
-    return Results(results, devices, stats, trace, time.time() - start, models=models)
+    return Results(results, devices, stats, trace, time.time() - start, models=models, steps=steps)

@@ -16,7 +16,9 @@ def schedule_figure(results):
     plt = _pyplot()
 
     trace = results.trace
-    figure, axes = plt.subplots(figsize=(12, 1.0 + 0.6 * len(results.devices)))
+    # The host's steps get a row below the devices'; a step on a device is a thin bar under that device's row.
+    rows = list(results.devices) + (["host steps"] if any(e.place == "host" for e in results.steps) else [])
+    figure, axes = plt.subplots(figsize=(12, 1.0 + 0.6 * len(rows)))
     if not trace:
         axes.set_title("no units ran")
         return figure
@@ -28,12 +30,18 @@ def schedule_figure(results):
         hatch = {"backward": "//", "forward_backward": "xx", "evaluate": ".."}.get(e.phase)
         axes.barh(e.device, e.end - e.start, left=e.start - origin, height=0.8, color=colours(e.task % 20),
                   hatch=hatch, edgecolor="white", linewidth=0.2)
-    axes.set_yticks(range(len(results.devices)), results.devices)
+    for e in results.steps:
+        names.setdefault(e.task, e.task_name)
+        on_host = e.place == "host"
+        axes.barh(len(results.devices) if on_host else e.device + 0.47, e.end - e.start, left=e.start - origin,
+                  height=0.8 if on_host else 0.12, color=colours(e.task % 20), edgecolor="white" if on_host else "black",
+                  linewidth=0.2)
+    axes.set_yticks(range(len(rows)), rows)
     axes.invert_yaxis()
     axes.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours(task % 20)) for task in sorted(names)]
     axes.legend(handles, [names[t] for t in sorted(names)], loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                fontsize="small", title="task (//: backward, ..: evaluation)")
+                fontsize="small", title="task (//: backward, ..: evaluation;\nthin: a step on the device)")
     utilisation = results.utilisation()
     axes.set_title("schedule — busy: " + ", ".join(f"{d} {100 * u:.0f}%" for d, u in utilisation.items()))
     figure.tight_layout()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import warnings
 
-from hydra_torch.report.results import Results
+from hydra_torch._loader import native as _C
+from hydra_torch.report.results import Results, StepEntry
 from hydra_torch.run import lifecycle
 from hydra_torch.state import interrupts
 
@@ -37,11 +39,22 @@ def results_of(runners, engines, workers, start, devices, wall, checkpoints, hos
     results = Results([r.result for r in runners], names, stats, sorted(trace, key=lambda e: e.start), wall,
                       checkpoint_failures=checkpoints.failures if checkpoints is not None else 0)
     results.interrupted = stop.name
+    results.steps = step_entries(engines, runners)
     results.bases = {r.base.base.name: r.base.summary(engines) for r in runners if r.base is not None}
     for runner in runners:
         runner.task.stop_reason = None  # a request ends with the call
         runner.task.ended.set()
     return results
+
+
+def step_entries(engines, runners) -> list[StepEntry]:
+    """Every shard step the engines logged (engine/step_log.h), on perf_counter's clock as the trace is."""
+    offset = time.perf_counter() - _C.steady_seconds()
+    names = {runner.index: runner.task.name for runner in runners}
+    steps = [StepEntry(device, task, names[task], shard, step, place, start + offset, end + offset)
+             for device, engine in enumerate(engines)
+             for task, shard, step, place, start, end in engine.step_log() if task in names]
+    return sorted(steps, key=lambda e: e.start)
 
 
 def _device_stats(engine, slot, host_threads: int) -> dict:

@@ -145,4 +145,5 @@ def _carry_state(old, new):
         for state, old_state in zip(states, old_states):
             state.copy_(old_state)
         new.set_param_steps(param, steps)
+    new.set_steps_taken(old.steps_taken(0))
     new.refresh_shadow()

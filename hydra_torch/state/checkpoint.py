@@ -223,6 +223,7 @@ def restore(loaded: Loaded, runner):
             state.copy_(tensors[f"state{k}/{name}"])
         runner.store.set_param_steps(param, manifest["params"][name]["steps"])
     runner.store.refresh_shadow()
+    runner.store.set_steps_taken(manifest["steps"])  # the steps the trace numbers (Results.steps) go on from there
     buffers = _named_buffers(runner.task)
     for name, (module, attribute) in buffers.items():
         if f"buffer/{name}" in tensors:

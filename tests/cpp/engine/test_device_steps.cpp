@@ -1,6 +1,9 @@
 // A spilled model's device-stepped shards (SpilledModel, engine/spilled_model_device_steps.cpp): their gradients
 // stay on the device, their master and optimizer states come in for the step and go home with the new weights;
 // the model ends as it would with every shard stepped on the host.
+#include <algorithm>
+#include <tuple>
+
 #include "device_engine_helpers.h"
 #include "engine/clip_norm.h"
 #include "engine/placement.h"
@@ -27,6 +30,27 @@ std::vector<std::vector<at::Tensor>> tied_shards() {
   return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({6}, 6.0), e}};
 }
 
+// Each shard's `steps` steps logged once each (engine/step_log.h), numbered from 1, where the model steps the shard.
+void expect_logged(const DeviceEngine& engine, int model, int shards, int steps, const std::vector<int>& resident,
+                   const std::vector<int>& device) {
+  using hydra::engine::StepPlace;
+  auto holds = [](const std::vector<int>& list, int s) { return std::find(list.begin(), list.end(), s) != list.end(); };
+  std::vector<std::tuple<int, int64_t, StepPlace>> logged, expected;
+  for (const hydra::engine::StepRecord& r : engine.step_log()) {
+    EXPECT_EQ(r.model, model);
+    EXPECT_LE(r.start_ns, r.end_ns);
+    logged.emplace_back(r.shard, r.step, r.place);
+  }
+  for (int s = 0; s < shards; ++s)
+    for (int k = 1; k <= steps; ++k)
+      expected.emplace_back(s, k, holds(resident, s) ? StepPlace::kResident
+                                  : holds(device, s) ? StepPlace::kDevice
+                                                     : StepPlace::kHost);
+  std::sort(logged.begin(), logged.end());
+  EXPECT_EQ(logged, expected);
+  EXPECT_EQ(engine.task_of(model), -1) << "added without a task";
+}
+
 // Three steps of two micro-batches (the last clipped when `clip`), with the given shards resident and device-stepped.
 Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int>& device, bool clip) {
   auto store = make_store(untied_shards(), bf16, adamw_spec());
@@ -39,7 +63,9 @@ Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int
     if (clipped) engine.clip_and_step(m, 0.5, 0.5)->value();
   }
   EXPECT_EQ(engine.stats().device_steps, static_cast<int64_t>(3 * device.size()));
-  return finish_and_copy(engine, m, *store);
+  Trained trained = finish_and_copy(engine, m, *store);
+  expect_logged(engine, m, store->num_shards(), 3, resident, device);
+  return trained;
 }
 
 TEST(DeviceSteps, AModelWithDeviceSteppedShardsEndsAsOneWithEveryShardOnTheHost) {
