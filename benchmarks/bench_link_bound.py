@@ -116,7 +116,7 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
     # rate the memory-speed run's host steps reached.
     memory_rate = stats["host_step_bytes"] / stats["host_step_seconds"]
     rates = (bandwidth, bandwidth, host_rate, memory_rate)
-    forecast = _C.lane_forecast([(shapes, args.steps, 1)] * len(results.tasks), rates, fp32_adamw, 1, placement)
+    forecast = _C.lane_forecast([(shapes, args.steps, 1, False)] * len(results.tasks), rates, fp32_adamw, 1, placement)
     return forecast["span"]  # as measured: the first unit's start to the last's end
 
 

@@ -85,13 +85,33 @@ def test_a_frozen_weight_in_a_device_stepped_shard_keeps_its_value():
     assert all(torch.equal(a, b) for a, b in zip(params(stepped), params(spilled)))
 
 
-def test_where_their_gradients_do_not_all_fit_the_first_shards_step_on_the_device():
+@pytest.mark.parametrize("accumulate, clip", [(2, None), (1, 0.5)])
+def test_where_their_held_gradients_do_not_all_fit_the_first_shards_step_on_the_device(accumulate, clip):
+    """A step that sums several backwards (accumulation, clipping) holds each device-stepped shard's gradients on the
+    device for the whole run: the budget holds only some of them."""
     model, reference = tied_transformer(), tied_transformer()
-    data = token_batches(6)
-    result = train(model, data, "device", budget_fraction=1.5)[0]
+    data = token_batches(6 * accumulate)
+    options = {"clip_grad_norm": clip} if clip else {}
+    result = train(model, data, "device", budget_fraction=1.5, accumulate=accumulate, **options)[0]
     assert result.device_shards and result.device_shards == list(range(1, 1 + len(result.device_shards)))
     assert len(result.device_shards) < 6
-    train_plain(reference, data, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05), seed=SEED)
+    train_plain(reference, data, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05), accumulate=accumulate,
+                clip=clip, seed=SEED)
+    assert max_relative_error(model, reference) <= 1e-5
+
+
+def test_where_each_backward_is_followed_by_its_step_the_gradients_need_no_buffer_of_their_own():
+    """Under the budget that holds only some shards' gradient buffers, every untied shard steps on the device: its
+    gradients take arena room from its backward to its step, as a host-stepped shard's do until they are copied out."""
+    model, reference = tied_transformer(), tied_transformer()
+    data = token_batches(6)
+    results = train(model, data, "device", budget_fraction=1.5)
+    result, stats = results[0], results.stats[0]
+    assert result.placement == DEVICE and stats["device_steps"] == 6 * result.steps
+    assert stats["high_water_bytes"] <= stats["budget_bytes"]
+    reference_losses = train_plain(reference, data, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
+                                   seed=SEED)
+    assert result.losses == pytest.approx(reference_losses, rel=1e-5)
     assert max_relative_error(model, reference) <= 1e-5
 
 

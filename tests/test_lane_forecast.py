@@ -4,8 +4,8 @@ import pytest
 
 from hydra_torch._loader import native as _C
 
-# Three shards of 100 elements each: forward 0.05 s, backward 0.1 s; 8 micro-batches, one step each.
-SHAPE = ([(0.05, 0.1, 100, 100, 100, -1)] * 3, 8, 1)
+# Three shards of 100 elements each: forward 0.05 s, backward 0.1 s; 8 micro-batches, one step each, not clipped.
+SHAPE = ([(0.05, 0.1, 100, 100, 100, -1)] * 3, 8, 1, False)
 SLOW_HOST = (2e4, 2e4, 100 * 28 / 0.3, 1e5)  # a host step of a shard: 0.3 s, twice its compute
 
 
@@ -25,12 +25,18 @@ def test_a_given_placement_is_simulated_above_its_bound():
 
 def test_without_a_placement_one_is_chosen_within_the_room():
     host = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=[["host"] * 3] * 2)
-    # Room for one device step's master and moments and every shard's gradient buffer (100 * 2 each), no home.
-    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 12 + 6 * 100 * 2)
+    # Room for one device step's master and moments, no home (100 * 16): each backward is followed by its step, so
+    # a device-stepped shard's gradients need no buffer of their own beyond the unit's working set.
+    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 12)
     assert {place for places in chosen["placement"] for place in places} <= {"host", "device"}
     assert "device" in chosen["placement"][0] + chosen["placement"][1]
     assert chosen["makespan"] < 0.7 * host["makespan"]
     assert _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=0)["placement"] == [["host"] * 3] * 2
+    # Summed over micro-batches or clipped, a step needs each device-stepped shard's gradients held (100 * 2 each).
+    for held in [(SHAPE[0], 8, 2, False), (SHAPE[0], 8, 1, True)]:
+        assert _C.lane_forecast([held] * 2, SLOW_HOST, room=100 * 12)["placement"] == [["host"] * 3] * 2
+        summed = _C.lane_forecast([held] * 2, SLOW_HOST, room=100 * 12 + 6 * 100 * 2)["placement"]
+        assert "device" in summed[0] + summed[1]
 
 
 @pytest.mark.parametrize("call, message", [
@@ -39,7 +45,7 @@ def test_without_a_placement_one_is_chosen_within_the_room():
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host"]]), "shard count differs"),
     (lambda: _C.lane_forecast([SHAPE], (0.0, 1.0, 1.0, 1.0), room=0), "every lane rate must be finite and > 0"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST), "give the room"),
-    (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, 0)], 1, 1)], SLOW_HOST, room=0), "tied_to names no other shard"),
+    (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, 0)], 1, 1, False)], SLOW_HOST, room=0), "tied_to names no other shard"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=-1), "room must be >= 0"),
 ])
 def test_bad_input_is_refused(call, message):

@@ -21,8 +21,9 @@ using core::StepPlace;
 // (forward seconds, backward seconds, weights, grads, params, tied_to) per shard.
 using ShardTuple = std::tuple<double, double, int64_t, int64_t, int64_t, int>;
 
-core::TaskShape task_shape(const std::vector<ShardTuple>& shards, int64_t micro_batches, int64_t accumulate) {
-  core::TaskShape task{{}, micro_batches, accumulate};
+core::TaskShape task_shape(const std::vector<ShardTuple>& shards, int64_t micro_batches, int64_t accumulate,
+                           bool clipped) {
+  core::TaskShape task{{}, micro_batches, accumulate, clipped};
   for (const auto& [forward, backward, weights, grads, params, tied_to] : shards)
     task.shards.push_back(core::ShardShape{forward, backward, weights, grads, params, tied_to});
   return task;
@@ -59,14 +60,14 @@ py::dict bound_dict(const core::LaneBound& b) {
 void bind_lanes(py::module_& m) {
   m.def(
       "lane_forecast",
-      [](const std::vector<std::tuple<std::vector<ShardTuple>, int64_t, int64_t>>& tasks,
+      [](const std::vector<std::tuple<std::vector<ShardTuple>, int64_t, int64_t, bool>>& tasks,
          const std::tuple<double, double, double, double>& rates,
          const std::optional<std::tuple<double, double, double, double, double>>& bytes, int devices,
          const std::optional<std::vector<std::vector<std::string>>>& placement, std::optional<int64_t> room,
          const std::optional<std::vector<std::vector<std::string>>>& start) {
         std::vector<core::TaskShape> shapes;
-        for (const auto& [shards, micro_batches, accumulate] : tasks)
-          shapes.push_back(task_shape(shards, micro_batches, accumulate));
+        for (const auto& [shards, micro_batches, accumulate, clipped] : tasks)
+          shapes.push_back(task_shape(shards, micro_batches, accumulate, clipped));
         const auto& [in, out, host, device_memory] = rates;
         const core::LaneRates lane_rates{in, out, host, device_memory};
         core::StepBytes step_bytes;
@@ -111,7 +112,7 @@ void bind_lanes(py::module_& m) {
       },
       py::arg("tasks"), py::arg("rates"), py::arg("bytes") = py::none(), py::arg("devices") = 1,
       py::arg("placement") = py::none(), py::arg("room") = py::none(), py::arg("start") = py::none(),
-      "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate), each shard "
+      "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate, clipped), each shard "
       "(forward s, backward s, weights, grads, params, tied_to); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
       "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated; "

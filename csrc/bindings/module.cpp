@@ -93,6 +93,8 @@ PYBIND11_MODULE(_C, m) {
       .def("sources", &ShardStore::sources)
       .def("steps_taken", &ShardStore::steps_taken)
       .def("set_steps_taken", &ShardStore::set_steps_taken, py::arg("steps"))
+      .def_property("steps_after_each_backward", &ShardStore::steps_after_each_backward,
+                    &ShardStore::set_steps_after_each_backward)
       .def("master", &ShardStore::master)
       .def("grad", &ShardStore::grad)
       .def("has_grad", &ShardStore::has_grad)

@@ -181,10 +181,10 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
   return lanes;
 }
 
-int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes) {
+int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards) {
   switch (place) {
     case StepPlace::kHost: return 0;
-    case StepPlace::kDevice: return static_cast<int64_t>(std::ceil(shard.grads * bytes.weight));
+    case StepPlace::kDevice: return sums_backwards ? static_cast<int64_t>(std::ceil(shard.grads * bytes.weight)) : 0;
     case StepPlace::kResident:
       return static_cast<int64_t>(std::ceil((shard.weights + shard.grads) * bytes.weight + shard.params * bytes.state));
   }
@@ -241,7 +241,9 @@ int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& pl
   for (size_t t = 0; t < tasks.size(); ++t)
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
       const ShardShape& shard = tasks[t].shards[s];
-      held += held_bytes(shard, placement[t][s], bytes) - (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes));
+      const bool sums = tasks[t].sums_backwards();
+      held += held_bytes(shard, placement[t][s], bytes, sums) -
+              (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes, sums));
       step = std::max(step, step_room(shard, placement[t][s], bytes));
     }
   return held + step;
@@ -297,7 +299,8 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
           int64_t group_held = held, group_step = step;
           for (int g : group) {
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];
-            group_held += held_bytes(shard, to, bytes) - held_bytes(shard, now, bytes);
+            group_held += held_bytes(shard, to, bytes, task.sums_backwards()) -
+                          held_bytes(shard, now, bytes, task.sums_backwards());
             group_step = std::max(group_step, step_room(shard, to, bytes));
           }
           const int64_t asked = group_held + (reserve <= room ? std::max(group_step, reserve) : group_step);

@@ -10,7 +10,8 @@
 //   kHost      its gradient goes out after every backward (summed on the host when a step accumulates, and, for a
 //              tied weight it borrows, into the owner's), the host steps it, and its next visit copies the
 //              stepped weights in. The fp32 master and the optimizer moments never leave the host.
-//   kDevice    its gradient stays on the device (held there across micro-batches when a step accumulates); after
+//   kDevice    its gradient stays on the device (held there for the whole run where a step sums several backwards,
+//              else from its backward to its step, in the unit's working set as a kHost shard's is); after
 //              the step's last backward its master and moments come in (prefetched while that backward
 //              computes), the device steps them, and master, moments and the new weights go back out. No host
 //              arithmetic, about 12 bytes a parameter each way on the copy lanes, and no round trip through the
@@ -63,6 +64,9 @@ struct TaskShape {
   std::vector<ShardShape> shards;
   int64_t micro_batches = 1;  // over the whole run
   int64_t accumulate = 1;     // micro-batches a step
+  bool clipped = false;       // a clipped step waits for every shard's gradients
+  // Whether a step sums several backwards of a shard: then a kDevice shard's gradients are held between them.
+  bool sums_backwards() const { return accumulate > 1 || clipped; }
 };
 
 using Placement = std::vector<std::vector<StepPlace>>;  // per task, per shard
@@ -81,9 +85,10 @@ struct ShardLanes {
 ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
                        const StepBytes& bytes);
 
-// Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer), and what
-// its step needs while it runs (kDevice: master and moments).
-int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes);
+// Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer where its
+// task's steps sum several backwards, `sums_backwards`), and what its step needs while it runs (kDevice: master and
+// moments, beside the unit's working set).
+int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards);
 int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes);
 
 struct LaneBound {

@@ -53,6 +53,11 @@ class ShardStore {
   const std::vector<int>& sources(int shard) const { return sources_.at(shard); }
   const OptimizerSpec& optimizer() const { return optimizer_; }
   bool bf16() const { return bf16_; }
+  // Whether each backward of a shard is followed by its step: no micro-batches summed into one step, no clipped step
+  // waiting for every shard's gradients. A device-stepped shard's gradients then take device memory only from its
+  // backward to its step (SpilledModel), not for the whole run. Set before the store's model is added to a device.
+  bool steps_after_each_backward() const { return steps_after_each_backward_; }
+  void set_steps_after_each_backward(bool steps) { steps_after_each_backward_ = steps; }
   bool pinned() const { return pinned_; }
   at::ScalarType compute_dtype() const;
   // Bytes of one element in the compute dtype: what weights and gradients take on the device.
@@ -219,6 +224,7 @@ class ShardStore {
   OptimizerSpec optimizer_;
   bool bf16_;
   bool pinned_;
+  bool steps_after_each_backward_ = false;
   std::vector<std::vector<ParamEntry>> layouts_;
   std::vector<std::vector<int>> sources_;
   std::vector<int64_t> owned_numel_, trainable_numel_, device_numel_, gradient_numel_, steps_;

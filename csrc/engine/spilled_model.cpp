@@ -150,18 +150,18 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
       load(shard, DeviceEngine::Need::kMust);
       ++stats.acquire_loads;
     }
-    if (with_grads && !w.grads.valid() && !device_stepped_[shard]) {
+    if (with_grads && !w.grads.valid() && !holds_grads(shard)) {
       const auto allocating = std::chrono::steady_clock::now();
       allocate_grads(shard);
       stats.grad_wait_seconds += seconds_since(allocating);
     }
     w.ready.order_before(engine_.compute_stream());
     w.device_step_queued = false;  // the compute now comes after the step that wrote these weights
-    if (with_grads && device_stepped_[shard]) held_grads_ready_[shard].order_before(engine_.compute_stream());
+    if (with_grads && holds_grads(shard)) held_grads_ready_[shard].order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
-    const at::Tensor grads = !with_grads ? at::Tensor() : device_stepped_[shard] ? held_grads(shard) : grad_view(shard);
+    const at::Tensor grads = !with_grads ? at::Tensor() : holds_grads(shard) ? held_grads(shard) : grad_view(shard);
     // Every parameter the shard uses is in its own copy, tied ones included.
     bind(shard, with_grads, [&](const ParamEntry& e) { return Place{weights, grads, e.device_offset}; });
   } catch (...) {
@@ -219,6 +219,10 @@ void SpilledModel::after_release(int shard) {
 void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool keep) {
   if (homed_.at(shard) || device_stepped_.at(shard)) {  // its gradients stay on the device: summed and stepped there
     note_gradients(shard);
+    // A unit's own gradient region would be given back at release, before any step read it.
+    TORCH_CHECK(step || homed_[shard] || holds_grads(shard), "backward_done: shard ", shard, " of model ", id(),
+                " is stepped on the device after each backward (ShardStore::steps_after_each_backward), but this "
+                "backward is not followed by its step");
     if (!step) return;
     const std::shared_ptr<const LossGate> gate = store().loss_gate();
     if (gate && !gate->open()) return;
@@ -238,7 +242,7 @@ void SpilledModel::discard_grads() {
     if (store().has_grad(s)) store().grad(s).zero_();
   homes_.zero_grads(store());
   for (int s : device_shards_) {
-    if (held_grads_.size() > static_cast<size_t>(s) && held_grads_[s].valid()) held_grads(s).zero_();
+    if (holds_grads(s) && held_grads_.size() > static_cast<size_t>(s) && held_grads_[s].valid()) held_grads(s).zero_();
     if (state_visits_[s].in_use()) drop_state(s, engine_.compute_point());
   }
 }

@@ -45,7 +45,8 @@ class SpilledModel final : public DeviceModel {
                                          const std::vector<int>& shards);
   // What the resident shards' homes take of the budget.
   static int64_t homes_need(const ShardStore& store, const std::vector<int>& shards);
-  // What the device-stepped shards' gradient buffers take of the budget, for good.
+  // What the device-stepped shards' gradient buffers take of the budget, for good: nothing where each backward
+  // is followed by its step (ShardStore::steps_after_each_backward), whose gradients come and go with the unit.
   static int64_t held_grads_need(const ShardStore& store, const std::vector<int>& shards);
   // The regions one device step of `shard` brings in for its length: fp32 master, optimizer states and, in bf16,
   // the new weights' staging, aligned.
@@ -53,7 +54,8 @@ class SpilledModel final : public DeviceModel {
   // The working set of the spilled shards: the largest one's weights and gradients, aligned. With the frozen
   // `base` the model uses (DeviceEngine::add_base), a unit holds its base shard beside its own: the most a
   // shard needs of both (a resident shard's unit holds its base shard alone). A device-stepped shard's unit holds
-  // its weights and, while its step runs, the step's regions (its gradients are in held_grads_need).
+  // its weights and, while its step runs, the step's regions (its gradients are in held_grads_need, or, where each
+  // backward is followed by its step, beside its weights as a host-stepped shard's).
   static int64_t spilled_need(const ShardStore& store, const std::vector<int>& resident_shards,
                               const ShardStore* base = nullptr, const std::vector<int>& device_shards = {});
   // What a resident model's unit holds of its frozen `base` (none: 0): its largest shard, aligned.
@@ -133,10 +135,13 @@ class SpilledModel final : public DeviceModel {
   // clip_and_step for a model with resident or device-stepped shards: their gradients are on the device, so the
   // norm is taken here once every gradient job is done, and each shard steps where it lives.
   std::shared_ptr<ClipNorm> clip_and_step_here(double max_norm, double lr_scale);
-  // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers, made at the first use.
+  // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers, made at the first use where
+  // they are held across backwards; where each backward is followed by its step (holds_grads false) a unit's
+  // gradients take an arena region as a host-stepped shard's do, given back once its step has read them.
+  bool holds_grads(int shard) const { return device_stepped_[shard] && !store().steps_after_each_backward(); }
   void upload_held_grads();
   at::Tensor held_grads(int shard) const;
-  // The shard's optimizer step on the device over its held gradients, scaled by `grad_scale`: master and states
+  // The shard's optimizer step on the device over its gradients, scaled by `grad_scale`: master and states
   // copied in (after the shard's last step went home) unless prefetch_state brought them, stepped on the step lane
   // once they have landed, copied home with the new weights; a cached copy of its weights takes them too.
   void device_step(int shard, double grad_scale, double lr_scale);

@@ -44,9 +44,11 @@ int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<in
   for (int s = 0; s < store.num_shards(); ++s) {
     const int64_t numel = in(resident_shards, s) ? 0 : store.device_numel(s);
     const int64_t weights = numel * store.element_bytes() + 512;
-    // Weights and gradients; a device-stepped shard's gradients are held apart, and its step's regions come in.
+    // Weights and gradients; a device-stepped shard's step's regions come in, and its gradients are held apart
+    // unless each backward is followed by its step.
+    const int64_t held_apart = store.steps_after_each_backward() ? 0 : weights;
     const int64_t own = numel == 0             ? 0
-                        : in(device_shards, s) ? weights + device_step_need(store, s)
+                        : in(device_shards, s) ? 2 * weights - held_apart + device_step_need(store, s)
                                                : 2 * weights;
     const int64_t base_numel = base ? base->device_numel(s) : 0;
     const int64_t held = base_numel > 0 ? base_numel * base->element_bytes() + 512 : 0;  // the base's weights

@@ -1,6 +1,7 @@
 // The device-stepped shards of a spilled model (engine/spilled_model.h): their gradient buffers, which stay on the
-// device for the whole run, and the optimizer step that brings a shard's fp32 master and optimizer states in,
-// steps them on the device's step lane once they have landed and sends them home with the new weights.
+// device for the whole run where a step sums several backwards (accumulation, clipping), and the optimizer step that
+// brings a shard's fp32 master and optimizer states in, steps them on the device's step lane once they have landed
+// and sends them home with the new weights.
 //
 // Per parameter of a bf16 AdamW shard a step copies 12 bytes in (master, two moments) and 14 out (the same, and
 // the new bf16 weights), where a host step copies its 2-byte gradient out and then reads and writes about 28 bytes
@@ -46,6 +47,7 @@ std::string SpilledModel::device_shards_error(const ShardStore& store, const std
 }
 
 int64_t SpilledModel::held_grads_need(const ShardStore& store, const std::vector<int>& shards) {
+  if (store.steps_after_each_backward()) return 0;
   int64_t need = 0;
   for (int s : shards) need += aligned(store.gradient_numel(s) * store.element_bytes());
   return need;
@@ -58,7 +60,7 @@ int64_t SpilledModel::device_step_need(const ShardStore& store, int shard) {
 }
 
 void SpilledModel::upload_held_grads() {
-  if (device_shards_.empty() || !held_grads_.empty()) return;
+  if (device_shards_.empty() || !held_grads_.empty() || store().steps_after_each_backward()) return;
   std::vector<Region> held(store().num_shards());
   try {
     for (int s : device_shards_) {
@@ -159,7 +161,8 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   // A cached copy of the weights takes the new ones on the device: the next visit copies nothing in, and does not
   // wait for the state to go home. Its owned part is laid out as the master.
   const at::Tensor cached = w.cached ? engine_.pool_.view(w.weights, store.compute_dtype(), numel) : at::Tensor();
-  const at::Tensor grads = held_grads(shard).narrow(0, 0, numel);
+  const bool held = holds_grads(shard);
+  const at::Tensor grads = (held ? held_grads(shard) : grad_view(shard)).narrow(0, 0, numel);
   std::shared_ptr<ShardStore> owner = store_ptr();
   CopyLane& lane = engine_.steps_;
   // On the step lane once the backward that wrote the gradients is issued and the state has landed: the compute
@@ -175,7 +178,7 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
     const int64_t start = steady_ns();
     DeviceEvent done = lane.run([&] {
       step_ranges(owner->optimizer(), visit.master, grads, visit.states, visit.shadow, ranges, grad_scale, lr_scale);
-      grads.zero_();
+      if (held) grads.zero_();  // for the next step's backwards; a unit's own region goes back to the arena
       const at::Tensor fresh = visit.shadow.defined() ? visit.shadow : visit.master;
       if (cached.defined())
         for (const StepRange& r : ranges)
@@ -207,8 +210,13 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
     w.ready = w.last_use = stepped;
     w.device_step_queued = true;
   }
-  // The gradients' next writer (the shard's next backward) waits for the step that reads and zeroes them.
-  held_grads_ready_[shard] = stepped;
+  if (held) {
+    // The gradients' next writer (the shard's next backward) waits for the step that reads and zeroes them.
+    held_grads_ready_[shard] = stepped;
+  } else {
+    engine_.pool_.release(w.grads, stepped);  // their next user waits for the step that reads them
+    w.grads = Region{};
+  }
   EngineStats& stats = engine_.stats_;
   ++stats.device_steps;
   ++stats.device_to_host_copies;

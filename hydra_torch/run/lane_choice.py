@@ -62,7 +62,7 @@ def shard_seconds(task) -> list[float] | None:
 
 
 def task_shape(runner, store, seconds: list[float]) -> tuple:
-    """(shards, micro-batches, accumulate) for the lane model. A unit's recomputing backward costs three forwards
+    """(shards, micro-batches, accumulate, clipped) for the lane model. A unit's recomputing backward costs three forwards
     (CostModel::kPhaseWeight): the probe's forward + backward, without recomputation, is three forwards too."""
     shards = []
     for s in range(store.num_shards):
@@ -73,7 +73,7 @@ def task_shape(runner, store, seconds: list[float]) -> tuple:
         shards.append((forward, backward, store.device_numel(s), store.gradient_numel(s), store.trainable_numel(s),
                        tied_to))
     accumulate = runner.task.accumulate
-    return shards, STEPS_FORECAST * accumulate, accumulate
+    return shards, STEPS_FORECAST * accumulate, accumulate, runner.task.clip_grad_norm is not None
 
 
 def measure_tasks(tasks, devices, placement: str) -> None:

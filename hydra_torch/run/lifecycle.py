@@ -14,6 +14,8 @@ def make_store(runner, pin: bool):
     """The task's host training state (fp32 master, optimizer state), with its parameter groups' options."""
     task = runner.task
     store = _C.ShardStore(bases.own_params(task), task.optimizer.spec(), task.precision == "bf16", pin)
+    # Then a device-stepped shard's gradients need device memory only from its backward to its step.
+    store.steps_after_each_backward = task.accumulate == 1 and task.clip_grad_norm is None
     if pin and not store.pinned:
         warnings.warn("pinned host memory is unavailable; using pageable memory, so host-device copies are "
                       "synchronous and slower", RuntimeWarning, stacklevel=4)

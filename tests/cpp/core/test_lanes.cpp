@@ -47,9 +47,11 @@ TEST(Lanes, EachPlaceLoadsItsLanes) {
   EXPECT_EQ(resident.weights_in + resident.gradient_out + resident.host_step + resident.state_in + resident.state_out,
             0.0);
   EXPECT_DOUBLE_EQ(resident.device_step, device.device_step);
-  EXPECT_EQ(held_bytes(s, StepPlace::kResident, bytes), 100 * 16);
-  // Its gradient buffer, kept for the whole run (across micro-batches where a step accumulates), as the engine does.
-  EXPECT_EQ(held_bytes(s, StepPlace::kDevice, bytes), 100 * 2);
+  EXPECT_EQ(held_bytes(s, StepPlace::kResident, bytes, false), 100 * 16);
+  // Its gradient buffer, kept for the whole run where a step sums several backwards, as the engine does; else its
+  // gradients are in the unit's working set, from its backward to its step.
+  EXPECT_EQ(held_bytes(s, StepPlace::kDevice, bytes, true), 100 * 2);
+  EXPECT_EQ(held_bytes(s, StepPlace::kDevice, bytes, false), 0);
   EXPECT_EQ(step_room(s, StepPlace::kDevice, bytes), 100 * 12);
   EXPECT_EQ(step_room(s, StepPlace::kHost, bytes), 0);
 }
@@ -211,7 +213,7 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
     EXPECT_NE(chosen, start) << "room " << room;
     EXPECT_LE(placement_bytes(tasks, chosen, bytes, start), room);
     EXPECT_EQ(placement_bytes(tasks, chosen, bytes, start),
-              placement_bytes(tasks, chosen, bytes) - held_bytes(shards[0], StepPlace::kResident, bytes));
+              placement_bytes(tasks, chosen, bytes) - held_bytes(shards[0], StepPlace::kResident, bytes, false));
     const LanePlan plan = plan_lanes(tasks, rates, bytes, 1, room, start);
     EXPECT_EQ(plan.placement[0][0], StepPlace::kResident);
     EXPECT_LE(placement_bytes(tasks, plan.placement, bytes, start), room);
@@ -220,15 +222,17 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
   EXPECT_THROW(choose_placement(tasks, rates, bytes, 1, 0, 1.0, {{StepPlace::kHost}}), std::invalid_argument);
 }
 
-// Room for two homes or for four device steps' gradient buffers: each home pays more than a device step, so the
-// greedy choice with homes fills the room with two of them, but four device steps pay more; plan_lanes tries both.
+// Room for two homes or for four device steps' gradient buffers (held for the run: the steps are clipped): each home
+// pays more than a device step, so the greedy choice with homes fills the room with two of them, but four device
+// steps pay more; plan_lanes tries both.
 TEST(Lanes, PlanWeighsHomesAgainstTheDeviceStepsTheirRoomWouldHold) {
   const StepBytes bytes;
-  const std::vector<TaskShape> tasks{task(std::vector<ShardShape>(6, shard(0.05, 0.1, 100)), 8)};
+  std::vector<TaskShape> tasks{task(std::vector<ShardShape>(6, shard(0.05, 0.1, 100)), 8)};
+  tasks[0].clipped = true;
   const LaneRates rates{20000.0, 20000.0, 100 * 28 / 1.0, 1e5};  // a host step: 1 s, against 0.15 s of compute
   Placement start = host_placement(tasks);
   start[0][0] = start[0][5] = StepPlace::kResident;
-  const int64_t room = 2 * held_bytes(tasks[0].shards[1], StepPlace::kResident, bytes) +
+  const int64_t room = 2 * held_bytes(tasks[0].shards[1], StepPlace::kResident, bytes, false) +
                        step_room(tasks[0].shards[1], StepPlace::kDevice, bytes);
   const Placement with_homes = choose_placement(tasks, rates, bytes, 1, room, 1.0, start);
   EXPECT_EQ(std::count(with_homes[0].begin(), with_homes[0].end(), StepPlace::kResident), 4);
@@ -239,6 +243,20 @@ TEST(Lanes, PlanWeighsHomesAgainstTheDeviceStepsTheirRoomWouldHold) {
   const double steps_run = simulate(lane_simulation(tasks, steps, rates, bytes, 1)).makespan;
   ASSERT_LT(steps_run, homes_run);
   EXPECT_LE(plan_lanes(tasks, rates, bytes, 1, room, start).run.makespan, steps_run);
+}
+
+// A device-stepped shard's gradients are held for the run only where its task's steps sum several backwards.
+TEST(Lanes, DeviceStepsHoldGradientsOnlyWhereStepsSumBackwards) {
+  const StepBytes bytes;
+  const ShardShape s = shard(0.05, 0.1, 100);
+  const Placement device{{StepPlace::kDevice, StepPlace::kDevice}};
+  const int64_t step = step_room(s, StepPlace::kDevice, bytes);
+  EXPECT_EQ(placement_bytes({task({s, s}, 4)}, device, bytes), step);
+  EXPECT_EQ(placement_bytes({task({s, s}, 4, 2)}, device, bytes), step + 2 * 100 * 2);
+  TaskShape clipped = task({s, s}, 4);
+  clipped.clipped = true;
+  EXPECT_TRUE(clipped.sums_backwards());
+  EXPECT_EQ(placement_bytes({clipped}, device, bytes), step + 2 * 100 * 2);
 }
 
 TEST(Lanes, PlacementLeavesAnIdleHostAlone) {

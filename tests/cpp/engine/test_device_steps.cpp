@@ -79,6 +79,48 @@ TEST(DeviceSteps, AModelWithDeviceSteppedShardsEndsAsOneWithEveryShardOnTheHost)
   }
 }
 
+// One micro-batch a step, each backward followed by its step: a device-stepped shard's gradients take an arena region
+// from its backward to its step (as a host-stepped shard's do until they are copied out) when the store says so.
+Trained train_stepping_after_each_backward(bool bf16, bool steps_after_each_backward, const std::vector<int>& device) {
+  auto store = make_store(untied_shards(), bf16, adamw_spec());
+  store->set_steps_after_each_backward(steps_after_each_backward);
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
+  for (int step = 0; step < 3; ++step)
+    run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 0.5, false, add_grads);
+  EXPECT_EQ(engine.stats().device_steps, static_cast<int64_t>(3 * device.size()));
+  Trained trained = finish_and_copy(engine, m, *store);
+  expect_logged(engine, m, store->num_shards(), 3, {}, device);
+  return trained;
+}
+
+TEST(DeviceSteps, WhereEachBackwardIsFollowedByItsStepTheirGradientsComeAndGoWithTheUnit) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    const Trained held = train_stepping_after_each_backward(bf16, false, {1, 2});
+    expect_same(train_stepping_after_each_backward(bf16, true, {1, 2}), held);
+    expect_same(train_stepping_after_each_backward(bf16, true, {0, 1, 2, 3}),
+                train_stepping_after_each_backward(bf16, false, {0, 1, 2, 3}));
+  }
+  auto store = make_store(untied_shards(), false, adamw_spec());
+  const int64_t held = SpilledModel::held_grads_need(*store, {1, 2});
+  const int64_t working_set = SpilledModel::spilled_need(*store, {}, nullptr, {1, 2});
+  EXPECT_GT(held, 0);
+  store->set_steps_after_each_backward(true);
+  EXPECT_EQ(SpilledModel::held_grads_need(*store, {1, 2}), 0) << "no buffer for the run";
+  // The unit's gradients come into its working set instead: at most the largest shard's, aligned.
+  EXPECT_GT(SpilledModel::spilled_need(*store, {}, nullptr, {1, 2}), working_set);
+  EXPECT_LE(SpilledModel::spilled_need(*store, {}, nullptr, {1, 2}), working_set + held);
+  // A backward not followed by its step would leave its gradients in a region given back at release: refused.
+  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1});
+  engine.acquire(m, 1, /*with_grads=*/true);
+  add_grads(*store, 1);
+  EXPECT_THROW(engine.backward_done(m, 1, /*step=*/false), c10::Error);
+  engine.release(m, 1);
+  engine.finish(m);
+}
+
 TEST(DeviceSteps, InBf16TheirStepMatchesAResidentShards) {
   // A host-stepped shard sums two micro-batches in fp32, a device-stepped one in its bf16 buffer as a resident one.
   for (bool clip : {false, true}) {
