@@ -115,7 +115,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         "device": as "auto", and every other shard of a spilled task on one device that is not tied to another
         (a shared embedding and head are) steps on the device: its gradients stay there, its fp32 master and
         optimizer state come in after its backward and go home with its new weights, so the host does no
-        arithmetic for it; as many as their gradient buffers leave room for, first shards first. Worth it where
+        arithmetic for it; as many as the budget holds (each step's regions beside a unit, and with accumulation
+        or clipping a gradient buffer per shard for the run), first shards first. Worth it where
         the host's memory bandwidth, not the link, binds the run (results.lanes() says which). Not for a bf16
         task that sums micro-batches (as "auto" keeps its ends spilled).
         `TaskResult.placement` says what each task got.

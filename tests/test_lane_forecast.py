@@ -25,14 +25,16 @@ def test_a_given_placement_is_simulated_above_its_bound():
 
 def test_without_a_placement_one_is_chosen_within_the_room():
     host = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=[["host"] * 3] * 2)
-    # Room for one device step's master and moments, no home (100 * 16): each backward is followed by its step, so
-    # a device-stepped shard's gradients need no buffer of their own beyond the unit's working set.
-    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 12)
+    # Room for one device step's master, moments and new weights (100 * 14), no home (100 * 16): each backward is
+    # followed by its step, so a device-stepped shard's gradients need no buffer of their own beyond the unit's
+    # working set.
+    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14)
     assert {place for places in chosen["placement"] for place in places} <= {"host", "device"}
     assert "device" in chosen["placement"][0] + chosen["placement"][1]
     assert chosen["makespan"] < 0.7 * host["makespan"]
     assert _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=0)["placement"] == [["host"] * 3] * 2
-    # Summed over micro-batches or clipped, a step needs each device-stepped shard's gradients held (100 * 2 each).
+    # Summed over micro-batches or clipped, a step needs each device-stepped shard's gradients held (100 * 2 each),
+    # and leaves the unit's room for them to the step (100 * 12 beyond it).
     for held in [(SHAPE[0], 8, 2, False), (SHAPE[0], 8, 1, True)]:
         assert _C.lane_forecast([held] * 2, SLOW_HOST, room=100 * 12)["placement"] == [["host"] * 3] * 2
         summed = _C.lane_forecast([held] * 2, SLOW_HOST, room=100 * 12 + 6 * 100 * 2)["placement"]

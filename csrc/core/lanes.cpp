@@ -191,8 +191,14 @@ int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& by
   return 0;
 }
 
-int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes) {
-  return place == StepPlace::kDevice ? static_cast<int64_t>(std::ceil(shard.params * bytes.state)) : 0;
+int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards) {
+  if (place != StepPlace::kDevice) return 0;
+  // The engine's step regions: fp32 master and moments, and the new weights' staging in bf16 (in fp32 the master is
+  // the weight's size again), state + weight bytes a parameter. Beside the working set every room counts (a
+  // shard's weights and gradients): a unit whose gradients are held apart leaves that much of it to the step.
+  const double regions = static_cast<double>(shard.params) * (bytes.state + bytes.weight);
+  const double apart = sums_backwards ? static_cast<double>(shard.weights) * bytes.weight : 0.0;
+  return static_cast<int64_t>(std::ceil(std::max(0.0, regions - apart)));
 }
 
 double LaneBound::bound() const { return std::max({compute, host_to_device, device_to_host, host, chain}); }
@@ -244,7 +250,7 @@ int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& pl
       const bool sums = tasks[t].sums_backwards();
       held += held_bytes(shard, placement[t][s], bytes, sums) -
               (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes, sums));
-      step = std::max(step, step_room(shard, placement[t][s], bytes));
+      step = std::max(step, step_room(shard, placement[t][s], bytes, sums));
     }
   return held + step;
 }
@@ -269,7 +275,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
   int64_t reserve = 0;
   for (const TaskShape& task : tasks)
     for (const ShardShape& shard : task.shards)
-      reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes));
+      reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes, task.sums_backwards()));
   // Each tie group once, by its first shard: what one move changes.
   std::vector<std::vector<std::vector<int>>> groups(tasks.size());
   for (size_t t = 0; t < tasks.size(); ++t)
@@ -301,7 +307,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];
             group_held += held_bytes(shard, to, bytes, task.sums_backwards()) -
                           held_bytes(shard, now, bytes, task.sums_backwards());
-            group_step = std::max(group_step, step_room(shard, to, bytes));
+            group_step = std::max(group_step, step_room(shard, to, bytes, task.sums_backwards()));
           }
           const int64_t asked = group_held + (reserve <= room ? std::max(group_step, reserve) : group_step);
           if (asked > room) continue;

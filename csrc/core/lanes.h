@@ -86,10 +86,11 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
                        const StepBytes& bytes);
 
 // Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer where its
-// task's steps sum several backwards, `sums_backwards`), and what its step needs while it runs (kDevice: master and
-// moments, beside the unit's working set).
+// task's steps sum several backwards, `sums_backwards`), and what its step needs while it runs beyond the working
+// set of a unit (its weights and gradients) that every room leaves out (kDevice: master, moments and the new
+// weights' staging, less the gradients' share of the working set where they are held apart).
 int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards);
-int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes);
+int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards);
 
 struct LaneBound {
   double compute = 0.0;         // busiest device's lanes, with tasks spread evenly: totals / devices

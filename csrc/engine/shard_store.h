@@ -55,7 +55,8 @@ class ShardStore {
   bool bf16() const { return bf16_; }
   // Whether each backward of a shard is followed by its step: no micro-batches summed into one step, no clipped step
   // waiting for every shard's gradients. A device-stepped shard's gradients then take device memory only from its
-  // backward to its step (SpilledModel), not for the whole run. Set before the store's model is added to a device.
+  // backward to its step (SpilledModel), not for the whole run. A model added to a device keeps what this said then
+  // (its budget counted it).
   bool steps_after_each_backward() const { return steps_after_each_backward_; }
   void set_steps_after_each_backward(bool steps) { steps_after_each_backward_ = steps; }
   bool pinned() const { return pinned_; }

@@ -138,7 +138,7 @@ class SpilledModel final : public DeviceModel {
   // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers, made at the first use where
   // they are held across backwards; where each backward is followed by its step (holds_grads false) a unit's
   // gradients take an arena region as a host-stepped shard's do, given back once its step has read them.
-  bool holds_grads(int shard) const { return device_stepped_[shard] && !store().steps_after_each_backward(); }
+  bool holds_grads(int shard) const { return device_stepped_[shard] && !steps_after_each_backward_; }
   void upload_held_grads();
   at::Tensor held_grads(int shard) const;
   // The shard's optimizer step on the device over its gradients, scaled by `grad_scale`: master and states
@@ -163,6 +163,8 @@ class SpilledModel final : public DeviceModel {
   std::vector<int> resident_shards_;
   std::vector<int> device_shards_;
   std::vector<bool> device_stepped_ = std::vector<bool>(store().num_shards());
+  // As the store said when the model was added, which its budget counted: a later change does not move it.
+  const bool steps_after_each_backward_ = store().steps_after_each_backward();
   std::vector<Region> held_grads_;  // per shard once uploaded: a device-stepped shard's gradient buffer
   std::vector<StateVisit> state_visits_ = std::vector<StateVisit>(store().num_shards());
   std::vector<Fence> held_grads_ready_ = std::vector<Fence>(store().num_shards());  // after the step that zeroes them

@@ -60,7 +60,7 @@ int64_t SpilledModel::device_step_need(const ShardStore& store, int shard) {
 }
 
 void SpilledModel::upload_held_grads() {
-  if (device_shards_.empty() || !held_grads_.empty() || store().steps_after_each_backward()) return;
+  if (device_shards_.empty() || !held_grads_.empty() || steps_after_each_backward_) return;
   std::vector<Region> held(store().num_shards());
   try {
     for (int s : device_shards_) {
@@ -188,6 +188,10 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
     return done;
   }));
   state_visits_[shard] = StateVisit{};
+  if (!held) {  // given back now the step is queued (its next user waits for it), whatever happens below
+    engine_.pool_.release(w.grads, stepped);
+    w.grads = Region{};
+  }
   CopyLane::Copies out{{store.master(shard).narrow(0, 0, numel), visit.master}};
   for (size_t k = 0; k < visit.states.size(); ++k)
     out.emplace_back(store.state(shard, static_cast<int>(k)), visit.states[k]);
@@ -210,13 +214,8 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
     w.ready = w.last_use = stepped;
     w.device_step_queued = true;
   }
-  if (held) {
-    // The gradients' next writer (the shard's next backward) waits for the step that reads and zeroes them.
-    held_grads_ready_[shard] = stepped;
-  } else {
-    engine_.pool_.release(w.grads, stepped);  // their next user waits for the step that reads them
-    w.grads = Region{};
-  }
+  // The gradients' next writer (the shard's next backward) waits for the step that reads and zeroes them.
+  if (held) held_grads_ready_[shard] = stepped;
   EngineStats& stats = engine_.stats_;
   ++stats.device_steps;
   ++stats.device_to_host_copies;

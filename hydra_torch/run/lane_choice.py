@@ -7,7 +7,7 @@ memory traffic, weights back in) against the device (master and moments in and o
 device's memory), and keeps the placement whose simulated run is shortest within the device's room. The plan starts
 from the engine's rule (its resident models and resident ends, engine/placement.h); the engine then keeps resident
 the further shards the plan makes resident and steps on the device those it steps there, as far as the budget holds
-their homes and gradient buffers.
+their homes, their steps' regions and (where a task's steps sum several backwards) their gradient buffers.
 
 The lanes are apart on a GPU: a CPU device shares its cores and memory with the host, and there the lane model
 runs only where the link or the host is emulated (hydra_torch.testing), else "auto" keeps the engine's rule.

@@ -52,8 +52,11 @@ TEST(Lanes, EachPlaceLoadsItsLanes) {
   // gradients are in the unit's working set, from its backward to its step.
   EXPECT_EQ(held_bytes(s, StepPlace::kDevice, bytes, true), 100 * 2);
   EXPECT_EQ(held_bytes(s, StepPlace::kDevice, bytes, false), 0);
-  EXPECT_EQ(step_room(s, StepPlace::kDevice, bytes), 100 * 12);
-  EXPECT_EQ(step_room(s, StepPlace::kHost, bytes), 0);
+  // The step's regions (master and moments, the new weights' staging) beside the unit's weights and gradients; where
+  // the gradients are held apart, the working set's room for them goes to the step.
+  EXPECT_EQ(step_room(s, StepPlace::kDevice, bytes, false), 100 * 14);
+  EXPECT_EQ(step_room(s, StepPlace::kDevice, bytes, true), 100 * 12);
+  EXPECT_EQ(step_room(s, StepPlace::kHost, bytes, false), 0);
 }
 
 // One task of one shard, two micro-batches, each its own step: every lane's time on the timeline, by hand.
@@ -233,7 +236,7 @@ TEST(Lanes, PlanWeighsHomesAgainstTheDeviceStepsTheirRoomWouldHold) {
   Placement start = host_placement(tasks);
   start[0][0] = start[0][5] = StepPlace::kResident;
   const int64_t room = 2 * held_bytes(tasks[0].shards[1], StepPlace::kResident, bytes, false) +
-                       step_room(tasks[0].shards[1], StepPlace::kDevice, bytes);
+                       step_room(tasks[0].shards[1], StepPlace::kDevice, bytes, tasks[0].sums_backwards());
   const Placement with_homes = choose_placement(tasks, rates, bytes, 1, room, 1.0, start);
   EXPECT_EQ(std::count(with_homes[0].begin(), with_homes[0].end(), StepPlace::kResident), 4);
   const Placement steps = choose_placement(tasks, rates, bytes, 1, room, 1.0, start, false);
@@ -250,13 +253,12 @@ TEST(Lanes, DeviceStepsHoldGradientsOnlyWhereStepsSumBackwards) {
   const StepBytes bytes;
   const ShardShape s = shard(0.05, 0.1, 100);
   const Placement device{{StepPlace::kDevice, StepPlace::kDevice}};
-  const int64_t step = step_room(s, StepPlace::kDevice, bytes);
-  EXPECT_EQ(placement_bytes({task({s, s}, 4)}, device, bytes), step);
-  EXPECT_EQ(placement_bytes({task({s, s}, 4, 2)}, device, bytes), step + 2 * 100 * 2);
+  EXPECT_EQ(placement_bytes({task({s, s}, 4)}, device, bytes), 100 * 14);
+  EXPECT_EQ(placement_bytes({task({s, s}, 4, 2)}, device, bytes), 100 * 12 + 2 * 100 * 2);
   TaskShape clipped = task({s, s}, 4);
   clipped.clipped = true;
   EXPECT_TRUE(clipped.sums_backwards());
-  EXPECT_EQ(placement_bytes({clipped}, device, bytes), step + 2 * 100 * 2);
+  EXPECT_EQ(placement_bytes({clipped}, device, bytes), 100 * 12 + 2 * 100 * 2);
 }
 
 TEST(Lanes, PlacementLeavesAnIdleHostAlone) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "core/lanes.h"
 #include "device_engine_helpers.h"
 #include "engine/clip_norm.h"
 #include "engine/placement.h"
@@ -119,6 +120,36 @@ TEST(DeviceSteps, WhereEachBackwardIsFollowedByItsStepTheirGradientsComeAndGoWit
   EXPECT_THROW(engine.backward_done(m, 1, /*step=*/false), c10::Error);
   engine.release(m, 1);
   engine.finish(m);
+  // A model keeps what its store said when it was added (its budget counted that): held gradients stay held.
+  auto later = make_store(untied_shards(), false, adamw_spec());
+  DeviceEngine held_engine(kCpu, DeviceEngine::resident_need(*later) * 2);
+  const int h = held_engine.add_model(later, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1});
+  later->set_steps_after_each_backward(true);
+  run_step(held_engine, h, *later, 2, /*check_values=*/false, /*step=*/true, 1.0, false, add_grads);
+  held_engine.synchronize(h);
+  EXPECT_EQ(held_engine.stats().device_steps, 1);
+  held_engine.finish(h);
+}
+
+// What the lane model (core/lanes.h) asks of the room for a device-stepped shard, beyond the working set every room
+// leaves out, is what the engine's budget asks, up to the regions' alignment: else it plans steps the engine refuses.
+TEST(DeviceSteps, TheLaneModelCountsTheRoomOfADeviceStepAsTheEngineDoes) {
+  for (bool bf16 : {false, true})
+    for (bool steps_after_each_backward : {false, true}) {
+      SCOPED_TRACE(std::string(bf16 ? "bf16" : "fp32") + (steps_after_each_backward ? ", one backward a step" : ""));
+      auto store = make_store({{param({4000}, 1.0)}, linear_shard(1, 12)}, bf16, adamw_spec());
+      store->set_steps_after_each_backward(steps_after_each_backward);
+      const int64_t engine = SpilledModel::held_grads_need(*store, {0}) +
+                             SpilledModel::spilled_need(*store, {}, nullptr, {0}) - DeviceEngine::spilled_need(*store);
+      const hydra::core::ShardShape shard{0.0, 0.0, store->device_numel(0), store->gradient_numel(0),
+                                          store->trainable_numel(0)};
+      const double weight = bf16 ? 2.0 : 4.0;
+      const hydra::core::StepBytes bytes{weight, 8.0 + (bf16 ? 4.0 : 0.0)};
+      const bool sums = !steps_after_each_backward;
+      const int64_t lanes = hydra::core::held_bytes(shard, hydra::core::StepPlace::kDevice, bytes, sums) +
+                            hydra::core::step_room(shard, hydra::core::StepPlace::kDevice, bytes, sums);
+      EXPECT_NEAR(static_cast<double>(engine), static_cast<double>(lanes), 4 * 512.0);
+    }
 }
 
 TEST(DeviceSteps, InBf16TheirStepMatchesAResidentShards) {
