@@ -244,14 +244,15 @@ int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& pl
   validate_placement(tasks, placement);
   if (!start.empty()) validate_placement(tasks, start);
   int64_t held = 0, step = 0;
-  for (size_t t = 0; t < tasks.size(); ++t)
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const bool sums = tasks[t].sums_backwards();
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
       const ShardShape& shard = tasks[t].shards[s];
-      const bool sums = tasks[t].sums_backwards();
       held += held_bytes(shard, placement[t][s], bytes, sums) -
               (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes, sums));
       step = std::max(step, step_room(shard, placement[t][s], bytes, sums));
     }
+  }
   return held + step;
 }
 
@@ -305,9 +306,9 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
           int64_t group_held = held, group_step = step;
           for (int g : group) {
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];
-            group_held += held_bytes(shard, to, bytes, task.sums_backwards()) -
-                          held_bytes(shard, now, bytes, task.sums_backwards());
-            group_step = std::max(group_step, step_room(shard, to, bytes, task.sums_backwards()));
+            const bool sums = task.sums_backwards();
+            group_held += held_bytes(shard, to, bytes, sums) - held_bytes(shard, now, bytes, sums);
+            group_step = std::max(group_step, step_room(shard, to, bytes, sums));
           }
           const int64_t asked = group_held + (reserve <= room ? std::max(group_step, reserve) : group_step);
           if (asked > room) continue;

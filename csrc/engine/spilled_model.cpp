@@ -242,7 +242,7 @@ void SpilledModel::discard_grads() {
     if (store().has_grad(s)) store().grad(s).zero_();
   homes_.zero_grads(store());
   for (int s : device_shards_) {
-    if (holds_grads(s) && held_grads_.size() > static_cast<size_t>(s) && held_grads_[s].valid()) held_grads(s).zero_();
+    if (held_grads_.size() > static_cast<size_t>(s) && held_grads_[s].valid()) held_grads(s).zero_();
     if (state_visits_[s].in_use()) drop_state(s, engine_.compute_point());
   }
 }
