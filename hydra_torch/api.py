@@ -160,7 +160,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints)
             _share_budgets(workers, engines, budgets, tasks)
             open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run,
-                                 kept_outside)
+                                 kept_outside, placement, lane_plan)
             bars = Progress(runners, progress)
         start = open_run.start if open_run is not None else time.perf_counter()
         interrupted = workers.run()
@@ -350,14 +350,18 @@ def _share_budgets(workers, engines, budgets, tasks):
                                          "saved_allowance_bytes": share}
 
 
-def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run, kept_outside):
-    """With arrivals, the running call's side of them, attached: tasks may join from now on."""
+def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run, kept_outside, placement,
+              lane_plan):
+    """With arrivals, the running call's side of them, attached: tasks may join from now on, placed from the lane
+    rates the call measured (`lane_plan`, None where it asked no lane model)."""
     if arrivals is None:
         return None
+    rates = tuple(lane_plan["rates"].values()) if lane_plan is not None else None
     open_run = OpenRun(slots=workers.slots, scheduler=workers.scheduler, runners=runners, devices=devices,
                        budgets=budgets, pin=pin, start_rng=start_rng, trace=workers.trace, trace_lock=workers.lock,
                        start=time.perf_counter(), stop=workers.stop, selection=selection_run,
-                       on_ended=arrivals.on_ended, kept_outside=kept_outside)
+                       on_ended=arrivals.on_ended, kept_outside=kept_outside, placement=placement,
+                       lane_rates=rates)
     for slot in workers.slots:
         slot.open_run = open_run
     workers.scheduler.set_open(True)

@@ -189,7 +189,9 @@ def test_device_shards_are_checked_by_the_engine_before_anything_is_registered()
     assert engine.device_shards(model_id) == [2, 3] and engine.resident_shards(model_id) == [0, 7]
 
 
-def test_a_task_joining_a_run_with_device_stepped_shards_spills_whole_and_each_trains_as_alone():
+def test_a_task_joining_a_run_with_device_stepped_shards_steps_its_untied_ones_there_and_each_trains_as_alone():
+    # The arena is sized when the task joins: no homes for its tied ends, but its other shards step on the device
+    # (each backward is followed by its step: no gradient buffer is held).
     from hydra_torch.arrivals import Arrivals
     data = token_batches(6)
     first, late = tied_transformer(seed=0), tied_transformer(seed=1)
@@ -211,6 +213,8 @@ def test_a_task_joining_a_run_with_device_stepped_shards_spills_whole_and_each_t
     results = ht.train([task(first, "first")], devices="cpu", memory_budget=2 * model_bytes(first), progress=False,
                        placement="device", arrivals=arrivals)
     assert [r.name for r in results] == ["first", "late"] and all(r.ok for r in results)
-    assert results["first"].placement == DEVICE and results["late"].placement == "spilled"
+    assert results["first"].placement == DEVICE
+    assert results["late"].placement == "spilled, shards 1-6 stepped on the device"
+    assert results.stats[0]["device_steps"] == 2 * 6 * 6
     for model, reference in zip((first, late), references):
         assert max_relative_error(model, reference) <= 1e-5

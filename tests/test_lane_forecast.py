@@ -41,6 +41,14 @@ def test_without_a_placement_one_is_chosen_within_the_room():
         assert "device" in summed[0] + summed[1]
 
 
+def test_a_fixed_task_keeps_its_start_and_the_others_are_placed_around_it():
+    start = [["device", "host", "host"], ["host"] * 3]
+    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14, start=start, fixed=[True, False])["placement"]
+    assert chosen[0] == start[0] and "device" in chosen[1]
+    free = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=1 << 30, start=start, fixed=[False, True])["placement"]
+    assert free[1] == start[1] and free[0] != start[0]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]),
      "'host', 'device' or 'resident'"),
@@ -49,6 +57,7 @@ def test_without_a_placement_one_is_chosen_within_the_room():
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST), "give the room"),
     (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, 0)], 1, 1, False)], SLOW_HOST, room=0), "tied_to names no other shard"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=-1), "room must be >= 0"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, fixed=[True, False]), "names 2 tasks of 1"),
 ])
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):

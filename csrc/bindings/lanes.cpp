@@ -64,10 +64,17 @@ void bind_lanes(py::module_& m) {
          const std::tuple<double, double, double, double>& rates,
          const std::optional<std::tuple<double, double, double, double, double>>& bytes, int devices,
          const std::optional<std::vector<std::vector<std::string>>>& placement, std::optional<int64_t> room,
-         const std::optional<std::vector<std::vector<std::string>>>& start) {
+         const std::optional<std::vector<std::vector<std::string>>>& start,
+         const std::optional<std::vector<bool>>& fixed) {
         std::vector<core::TaskShape> shapes;
         for (const auto& [shards, micro_batches, accumulate, clipped] : tasks)
           shapes.push_back(task_shape(shards, micro_batches, accumulate, clipped));
+        if (fixed) {
+          if (fixed->size() != shapes.size())
+            throw py::value_error("lane_forecast: `fixed` names " + std::to_string(fixed->size()) + " tasks of " +
+                                  std::to_string(shapes.size()));
+          for (size_t t = 0; t < shapes.size(); ++t) shapes[t].fixed = (*fixed)[t];
+        }
         const auto& [in, out, host, device_memory] = rates;
         const core::LaneRates lane_rates{in, out, host, device_memory};
         core::StepBytes step_bytes;
@@ -112,12 +119,14 @@ void bind_lanes(py::module_& m) {
       },
       py::arg("tasks"), py::arg("rates"), py::arg("bytes") = py::none(), py::arg("devices") = 1,
       py::arg("placement") = py::none(), py::arg("room") = py::none(), py::arg("start") = py::none(),
+      py::arg("fixed") = py::none(),
       "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate, clipped), each shard "
       "(forward s, backward s, weights, grads, params, tied_to); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
       "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated; "
       "without it plan_lanes chooses one within `room` device bytes, from `start` (placed alike; None: every shard on "
-      "the host) with `room` counted beyond what start's shards hold. Returns its placement, headroom, simulated "
+      "the host) with `room` counted beyond what start's shards hold, and the tasks `fixed` names (per task, a bool) kept as "
+      "start places them. Returns its placement, headroom, simulated "
       "makespan (its last step done), span (its last unit done), four-lane bound and lanes' busy seconds.");
 }
 

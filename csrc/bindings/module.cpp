@@ -228,6 +228,7 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](const DeviceEngine& e) { return stats_dict(e.stats()); })
       .def("host_to_device_bytes", &DeviceEngine::host_to_device_bytes)
       .def("free_bytes", &DeviceEngine::free_bytes)
+      .def("uncommitted_bytes", &DeviceEngine::uncommitted_bytes)
       .def("shard_loads", &DeviceEngine::shard_loads)
       // Every shard's optimizer steps so far (engine/step_log.h): (task, shard, step, "host" | "device" |
       // "resident", start, end), times in seconds of the steady clock (steady_seconds), task -1 for a model added

@@ -14,7 +14,8 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
                                   const StepBytes& bytes, int num_devices, int64_t room, const Placement& start) {
   for (int s = 0; s < count; ++s)
     for (size_t t = 0; t < tasks.size(); ++t) {
-      if (s >= static_cast<int>(tasks[t].shards.size()) || placement[t][static_cast<size_t>(s)] != StepPlace::kHost)
+      if (tasks[t].fixed || s >= static_cast<int>(tasks[t].shards.size()) ||
+          placement[t][static_cast<size_t>(s)] != StepPlace::kHost)
         continue;
       const std::vector<int> group = tie_group(tasks[t], s);
       for (StepPlace to : {StepPlace::kResident, StepPlace::kDevice}) {

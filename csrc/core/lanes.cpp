@@ -170,9 +170,9 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
                         rates.host;
       break;
     case StepPlace::kDevice:
-      lanes.state_in = p * bytes.state / rates.host_to_device;
+      lanes.state_in = p * bytes.state_in() / rates.host_to_device;
       lanes.device_step = p * bytes.device_step / rates.device_memory;
-      lanes.state_out = p * (bytes.state + bytes.weight) / rates.device_to_host;
+      lanes.state_out = p * bytes.state_out() / rates.device_to_host;
       break;
     case StepPlace::kResident:
       lanes.device_step = p * bytes.device_step / rates.device_memory;
@@ -193,10 +193,10 @@ int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& by
 
 int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards) {
   if (place != StepPlace::kDevice) return 0;
-  // The engine's step regions: fp32 master and moments, and the new weights' staging in bf16 (in fp32 the master is
-  // the weight's size again), state + weight bytes a parameter. Beside the working set every room counts (a
-  // shard's weights and gradients): a unit whose gradients are held apart leaves that much of it to the step.
-  const double regions = static_cast<double>(shard.params) * (bytes.state + bytes.weight);
+  // The engine's step regions: what the step sends home, fp32 master and moments, and the new weights' staging in
+  // bf16. Beside the working set every room counts (a shard's weights and gradients): a unit whose gradients are
+  // held apart leaves that much of it to the step.
+  const double regions = static_cast<double>(shard.params) * bytes.state_out();
   const double apart = sums_backwards ? static_cast<double>(shard.weights) * bytes.weight : 0.0;
   return static_cast<int64_t>(std::ceil(std::max(0.0, regions - apart)));
 }
@@ -299,6 +299,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
     Ranking best_rank = current;
     for (size_t t = 0; t < tasks.size(); ++t) {
       const TaskShape& task = tasks[t];
+      if (task.fixed) continue;
       for (const std::vector<int>& group : groups[t]) {
         const StepPlace now = placement[t][static_cast<size_t>(group.front())];
         for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {

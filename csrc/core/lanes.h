@@ -49,6 +49,12 @@ struct StepBytes {
   double host_step = 28;        // host memory one host step touches a parameter
   double host_accumulate = 8;   // each micro-batch's gradient summed on the host when a step accumulates
   double device_step = 28;      // device memory one device step touches a parameter
+
+  // The fp32 master is the weight itself where the compute dtype is fp32 (4 bytes), apart from it (in `state`) in
+  // bf16. A kDevice step copies the master and the moments in, and sends them home with, in bf16, the new weights.
+  bool master_is_weight() const { return weight >= 4; }
+  double state_in() const { return state + (master_is_weight() ? weight : 0.0); }
+  double state_out() const { return state + weight; }
 };
 
 struct ShardShape {
@@ -65,6 +71,8 @@ struct TaskShape {
   int64_t micro_batches = 1;  // over the whole run
   int64_t accumulate = 1;     // micro-batches a step
   bool clipped = false;       // a clipped step waits for every shard's gradients
+  bool fixed = false;         // its placement is kept as the start has it (a task already training): it loads the
+                              // lanes, and no move of the lane model's choice is made on its shards
   // Whether a step sums several backwards of a shard: then a kDevice shard's gradients are held between them.
   bool sums_backwards() const { return accumulate > 1 || clipped; }
 };
@@ -112,7 +120,8 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
 // copy and host lanes that much busier, so that they keep slack: a lane near full queues, and a step late off the
 // host stalls the shard's next visit (see lane_plan.h, which picks it by simulation). Without `homes` no shard
 // moves to kResident: one home takes the room of several device steps' gradient buffers, so moves that each pay
-// most can together pay less. Throws std::invalid_argument for malformed shapes, rates or start.
+// most can together pay less. A `fixed` task's shards stay where the start has them. Throws std::invalid_argument
+// for malformed shapes, rates or start.
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
                            int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {},
                            bool homes = true);

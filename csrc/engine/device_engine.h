@@ -197,6 +197,11 @@ class DeviceEngine {
   int64_t host_to_device_bytes() const { return stats_.host_to_device_bytes; }
   // What the budget has left after the models added so far (their resident state or spilled working set).
   int64_t free_bytes() const { return pool_.budget() - resident_committed_ - spilled_reserve_; }
+  // What a model's working set and device steps may share now: the arena (the budget before it is sized, as
+  // add_model counts it) less the resident state, homes and held gradients committed.
+  int64_t uncommitted_bytes() const {
+    return (pool_.started() ? pool_.capacity() : pool_.budget()) - resident_committed_;
+  }
   // How many times each of the model's shards was copied to the device.
   std::vector<int64_t> shard_loads(int model) const;
   // Every optimizer step of a shard this device ran or handed to the host so far (engine/step_log.h), and the

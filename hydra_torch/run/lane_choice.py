@@ -17,6 +17,9 @@ otherwise has its pieces measured when the call starts (measure_tasks), on one b
 generator left as it was. A one-shot iterator's batch cannot be drawn twice: such a task is priced by its elements
 at the seconds per element of the measured tasks, and where no task could be measured "auto" keeps the engine's
 rule. What the lane model was told and forecast is Results.lane_plan.
+
+A task that joins the running call is placed from the same rates, the tasks already training kept where they are
+(joining_device_shards): the arena is sized by then, so it only steps shards on the device.
 """
 from __future__ import annotations
 
@@ -209,6 +212,54 @@ def wishes(runners, stores, engines, devices, placement: str, candidates: list[b
     if any(_loses(rule, got) for rule, got in zip(decided, granted)):
         return nothing, None
     return asked, told
+
+
+def joining_device_shards(newcomer, store, running, uncommitted: int, placement: str, rates) -> list[int]:
+    """The shards a task joining a running call (`newcomer`, its `store`) steps on the device: every one that may be
+    for "device", the lane model's choice for "auto" from the `rates` the call measured as it started, with the tasks
+    still training (`running`) kept as they are placed, in the device's `uncommitted` bytes (DeviceEngine's
+    uncommitted_bytes: what working sets and device steps share); none for "host" or where the
+    call measured no rates. The arena is sized by then, so a newcomer keeps no home and holds no gradient buffer: only
+    a task whose every backward is followed by its step (ShardStore.steps_after_each_backward) steps shards on the
+    device, and neither a tied shard nor one with nothing to train. The engine has the last word (add_model)."""
+    if placement not in ("auto", "device") or not store.steps_after_each_backward:
+        return []
+    eligible = _untied_trainable(store)
+    if placement == "device" or not eligible:
+        return eligible
+    if rates is None:
+        return []
+    runners, stores = running + [newcomer], [r.store for r in running] + [store]
+    seconds = timed_seconds(runners, stores)
+    if seconds[-1] is None:
+        return []
+    shapes = [task_shape(runner, s, sec) for runner, s, sec in zip(runners, stores, seconds)]
+    start = [_placed(runner) for runner in running] + [["host"] * store.num_shards]
+    spilled = [s for runner, s in zip(runners, stores) if not runner.resident]
+    room = max(0, uncommitted - max(_C.DeviceEngine.spilled_need(s) for s in spilled))
+    forecast = _C.lane_forecast(shapes, rates, step_bytes(newcomer.task), 1, None, room, start,
+                                [True] * len(running) + [False])
+    # A shard the lane model would keep resident is off the host too: stepped on the device, in less room.
+    return [s for s in eligible if forecast["placement"][-1][s] != "host"]
+
+
+def _untied_trainable(store) -> list[int]:
+    """The shards the engine may step on the device (SpilledModel::device_shards_error): untied, with something to
+    train."""
+    tied = set()
+    for s in range(store.num_shards):
+        for source in store.sources(s):
+            if source != s:
+                tied.update((s, source))
+    return [s for s in range(store.num_shards) if s not in tied and store.trainable_numel(s) > 0]
+
+
+def _placed(runner) -> list[str]:
+    """Where a training task's shards step: "resident", "device" or "host"."""
+    if runner.resident:
+        return ["resident"] * runner.n
+    return ["resident" if s in runner.resident_shards else "device" if s in runner.device_shards else "host"
+            for s in range(runner.n)]
 
 
 def _loses(rule, got) -> bool:

@@ -78,12 +78,15 @@ class OpenRun:
     """The running call's side of Arrivals: admits tasks and lets ended ones leave (see the module's doc)."""
 
     def __init__(self, *, slots, scheduler, runners, devices, budgets, pin, start_rng, trace, trace_lock, start,
-                 stop, selection=None, on_ended=None, kept_outside=(0, 0)):
+                 stop, selection=None, on_ended=None, kept_outside=(0, 0), placement="host", lane_rates=None):
         self.slots, self.scheduler, self.runners = slots, scheduler, runners
         self.devices, self.budgets, self.pin, self.start_rng = devices, budgets, pin, start_rng
         # What each device's budget keeps beside the arena for a unit's working set and a micro-batch's saved
         # inputs (saved_bytes.kept_outside_arena of the first tasks): a newcomer's must fit in them.
         self.kept_outside = kept_outside
+        # ht.train's placement, and the lane rates it measured as it started (None: not measured): a newcomer's
+        # device-stepped shards are chosen from them (lane_choice.joining_device_shards).
+        self.placement, self.lane_rates = placement, lane_rates
         self.trace, self.trace_lock, self.start, self.stop = trace, trace_lock, start, stop
         self.selection = selection          # the run's selection (its per-run object), told of each newcomer
         self._callbacks = _Callbacks(on_ended) if on_ended is not None else None
@@ -135,11 +138,20 @@ class OpenRun:
                 held = bases.HeldBase(task.base, [runner], self.pin)
                 self._on_every_device(lambda slot: held.ids.__setitem__(slot.index, slot.engine.add_base(held.store)))
             store = lifecycle.make_store(runner, self.pin)
+            device_shards = self._device_shards(runner, store) if held is None else []
 
             def add(slot):
-                model = slot.engine.add_model(store, allow_resident=False, task=runner.index,
-                                              base=held.ids[slot.index] if held is not None else -1)
+                base = held.ids[slot.index] if held is not None else -1
+                try:
+                    model = slot.engine.add_model(store, allow_resident=False, task=runner.index, base=base,
+                                                  device_shards=device_shards)
+                except RuntimeError:
+                    if not device_shards:
+                        raise
+                    # No room for the steps after all (the engine's count is the exact one): all on the host.
+                    model = slot.engine.add_model(store, allow_resident=False, task=runner.index, base=base)
                 runner.model_ids[slot.index] = model
+                runner.device_shards = list(slot.engine.device_shards(model))
                 if held is not None:
                     held.attach_model(runner, slot.engine, slot.index, model)
             errors = self._on_every_device(add)
@@ -156,6 +168,26 @@ class OpenRun:
             self.runners.append(runner)
             self.scheduler.add_task(runner.scheduler_spec(sharding.shard_costs(task.modules)))
             return runner
+
+    def _device_shards(self, runner, store) -> list[int]:
+        """The newcomer's shards to step on the device (lane_choice.joining_device_shards), on one device only. Where
+        the lane model fails, a warning says so and every shard steps on the host, as at the call's start."""
+        from hydra_torch.run import lane_choice, lifecycle
+
+        if len(self.slots) != 1 or not lifecycle.may_keep_ends(runner.task):
+            return []
+        uncommitted = []  # read on the device's worker thread, which alone changes the engine's models
+        if self._on_every_device(lambda slot: uncommitted.append(slot.engine.uncommitted_bytes())):
+            return []  # the workers are gone: adding it says so
+        running = [r for r in self.runners if r.result is None and r.model_ids]
+        try:
+            return lane_choice.joining_device_shards(runner, store, running, uncommitted[0], self.placement,
+                                                     self.lane_rates)
+        except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
+            warnings.warn(f"placement={self.placement!r} could not ask the lane model for {runner.task.name!r} "
+                          f"({type(error).__name__}: {error}); it steps every shard on the host", RuntimeWarning,
+                          stacklevel=4)
+            return []
 
     def close(self):
         with self._lock:

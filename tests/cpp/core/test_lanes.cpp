@@ -225,6 +225,30 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
   EXPECT_THROW(choose_placement(tasks, rates, bytes, 1, 0, 1.0, {{StepPlace::kHost}}), std::invalid_argument);
 }
 
+// A task already training keeps its placement (`fixed`): the one that joins takes its shards off the host around it,
+// within the room, and the fixed task's load still counts on the lanes.
+TEST(Lanes, AFixedTaskKeepsItsPlacementAndTheOthersMoveAroundIt) {
+  const StepBytes bytes;
+  std::vector<ShardShape> shards(6, shard(0.05, 0.1, 100));
+  std::vector<TaskShape> tasks{task(shards, 8), task(shards, 8)};
+  tasks[0].fixed = true;
+  const LaneRates rates{20000.0, 20000.0, 100 * 28 / 0.3, 1e5};  // the host binds, as above
+  Placement start = host_placement(tasks);
+  start[0][1] = StepPlace::kDevice;
+  for (int64_t room : {int64_t{3000}, int64_t{1} << 40}) {
+    const Placement chosen = choose_placement(tasks, rates, bytes, 1, room, 1.0, start);
+    EXPECT_EQ(chosen[0], start[0]) << "room " << room;
+    EXPECT_NE(chosen[1], start[1]) << "room " << room;
+    EXPECT_LE(placement_bytes(tasks, chosen, bytes, start), room);
+    const LanePlan plan = plan_lanes(tasks, rates, bytes, 1, room, start);
+    EXPECT_EQ(plan.placement[0], start[0]) << "room " << room;
+    EXPECT_NE(plan.placement[1], start[1]) << "room " << room;
+  }
+  // Free to move, the first task's shards come off the host too.
+  tasks[0].fixed = false;
+  EXPECT_NE(choose_placement(tasks, rates, bytes, 1, int64_t{1} << 40, 1.0, start)[0], start[0]);
+}
+
 // Room for two homes or for four device steps' gradient buffers (held for the run: the steps are clipped): each home
 // pays more than a device step, so the greedy choice with homes fills the room with two of them, but four device
 // steps pay more; plan_lanes tries both.

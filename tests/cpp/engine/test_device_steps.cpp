@@ -152,6 +152,38 @@ TEST(DeviceSteps, TheLaneModelCountsTheRoomOfADeviceStepAsTheEngineDoes) {
     }
 }
 
+// What the lane model forecasts a device step copies in and out is what the engine copies: in fp32 too, where the
+// master is the weight and comes in beside the moments.
+TEST(DeviceSteps, TheLaneModelCountsTheCopiesOfADeviceStepAsTheEngineDoes) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    auto store = make_store(untied_shards(), bf16, adamw_spec());
+    DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
+    const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, {1});
+    const int steps = 2;
+    for (int step = 0; step < steps; ++step)
+      run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 1.0, false, add_grads);
+    engine.synchronize(m);
+    const hydra::engine::EngineStats stats = engine.stats();
+    // Beside the state, weights come in at each load and the host-stepped shards' gradients go out.
+    int64_t state_in = stats.host_to_device_bytes, state_out = stats.device_to_host_bytes;
+    for (int s = 0; s < store->num_shards(); ++s) {
+      state_in -= engine.shard_loads(m)[s] * store->device_numel(s) * store->element_bytes();
+      if (s != 1) state_out -= steps * store->gradient_numel(s) * store->element_bytes();
+    }
+    const hydra::core::ShardShape shard{0.0, 0.0, store->device_numel(1), store->gradient_numel(1),
+                                        store->trainable_numel(1)};
+    const double weight = bf16 ? 2.0 : 4.0;
+    const hydra::core::StepBytes bytes{weight, 8.0 + (bf16 ? 4.0 : 0.0)};
+    const hydra::core::LaneRates unit_rates{1.0, 1.0, 1.0, 1.0};
+    const hydra::core::ShardLanes lanes =
+        hydra::core::shard_lanes(shard, hydra::core::StepPlace::kDevice, false, unit_rates, bytes);
+    EXPECT_DOUBLE_EQ(steps * lanes.state_in, static_cast<double>(state_in));
+    EXPECT_DOUBLE_EQ(steps * lanes.state_out, static_cast<double>(state_out));
+    engine.finish(m);
+  }
+}
+
 TEST(DeviceSteps, InBf16TheirStepMatchesAResidentShards) {
   // A host-stepped shard sums two micro-batches in fp32, a device-stepped one in its bf16 buffer as a resident one.
   for (bool clip : {false, true}) {
