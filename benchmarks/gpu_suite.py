@@ -69,6 +69,14 @@ def parse_phases(text: str) -> list[str]:
     return sorted(set(phases), key=PHASES.index)
 
 
+def parse_placements(text: str) -> list[str]:
+    placements = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not placements or any(p not in ("auto", "host", "device") for p in placements) or \
+            len(set(placements)) != len(placements):
+        raise argparse.ArgumentTypeError(f"placements are distinct names of auto, host, device, got {text!r}")
+    return placements
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
@@ -79,6 +87,10 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None, help="wall-time box for the whole run (default 330, smoke 50)")
     p.add_argument("--cap-gib", type=float, default=16.0, help="GPU memory cap for every system (capped runs)")
     p.add_argument("--p2-max-models", type=int, default=None, help="upper bound on K (time box); RAM sets the rest")
+    p.add_argument("--hydra-placements", type=parse_placements, default=["auto"],
+                   help="P2 trains hydra once per placement (ht.train's placement), e.g. auto,host; the first is "
+                        "recorded as 'hydra', the others as 'hydra_<placement>'")
+    p.add_argument("--skip-baselines", action="store_true", help="P2 runs hydra alone (no DeepSpeed or FSDP2)")
     args = p.parse_args(argv)
     if args.phases is None:
         args.phases = list(PHASES) if (args.p3 or args.smoke) else [q for q in PHASES if q != "p3"]
@@ -240,11 +252,18 @@ class Suite:
         phase.update({"lrs": lrs, "hydra_budget_gib": budget / GiB, "cap_gib": cap, "budget_note": note})
         one = self.workload(self.cfg["p2"], self.cfg["baseline_steps"])
         phase["baseline_workload"] = one.as_dict()
-        # hydra half of the phase, each baseline an equal part of the rest, the K processes the last part.
-        baselines = list(BASELINES) + (["fsdp2_no_offload_cpu_check"] if self.args.smoke else [])
-        share = (deadline - time.perf_counter()) / 2 / (len(baselines) + 1)
-        self.run(phase, "hydra", deadline - share * (len(baselines) + 1), "hydra", budget=budget,
-                 workload=asdict(w), seeds=list(range(k)), lrs=lrs, cap_gib=cap)
+        baselines = [] if self.args.skip_baselines else \
+            list(BASELINES) + (["fsdp2_no_offload_cpu_check"] if self.args.smoke else [])
+        placements = self.args.hydra_placements
+        # hydra half of the phase (all of it without baselines), each baseline an equal part of the rest, the K
+        # processes the last part; hydra's part split evenly between its placements, run one after another.
+        start = time.perf_counter()
+        share = (deadline - start) / 2 / (len(baselines) + 1)
+        hydra_end = deadline - share * (len(baselines) + 1) if baselines else deadline
+        for i, placement in enumerate(placements):
+            end = start + (hydra_end - start) * (i + 1) / len(placements)
+            self.run(phase, "hydra" if i == 0 else f"hydra_{placement}", end, "hydra", budget=budget,
+                     workload=asdict(w), seeds=list(range(k)), lrs=lrs, cap_gib=cap, placement=placement)
         for i, name in enumerate(baselines):
             self.run(phase, name, deadline - share * (len(baselines) - i), SYSTEM_OF[name], workload=asdict(one),
                      seeds=[0], lrs=lrs[:1], cap_gib=cap)
@@ -258,6 +277,10 @@ class Suite:
             other = phase.get(name, {}).get("tokens_per_s")
             if hydra and other:
                 phase[f"ratio_hydra_vs_{name}"] = hydra / other
+        for placement in placements[1:]:
+            other = phase[f"hydra_{placement}"].get("window_tokens_per_s") or phase[f"hydra_{placement}"].get("tokens_per_s")
+            if hydra and other:
+                phase[f"ratio_hydra_vs_hydra_{placement}"] = hydra / other
 
     def p1(self, deadline: float):
         shape, phase = self.cfg["p1"], {}

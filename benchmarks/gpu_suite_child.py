@@ -69,7 +69,7 @@ def run(spec: dict, progress_path: str | None = None) -> dict:
     report = (lambda record: write_json(progress_path, record)) if progress_path else None
     if system == "hydra":
         return run_hydra(models, lrs, w, data, device, spec["budget"], optimizer=spec.get("optimizer", "adamw"),
-                         deadline=deadline)
+                         deadline=deadline, placement=spec.get("placement", "auto"))
     if system == "profile":
         return profile_hydra(models[0], w, data, device, spec["budget"])
     if system in ("plain", "plain_checkpointed"):

@@ -103,7 +103,7 @@ def _compact_trace(results) -> list[list]:
 
 
 def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, optimizer="adamw", deadline=None,
-              shards="auto") -> dict:
+              shards="auto", placement="auto") -> dict:
     """All models in one ht.train call, bf16 weights on the device, fp32 masters and the optimizer on the host,
     shards planned on the device for the budget (which holds everything the run puts there). At `deadline`
     every task is asked to stop at its next step boundary, so a run that is running late still returns what it
@@ -126,7 +126,8 @@ def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, opti
             timer.start()
         with Sampler(device) as sampler:
             start = time.perf_counter()
-            results = ht.train(tasks, devices=[device], memory_budget=budget, progress=False, seed=w.seed)
+            results = ht.train(tasks, devices=[device], memory_budget=budget, progress=False, seed=w.seed,
+                               placement=placement)
             wall = time.perf_counter() - start
         errors = [f"{r.name}: {r.error}" for r in results if r.error is not None]
         if errors:
@@ -140,6 +141,7 @@ def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, opti
         stats = results.stats[0]
         moved = stats["host_to_device_bytes"] + stats["device_to_host_bytes"]
         out.update({"utilisation": list(results.utilisation().values())[0], "resident": [r.resident for r in results],
+                    "placement": placement, "placements": [r.placement for r in results],
                     "budget_gib": stats["budget_bytes"] / GiB, "arena_high_water_gib": stats["high_water_bytes"] / GiB,
                     "host_to_device_bytes": stats["host_to_device_bytes"],
                     "device_to_host_bytes": stats["device_to_host_bytes"],

@@ -142,3 +142,25 @@ def test_profile_counts_kernels_copies_overlap_and_idle_time():
     assert abs(gpu["window_s"] - 400e-6) < 1e-12
     assert abs(gpu["gpu_idle_s"] - 120e-6) < 1e-12                               # 180..300
     assert gpu_activity({"traceEvents": []}) == {"events": 0}
+
+
+def test_gpu_suite_runs_hydra_once_per_placement_without_baselines(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--smoke", "--phases", "p2",
+                          "--hydra-placements", "auto,host", "--skip-baselines", "--budget-s", "120",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    p2 = json.loads((tmp_path / "gpu_suite.json").read_text())["phases"]["P2"]
+    assert p2["hydra"]["placement"] == "auto" and p2["hydra_host"]["placement"] == "host"
+    assert all(placed == "spilled" for placed in p2["hydra_host"]["placements"])      # host: every shard spilled
+    assert all("resident" in placed for placed in p2["hydra"]["placements"])          # auto keeps its ends resident
+    assert p2["ratio_hydra_vs_hydra_host"] > 0
+    assert not any(name.startswith(("deepspeed", "fsdp2")) for name in p2)
+
+
+def test_gpu_suite_rejects_an_unknown_placement(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--smoke",
+                          "--hydra-placements", "auto,gpu", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "placements are distinct names" in run.stderr
+    assert not (tmp_path / "gpu_suite.json").exists()
