@@ -121,8 +121,10 @@ PYBIND11_MODULE(_C, m) {
   // The host-step threads one run's device engines share. `team_threads` > 0: each thread's jobs open OpenMP
   // teams of that many threads (omp_set_num_threads is per thread; at::set_num_threads would set every
   // thread's), so that the threads' teams together fit the cores left to them; 0: the process's default.
+  // `in_submission_order`: the models' jobs are taken in turn, not the first that can start (engine/host_worker.h):
+  // what the benchmarks compare that order against.
   py::class_<HostWorker, std::shared_ptr<HostWorker>>(m, "HostSteps")
-      .def(py::init([](int threads, int team_threads) {
+      .def(py::init([](int threads, int team_threads, bool in_submission_order) {
              TORCH_CHECK(team_threads >= 0, "HostSteps: team_threads must be >= 0, got ", team_threads);
              std::function<void()> on_start;
 #ifdef _OPENMP
@@ -136,9 +138,9 @@ PYBIND11_MODULE(_C, m) {
                };
              }
 #endif
-             return std::make_shared<HostWorker>(threads, std::move(on_start));
+             return std::make_shared<HostWorker>(threads, std::move(on_start), in_submission_order);
            }),
-           py::arg("threads"), py::arg("team_threads") = 0)
+           py::arg("threads"), py::arg("team_threads") = 0, py::arg("in_submission_order") = false)
       // Whether team_threads takes effect: this build parallelises with OpenMP (the ThreadSanitizer test build
       // does not, so its host steps keep the default team).
       .def_property_readonly_static("sizes_openmp_teams",

@@ -3,7 +3,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
+#include <future>
 #include <mutex>
 
 namespace hydra::engine {
@@ -78,14 +80,18 @@ std::vector<int64_t> DeviceModel::shard_loads() const {
   return loads;
 }
 
-Fence DeviceModel::submit(std::function<DeviceEvent()> job) {
+Fence DeviceModel::submit(std::function<DeviceEvent()> job, std::function<bool()> startable) {
   static std::mutex order;  // one global submission order across devices (see ShardStore::exchange_last_job)
   auto done = std::make_shared<std::promise<void>>();
   Fence fence;
   {
     std::lock_guard<std::mutex> lock(order);
     std::shared_future<void> previous = store_->exchange_last_job(done->get_future().share());
-    fence = engine_.host_steps_->submit([previous, done, store = store_, job = std::move(job)]() -> DeviceEvent {
+    auto can_start = [previous, startable = std::move(startable)] {
+      return (!previous.valid() || previous.wait_for(std::chrono::seconds(0)) == std::future_status::ready) &&
+             (!startable || startable());
+    };
+    fence = engine_.host_steps_->submit_chained([previous, done, store = store_, job = std::move(job)]() -> DeviceEvent {
       if (previous.valid()) previous.wait();
       struct Signal {  // completes the chain however the job ends; its error travels in its own Fence
         std::shared_ptr<std::promise<void>> promise;
@@ -97,7 +103,7 @@ Fence DeviceModel::submit(std::function<DeviceEvent()> job) {
         store->note_failed_job(std::current_exception());  // before the chain goes on (signal's destructor)
         throw;
       }
-    });
+    }, store_->host_chain(), std::move(can_start));
   }
   return track(fence);
 }

@@ -51,8 +51,9 @@ class DeviceModel {
   // Frees everything the model holds on the device; `issued`: everything issued on the compute stream so far.
   virtual void free_device_memory(const Fence& issued) = 0;
 
-  // Queues a host job after the model's previous one (on any device: the store keeps one chain).
-  Fence submit(std::function<DeviceEvent()> job);
+  // Queues a host job after the model's previous one (on any device: the store keeps one chain). `startable` says,
+  // without blocking, whether whatever else the job waits for (copies) is done; none: nothing else.
+  Fence submit(std::function<DeviceEvent()> job, std::function<bool()> startable = {});
   // A copy or job of the model's, whose error synchronize() must report.
   Fence track(Fence fence);
   // Waits for every queued host job and copy of the model's, rethrowing the first error among them.

@@ -1,10 +1,12 @@
 #include "engine/host_worker.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace hydra::engine {
 
-HostWorker::HostWorker(int threads, std::function<void()> on_start) {
+HostWorker::HostWorker(int threads, std::function<void()> on_start, bool in_submission_order)
+    : in_submission_order_(in_submission_order) {
   if (threads < 1) throw std::invalid_argument("HostWorker: threads must be >= 1, got " + std::to_string(threads));
   for (int i = 0; i < threads; ++i)
     threads_.emplace_back([this, on_start] {
@@ -22,19 +24,42 @@ HostWorker::~HostWorker() {
   for (std::thread& thread : threads_) thread.join();
 }
 
-Fence HostWorker::submit(std::function<DeviceEvent()> job, bool urgent) {
-  Job queued{std::move(job), {}};
-  Fence fence(queued.done.get_future().share());
+Fence HostWorker::enqueue(Job job) {
+  Fence fence(job.done.get_future().share());
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (urgent) {
-      queue_.push_front(std::move(queued));
+    if (job.urgent) {
+      queue_.push_front(std::move(job));
     } else {
-      queue_.push_back(std::move(queued));
+      queue_.push_back(std::move(job));
     }
   }
   wake_.notify_one();
   return fence;
+}
+
+Fence HostWorker::submit(std::function<DeviceEvent()> job, bool urgent) {
+  Job queued;
+  queued.run = std::move(job);
+  queued.urgent = urgent;
+  return enqueue(std::move(queued));
+}
+
+Fence HostWorker::submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable) {
+  if (chain < 0) throw std::invalid_argument("HostWorker: a chain is >= 0, got " + std::to_string(chain));
+  Job queued;
+  queued.run = std::move(job);
+  if (!in_submission_order_) {
+    queued.chain = chain;
+    queued.startable = std::move(startable);
+  }
+  return enqueue(std::move(queued));
+}
+
+void HostWorker::want(int64_t chain) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (std::any_of(queue_.begin(), queue_.end(), [chain](const Job& job) { return job.chain == chain; }))
+    wanted_.insert(chain);
 }
 
 void HostWorker::drain() {
@@ -42,21 +67,40 @@ void HostWorker::drain() {
   idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
 }
 
+std::deque<HostWorker::Job>::iterator HostWorker::next_job() {
+  // A plain job at the front is taken in its turn (an urgent one was put there), as is every job where none is
+  // chained. Else the first chained job that can start, one of a wanted chain first; where none can, the front.
+  if (!queue_.front().startable) return queue_.begin();
+  auto first = queue_.end();
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (!it->startable || !it->startable()) continue;
+    if (wanted_.count(it->chain)) return it;
+    if (first == queue_.end()) first = it;
+  }
+  return first != queue_.end() ? first : queue_.begin();
+}
+
 void HostWorker::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, with nothing left to do
-    Job job = std::move(queue_.front());
-    queue_.pop_front();
+    const auto next = next_job();
+    Job job = std::move(*next);
+    queue_.erase(next);
+    if (job.chain >= 0 && wanted_.count(job.chain) &&
+        std::none_of(queue_.begin(), queue_.end(), [&job](const Job& other) { return other.chain == job.chain; }))
+      wanted_.erase(job.chain);
     ++busy_;
     lock.unlock();
     try {
       DeviceEvent event = job.run();
       job.run = nullptr;  // what the job captured goes now, before anyone learns it is done
+      job.startable = nullptr;
       job.done.set_value(std::move(event));
     } catch (...) {
       job.run = nullptr;
+      job.startable = nullptr;
       job.done.set_exception(std::current_exception());  // reported through the job's Fence
     }
     lock.lock();

@@ -1,15 +1,21 @@
-// Host threads that run jobs in submission order: a job starts only after every job submitted before it has
-// started, so with one thread jobs also finish in that order.
+// Host threads that run jobs. Plain jobs run in submission order: a job starts only after every job submitted
+// before it has started, so with one thread jobs also finish in that order.
 //
-// A device's copy lanes are one-thread workers (their copies are issued in order); the host optimizer steps
-// of every device share one worker with several threads, and order the jobs of one model among themselves
-// with fences. A job may wait for work submitted before it, never after: that keeps every wait acyclic.
+// A device's copy lanes are one-thread workers of plain jobs (their copies are issued in order). The host
+// optimizer steps of every device share one worker with several threads, whose jobs come in *chains* (one model's
+// host jobs, ordered among themselves by fences) and say whether they can start without waiting: a free thread
+// takes the first job that can, one of a chain something waits for (`want`) first, so that a thread does not sit
+// in one job's wait while another job could run; where none can start, the first queued job, which may wait. A job
+// may wait for work submitted before it, never after. A job taken out of turn waits for nothing; one that may wait
+// is the first queued, taken after every job submitted before it: every wait stays acyclic, as in submission order.
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -20,7 +26,8 @@ namespace hydra::engine {
 class HostWorker {
  public:
   // `on_start` runs first on each thread (say, to size the OpenMP team of the thread's jobs).
-  explicit HostWorker(int threads = 1, std::function<void()> on_start = {});
+  // `in_submission_order`: every job is taken as a plain one, in turn (what the chains' order is measured against).
+  explicit HostWorker(int threads = 1, std::function<void()> on_start = {}, bool in_submission_order = false);
   ~HostWorker();  // finishes the queued jobs, then joins
   HostWorker(const HostWorker&) = delete;
   HostWorker& operator=(const HostWorker&) = delete;
@@ -28,25 +35,40 @@ class HostWorker {
   // `job` returns the event its device work is ordered by, or null for host-only work. An `urgent` job goes
   // before every job still queued (something waits for it now); it must not wait for any of them.
   Fence submit(std::function<DeviceEvent()> job, bool urgent = false);
+  // A job of `chain` (>= 0): `startable` says, without blocking and under the worker's lock, whether everything the
+  // job waits for is done. A worker `in_submission_order` runs it as a plain job.
+  Fence submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable);
+  // Something waits for `chain`'s queued jobs now (a copy of the weights its steps rewrite): they go first among
+  // those that can start, until none of the chain is queued.
+  void want(int64_t chain);
   // Blocks until every job submitted so far has run; rethrows nothing (each job's Fence carries its error).
   void drain();
   int threads() const { return static_cast<int>(threads_.size()); }
+  bool in_submission_order() const { return in_submission_order_; }
 
  private:
+  struct Job {
+    std::function<DeviceEvent()> run;
+    std::promise<DeviceEvent> done;
+    bool urgent = false;
+    int64_t chain = -1;               // -1: a plain job
+    std::function<bool()> startable;  // a chained job's
+  };
+  Fence enqueue(Job job);
   void run();
+  // The queued job a free thread takes now (the queue is not empty).
+  std::deque<Job>::iterator next_job();
 
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable idle_;
-  struct Job {
-    std::function<DeviceEvent()> run;
-    std::promise<DeviceEvent> done;
-  };
   // Not packaged_task: its future would own the job, and a Fence kept by what the job captures (a store
   // remembering its last step) would keep that alive forever. A promise's future holds only the result.
   std::deque<Job> queue_;
+  std::set<int64_t> wanted_;  // chains with a queued job that something waits for
   int busy_ = 0;
   bool stopping_ = false;
+  bool in_submission_order_;
   std::vector<std::thread> threads_;
 };
 

@@ -175,6 +175,8 @@ class ShardStore {
     std::swap(last_job_, next);
     return next;
   }
+  // The chain those jobs make on the host-step worker (HostWorker::submit_chained): one number per store.
+  int64_t host_chain() const { return host_chain_; }
   // The first error among the model's host jobs, kept for the jobs after it: a clipped step's norm must not be
   // taken over gradients that a failed job left incomplete (the chain goes on after a failure, see
   // DeviceModel::submit). Null while none has failed.
@@ -247,6 +249,8 @@ class ShardStore {
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_ptr<const LossGate> loss_gate_;
   std::shared_future<void> last_job_;
+  static inline std::atomic<int64_t> chains_{0};
+  const int64_t host_chain_ = chains_++;
   std::exception_ptr failed_job_;
   mutable std::mutex step_mutex_;
   std::vector<Fence> last_steps_;

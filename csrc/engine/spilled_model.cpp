@@ -106,8 +106,14 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
       copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
                           store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
   std::vector<Fence> after = std::move(allocation.after);
-  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote.
-  for (Fence& f : pending_steps(shard)) after.push_back(std::move(f));
+  // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote: where one is still to
+  // run on the host, the model's host jobs go first there, as the copy lane waits for them.
+  bool step_pending = false;
+  for (Fence& f : pending_steps(shard)) {
+    step_pending = step_pending || !f.ready();
+    after.push_back(std::move(f));
+  }
+  if (step_pending) engine_.host_steps_->want(store.host_chain());
   // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless it
   // waits on anything not yet done: the memory it fills may still be filled by one of them (an evicted
   // prefetch), and a pending step may wait for a copy queued ahead that still reads the step's buffer. A copy

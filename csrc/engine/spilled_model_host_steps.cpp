@@ -3,6 +3,7 @@
 // thread; and global-norm clipping, whose steps wait for every shard's gradient.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <future>
 
@@ -36,6 +37,11 @@ void step_host(ShardStore& store, int shard, const std::vector<StepRange>& range
   }
   step_ranges(spec, store.master(shard), store.pending_grad(shard), states, shadow, ranges, grad_scale, lr_scale);
   if (store.has_grad(shard)) store.grad(shard).zero_();
+}
+
+// Whether every one of `fences` is done (a host job waiting for them would not block).
+bool all_ready(const std::vector<Fence>& fences) {
+  return std::all_of(fences.begin(), fences.end(), [](const Fence& f) { return f.ready(); });
 }
 
 // The host memory a step of the shard touches: the gradient read (`grad_bytes` an element), the fp32 master and
@@ -114,7 +120,7 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
     if (step) engine.step_log_.add({model, shard, step_number, StepPlace::kHost, step_start, steady_ns()});
     landing->reset();
     return nullptr;
-  });
+  }, [landed, readers] { return landed.ready() && all_ready(readers); });
   // Free again once copied out: the next shard's gradients need not wait for this one's step.
   engine_.pool_.release(w.grads, landed);
   w.grads = Region{};
@@ -213,7 +219,7 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
     engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
     engine.step_log_.add({model, shard, step_number, StepPlace::kHost, start, steady_ns()});
     return nullptr;
-  });
+  }, [readers, norm] { return norm->ready() && all_ready(readers); });
   owner->set_last_step(shard, done);
   owner->bump_version(shard);
   if (cached(shard) && !pinned(shard)) evict(shard);

@@ -185,5 +185,120 @@ TEST(HostWorker, AnUrgentJobGoesBeforeTheQueuedOnes) {
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2})) << "the running job finishes, then the urgent one";
 }
 
+// A job of one chain that would wait (its gradient has not landed) does not hold the only thread while a job of
+// another chain could run.
+TEST(HostWorker, AChainedJobThatCanStartGoesBeforeOneThatWouldWait) {
+  HostWorker worker;
+  ManualFence hold, landed;
+  std::promise<void> started;
+  std::mutex mutex;
+  std::vector<char> order;
+  auto note = [&](char c) {
+    std::lock_guard<std::mutex> lock(mutex);
+    order.push_back(c);
+  };
+  worker.submit_chained([&]() -> DeviceEvent {  // holds the thread until both are queued
+    started.set_value();
+    hold.fence.wait();
+    return nullptr;
+  }, 2, [] { return true; });
+  started.get_future().wait();
+  worker.submit_chained([&]() -> DeviceEvent {
+    landed.fence.wait();
+    note('a');
+    return nullptr;
+  }, 0, [&] { return landed.fence.ready(); });
+  Fence b = worker.submit_chained([&]() -> DeviceEvent {
+    note('b');
+    return nullptr;
+  }, 1, [] { return true; });
+  hold.finish();
+  EXPECT_TRUE(hydra::engine::testing::ready_within(b, std::chrono::seconds(10))) << "b waited behind a";
+  landed.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<char>{'b', 'a'}));
+}
+
+// Among the jobs that can start, those of a chain something waits for (a copy lane, for its step) go first; the
+// others keep their turn.
+TEST(HostWorker, AWantedChainsJobsGoFirst) {
+  HostWorker worker;
+  ManualFence hold;
+  std::promise<void> started;
+  worker.submit_chained([&]() -> DeviceEvent {
+    started.set_value();
+    hold.fence.wait();
+    return nullptr;
+  }, 9, [] { return true; });
+  started.get_future().wait();
+  std::vector<int> order;
+  for (int chain : {0, 1, 0, 1})
+    worker.submit_chained([&order, chain]() -> DeviceEvent {
+      order.push_back(chain);
+      return nullptr;
+    }, chain, [] { return true; });
+  worker.want(1);
+  worker.want(5);  // nothing of it queued: nothing changes
+  hold.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<int>{1, 1, 0, 0}));
+  // Once none of it is queued, a chain is no longer wanted: its next jobs take their turn.
+  order.clear();
+  worker.submit_chained([&]() -> DeviceEvent {
+    hold.fence.wait();  // done already: only keeps the order
+    return nullptr;
+  }, 9, [] { return true; });
+  for (int chain : {0, 1}) worker.submit_chained([&order, chain]() -> DeviceEvent {
+      order.push_back(chain);
+      return nullptr;
+    }, chain, [] { return true; });
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<int>{0, 1}));
+}
+
+// Where no job can start, a thread takes the first queued one and waits in it, as in submission order; the queue
+// drains once what it waits for is done.
+TEST(HostWorker, WhereNoChainedJobCanStartTheFirstQueuedOneIsTaken) {
+  HostWorker worker;
+  ManualFence landed;
+  std::vector<int> order;
+  std::vector<Fence> fences;
+  for (int chain = 0; chain < 3; ++chain)
+    fences.push_back(worker.submit_chained([&, chain]() -> DeviceEvent {
+      landed.fence.wait();
+      order.push_back(chain);
+      return nullptr;
+    }, chain, [&] { return landed.fence.ready(); }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(fences[0].ready());
+  landed.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+}
+
+// In submission order (what the chains' order is measured against), a chained job is a plain one: it waits in turn.
+TEST(HostWorker, InSubmissionOrderChainedJobsRunInTurn) {
+  HostWorker worker(1, {}, /*in_submission_order=*/true);
+  EXPECT_TRUE(worker.in_submission_order());
+  ManualFence landed;
+  std::vector<char> order;
+  worker.submit_chained([&]() -> DeviceEvent {
+    landed.fence.wait();
+    order.push_back('a');
+    return nullptr;
+  }, 0, [&] { return landed.fence.ready(); });
+  Fence b = worker.submit_chained([&]() -> DeviceEvent {
+    order.push_back('b');
+    return nullptr;
+  }, 1, [] { return true; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(b.ready()) << "b went before a";
+  landed.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<char>{'a', 'b'}));
+  EXPECT_THROW(worker.submit_chained([]() -> DeviceEvent { return nullptr; }, -1, [] { return true; }),
+               std::invalid_argument);
+}
+
 }  // namespace
 
