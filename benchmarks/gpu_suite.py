@@ -281,6 +281,9 @@ class Suite:
             other = phase[f"hydra_{placement}"].get("window_tokens_per_s") or phase[f"hydra_{placement}"].get("tokens_per_s")
             if hydra and other:
                 phase[f"ratio_hydra_vs_hydra_{placement}"] = hydra / other
+            spans = (phase["hydra"].get("span_tokens_per_s"), phase[f"hydra_{placement}"].get("span_tokens_per_s"))
+            if all(spans):
+                phase[f"span_ratio_hydra_vs_hydra_{placement}"] = spans[0] / spans[1]
 
     def p1(self, deadline: float):
         shape, phase = self.cfg["p1"], {}

@@ -7,6 +7,7 @@ import platform
 import statistics
 import subprocess
 import threading
+import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
@@ -132,7 +133,8 @@ class Sampler:
 
     def __init__(self, device: torch.device, period: float = 0.05):
         self.device, self.period = device, period
-        self.peak_rss, self.util, self.nvml_error = rss_bytes(), [], None
+        self.peak_rss, self.nvml_error = rss_bytes(), None
+        self.util: list[tuple[float, float]] = []  # (perf_counter seconds, utilisation in percent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -142,7 +144,7 @@ class Sampler:
             self.peak_rss = max(self.peak_rss, rss_bytes())
             if nvml:
                 try:
-                    self.util.append(torch.cuda.utilization(self.device))
+                    self.util.append((time.perf_counter(), torch.cuda.utilization(self.device)))
                 except Exception as error:  # no pynvml, or NVML refused: the other measures still stand
                     self.nvml_error, nvml = f"{type(error).__name__}: {error}", False
 
@@ -155,9 +157,15 @@ class Sampler:
         self._thread.join()
         self.peak_rss = max(self.peak_rss, rss_bytes())
 
+    def util_between(self, begin: float, end: float) -> float | None:
+        """NVML's mean utilisation (0-1) over the samples taken from `begin` to `end` (perf_counter seconds): the
+        training alone, without the setup that the whole run's mean includes."""
+        inside = [util for t, util in self.util if begin <= t <= end]
+        return statistics.mean(inside) / 100 if inside else None
+
     def record(self) -> dict:
         return {"peak_host_rss_gib": self.peak_rss / GiB,
-                "nvml_gpu_util_mean": (statistics.mean(self.util) / 100 if self.util else None),
+                "nvml_gpu_util_mean": (statistics.mean(u for _, u in self.util) / 100 if self.util else None),
                 **({"nvml_error": self.nvml_error} if self.nvml_error else {})}
 
 

@@ -64,7 +64,9 @@ def _p2(p2: dict) -> list[str]:
                        if name.startswith("ratio_hydra_vs_"))
     lines += [f"Cap {p2['cap_gib']:.1f} GiB, hydra budget {p2['hydra_budget_gib']:.1f} GiB ({p2['budget_note']}). "
               f"hydra over its steady window (every model past warm-up until the last step): "
-              f"{_num(hydra.get('window_tokens_per_s'))} tokens/s; {ratios or 'no ratio'}. Baselines: one model, "
+              f"{_num(hydra.get('window_tokens_per_s'))} tokens/s; {ratios or 'no ratio'}. Over every step's span "
+              f"{_num(hydra.get('span_tokens_per_s'))} tokens/s, NVML utilisation "
+              f"{_num(hydra.get('nvml_gpu_util_span'), '{:.2f}')} over it. Baselines: one model, "
               f"{p2['baseline_workload']['warmup'] + p2['baseline_workload']['timed']} steps (K one after another train at that rate); "
               f"best baseline {p2.get('best_baseline', '-')} also as K processes at once under cap / K.", "", HEADER]
     for name, r in p2.items():

@@ -87,6 +87,22 @@ def _steady_window(steps: list[tuple[list[float], float]], w: Workload) -> dict:
             "window_s": seconds, "window_steps": inside}
 
 
+def _training_span(steps: list[tuple[list[float], float]], w: Workload, sampler: Sampler) -> dict:
+    """Every step over the span from the first unit to the last (warm-up included, setup and teardown not): a
+    steadier figure than the window where each model runs few steps; and NVML's utilisation over that span and
+    over the window, which the whole run's mean (setup included) understates."""
+    count = sum(len(starts) for starts, _ in steps)
+    if not count:
+        return {"span_tokens_per_s": None}
+    begin, end = min(starts[0] for starts, _ in steps if starts), max(last for _, last in steps)
+    out = {"span_s": end - begin, "span_steps": count,
+           "span_tokens_per_s": count * w.tokens_per_step / (end - begin) if end > begin else None,
+           "nvml_gpu_util_span": sampler.util_between(begin, end)}
+    if all(len(starts) > w.warmup for starts, _ in steps):
+        out["nvml_gpu_util_window"] = sampler.util_between(max(starts[w.warmup] for starts, _ in steps), end)
+    return out
+
+
 def _step_durations(steps: list[tuple[list[float], float]]) -> list[list[float]]:
     """Per task, each step lasts from its start until the next step starts (or its last unit ends), which
     includes waiting for shard 0's optimizer step on the host."""
@@ -135,6 +151,7 @@ def run_hydra(models, lrs, w: Workload, data, device: torch.device, budget, opti
         steps = _step_starts(results, [t.num_shards for t in tasks])
         out = _summary(w, _step_durations(steps), wall, sampler, device, True)
         out.update(_steady_window(steps, w))
+        out.update(_training_span(steps, w, sampler))
         if any(r.cut_short for r in results):
             out["time_box"] = "stopped at the suite's deadline: " + ", ".join(
                 f"{r.name} {r.steps} steps" for r in results)

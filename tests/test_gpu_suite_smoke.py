@@ -49,6 +49,10 @@ def test_gpu_suite_smoke(tmp_path):
     assert p2["k"] >= 2 and hydra["tokens_per_s"] > 0 and len(hydra["final_losses"]) == p2["k"]
     assert hydra["steps"] == 6 * p2["k"] or "time_box" in hydra                # 6 steps a model, 2 warm-up
     assert hydra["window_tokens_per_s"] > 0
+    assert hydra["span_steps"] == hydra["steps"] and hydra["span_s"] > 0              # every step, over its span
+    tokens = hydra["span_steps"] * p2["workload"]["tokens_per_step"]
+    assert hydra["span_tokens_per_s"] == pytest.approx(tokens / hydra["span_s"])
+    assert hydra["nvml_gpu_util_span"] is None                                          # no NVML on the CPU
     assert 0 < hydra["window_steps"] <= 4 * p2["k"]                     # warm-up steps never count
     split = hydra["budget_split"]
     assert split["capacity_bytes"] + split["working_set_bytes"] + split["saved_high_water_bytes"] <= \
@@ -157,7 +161,7 @@ def test_gpu_suite_runs_hydra_once_per_placement_without_baselines(tmp_path):
     assert p2["hydra_host"]["placements"] == ["spilled"] * p2["k"]
     assert len(p2["hydra"]["placements"]) == p2["k"]
     assert all(placed.startswith(("spilled", "resident")) for placed in p2["hydra"]["placements"])
-    assert p2["ratio_hydra_vs_hydra_host"] > 0
+    assert p2["ratio_hydra_vs_hydra_host"] > 0 and p2["span_ratio_hydra_vs_hydra_host"] > 0
     assert not any(name.startswith(("deepspeed", "fsdp2")) for name in p2)
 
 
@@ -167,3 +171,14 @@ def test_gpu_suite_rejects_an_unknown_placement(tmp_path):
                          timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "placements are distinct names" in run.stderr
     assert not (tmp_path / "gpu_suite.json").exists()
+
+
+def test_nvml_utilisation_is_averaged_over_the_span_asked_for():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gpu_suite_env import Sampler
+
+    sampler = Sampler(torch.device("cpu"))
+    sampler.util = [(1.0, 10.0), (2.0, 90.0), (3.0, 70.0), (4.0, 0.0)]   # setup idle, training busy, teardown idle
+    assert sampler.util_between(2.0, 3.0) == pytest.approx(0.8)
+    assert sampler.util_between(5.0, 6.0) is None
+    assert sampler.record()["nvml_gpu_util_mean"] == pytest.approx(0.425)
