@@ -77,6 +77,16 @@ def parse_placements(text: str) -> list[str]:
     return placements
 
 
+def parse_steps(text: str) -> tuple[int, int]:
+    try:
+        warmup, timed = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"steps are WARMUP,TIMED (two integers), got {text!r}") from None
+    if warmup < 0 or timed < 1:
+        raise argparse.ArgumentTypeError(f"steps need WARMUP >= 0 and TIMED >= 1, got {text!r}")
+    return warmup, timed
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
@@ -90,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--hydra-placements", type=parse_placements, default=["auto"],
                    help="P2 trains hydra once per placement (ht.train's placement), e.g. auto,host; the first is "
                         "recorded as 'hydra', the others as 'hydra_<placement>'")
+    p.add_argument("--p2-steps", type=parse_steps, default=None,
+                   help="hydra's steps a model in P2 as WARMUP,TIMED (default 2,4): more give a steadier window")
     p.add_argument("--skip-baselines", action="store_true", help="P2 runs hydra alone (no DeepSpeed or FSDP2)")
     args = p.parse_args(argv)
     if args.phases is None:
@@ -233,7 +245,7 @@ class Suite:
     # ---- phases ---------------------------------------------------------------------------------------
 
     def p2(self, deadline: float):
-        w = self.workload(self.cfg["p2"], self.cfg["p2_steps"])
+        w = self.workload(self.cfg["p2"], self.args.p2_steps or self.cfg["p2_steps"])
         # Host bytes per model: hydra's training state with an fp32 module (~18.4 B/param with AdamW).
         per_param = hydra_host_bytes_per_param(w, 2)
         k_ram, why = models_that_fit(w.params(), per_param)

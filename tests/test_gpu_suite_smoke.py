@@ -151,7 +151,8 @@ def test_profile_counts_kernels_copies_overlap_and_idle_time():
 def test_gpu_suite_runs_hydra_once_per_placement_without_baselines(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--smoke", "--phases", "p2",
-                          "--hydra-placements", "auto,host", "--skip-baselines", "--budget-s", "120",
+                          "--hydra-placements", "auto,host", "--skip-baselines", "--p2-steps", "1,2",
+                          "--budget-s", "120",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     p2 = json.loads((tmp_path / "gpu_suite.json").read_text())["phases"]["P2"]
@@ -162,14 +163,17 @@ def test_gpu_suite_runs_hydra_once_per_placement_without_baselines(tmp_path):
     assert len(p2["hydra"]["placements"]) == p2["k"]
     assert all(placed.startswith(("spilled", "resident")) for placed in p2["hydra"]["placements"])
     assert p2["ratio_hydra_vs_hydra_host"] > 0 and p2["span_ratio_hydra_vs_hydra_host"] > 0
+    assert p2["hydra"]["steps"] == p2["hydra_host"]["steps"] == 3 * p2["k"]           # --p2-steps 1,2
     assert not any(name.startswith(("deepspeed", "fsdp2")) for name in p2)
 
 
-def test_gpu_suite_rejects_an_unknown_placement(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--smoke",
-                          "--hydra-placements", "auto,gpu", "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    assert run.returncode == 2 and "placements are distinct names" in run.stderr
+@pytest.mark.parametrize("args, message", [(["--hydra-placements", "auto,gpu"], "placements are distinct names"),
+                                           (["--p2-steps", "2"], "steps are WARMUP,TIMED"),
+                                           (["--p2-steps", "2,0"], "TIMED >= 1")])
+def test_gpu_suite_rejects_bad_arguments_before_running(tmp_path, args, message):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--smoke", *args,
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and message in run.stderr
     assert not (tmp_path / "gpu_suite.json").exists()
 
 
