@@ -61,6 +61,11 @@ SYSTEM_OF = {"deepspeed_zero2_offload": "deepspeed_zero2", "deepspeed_zero3_offl
              "fsdp2_cpu_offload": "fsdp2", "fsdp2_no_offload_cpu_check": "fsdp2_no_offload"}
 
 
+def hydra_rate(result: dict) -> float | None:
+    """A hydra P2 run's headline tokens/s: over its steady window, else from its median steps."""
+    return result.get("window_tokens_per_s") or result.get("tokens_per_s")
+
+
 def parse_phases(text: str) -> list[str]:
     phases = [p.strip().lower() for p in text.split(",") if p.strip()]
     unknown = [p for p in phases if p not in PHASES]
@@ -284,13 +289,13 @@ class Suite:
             best = max(rated, key=rated.get)
             phase["best_baseline"] = best
             self.at_once(phase, f"{best}_x{k}_at_once", deadline, SYSTEM_OF[best], k, one, lrs, cap)
-        hydra = phase["hydra"].get("window_tokens_per_s") or phase["hydra"].get("tokens_per_s")
+        hydra = hydra_rate(phase["hydra"])
         for name in [*baselines, f"{phase.get('best_baseline')}_x{k}_at_once"]:
             other = phase.get(name, {}).get("tokens_per_s")
             if hydra and other:
                 phase[f"ratio_hydra_vs_{name}"] = hydra / other
         for placement in placements[1:]:
-            other = phase[f"hydra_{placement}"].get("window_tokens_per_s") or phase[f"hydra_{placement}"].get("tokens_per_s")
+            other = hydra_rate(phase[f"hydra_{placement}"])
             if hydra and other:
                 phase[f"ratio_hydra_vs_hydra_{placement}"] = hydra / other
             spans = (phase["hydra"].get("span_tokens_per_s"), phase[f"hydra_{placement}"].get("span_tokens_per_s"))

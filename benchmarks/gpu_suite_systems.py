@@ -74,13 +74,20 @@ def _step_starts(results, n_shards: list[int]) -> list[tuple[list[float], float]
     return out
 
 
+def _window_begin(steps: list[tuple[list[float], float]], w: Workload) -> float | None:
+    """When every model has begun its first timed step; None where a model did not get past its warm-up."""
+    if not all(len(starts) > w.warmup for starts, _ in steps):
+        return None
+    return max(starts[w.warmup] for starts, _ in steps)
+
+
 def _steady_window(steps: list[tuple[list[float], float]], w: Workload) -> dict:
     """Aggregate tokens/s over one window: from the moment every model has finished its warm-up steps (its
     first timed step has begun) to the moment the last model's last unit ended; the tokens are every step that
     began inside the window, so no model's warm-up counts and no model is cut short by its neighbours."""
-    if not all(len(starts) > w.warmup for starts, _ in steps):
+    begin = _window_begin(steps, w)
+    if begin is None:
         return {"window_tokens_per_s": None, "window_note": "a model did not get past its warm-up steps"}
-    begin = max(starts[w.warmup] for starts, _ in steps)
     inside = sum(1 for starts, _ in steps for t in starts if t >= begin)
     seconds = max(end for _, end in steps) - begin
     return {"window_tokens_per_s": inside * w.tokens_per_step / seconds if seconds > 0 else None,
@@ -98,8 +105,9 @@ def _training_span(steps: list[tuple[list[float], float]], w: Workload, sampler:
     out = {"span_s": end - begin, "span_steps": count,
            "span_tokens_per_s": count * w.tokens_per_step / (end - begin) if end > begin else None,
            "nvml_gpu_util_span": sampler.util_between(begin, end)}
-    if all(len(starts) > w.warmup for starts, _ in steps):
-        out["nvml_gpu_util_window"] = sampler.util_between(max(starts[w.warmup] for starts, _ in steps), end)
+    window_begin = _window_begin(steps, w)
+    if window_begin is not None:
+        out["nvml_gpu_util_window"] = sampler.util_between(window_begin, end)
     return out
 
 

@@ -13,6 +13,7 @@
 #include <future>
 #include <memory>
 #include <thread>
+#include <vector>
 
 namespace hydra::engine {
 
@@ -85,5 +86,10 @@ class Fence {
   static constexpr std::chrono::microseconds kLongestPause{100};
   std::shared_future<DeviceEvent> issued_;
 };
+
+// Whether every one of `fences` is done (nothing waiting for them would block).
+inline bool all_ready(const std::vector<Fence>& fences) {
+  return std::all_of(fences.begin(), fences.end(), [](const Fence& f) { return f.ready(); });
+}
 
 }  // namespace hydra::engine

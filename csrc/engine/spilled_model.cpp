@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <chrono>
 
 namespace hydra::engine {
@@ -70,11 +69,7 @@ std::vector<Fence> SpilledModel::pending_steps(int shard) const {
   return steps;
 }
 
-bool SpilledModel::steps_done(int shard) const {
-  for (const Fence& f : pending_steps(shard))
-    if (!f.ready()) return false;
-  return true;
-}
+bool SpilledModel::steps_done(int shard) const { return all_ready(pending_steps(shard)); }
 
 void SpilledModel::evict(int shard) {
   Weights& w = weights_[shard];
@@ -108,18 +103,15 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
   std::vector<Fence> after = std::move(allocation.after);
   // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote: where one is still to
   // run on the host, the model's host jobs go first there, as the copy lane waits for them.
-  bool step_pending = false;
-  for (Fence& f : pending_steps(shard)) {
-    step_pending = step_pending || !f.ready();
-    after.push_back(std::move(f));
-  }
-  if (step_pending) engine_.host_steps_->want(store.host_chain());
+  std::vector<Fence> steps = pending_steps(shard);
+  if (!all_ready(steps)) engine_.host_steps_->want(store.host_chain());
+  for (Fence& f : steps) after.push_back(std::move(f));
   // A copy the compute is about to wait for goes before the prefetches queued for later visits, unless it
   // waits on anything not yet done: the memory it fills may still be filled by one of them (an evicted
   // prefetch), and a pending step may wait for a copy queued ahead that still reads the step's buffer. A copy
   // that jumped the queue would then wait on a copy queued behind it, forever.
   const bool urgent = (need == DeviceEngine::Need::kMust || need == DeviceEngine::Need::kEvictAny) &&
-                      std::all_of(after.begin(), after.end(), [](const Fence& f) { return f.ready(); });
+                      all_ready(after);
   CopyLane& lane = engine_.to_device_;
   w.ready = track(lane.submit(
       std::move(after), [copies = std::move(copies), &lane]() -> DeviceEvent { return lane.copy(copies); }, urgent));

@@ -118,7 +118,7 @@ bool SpilledModel::bring_state(int shard, bool must) {
     for (size_t k = 0; k < visit.states.size(); ++k)
       in.emplace_back(visit.states[k], store.state(shard, static_cast<int>(k)));
     after.push_back(store.last_step(shard));  // the master's last writer
-    const bool urgent = must && std::all_of(after.begin(), after.end(), [](const Fence& f) { return f.ready(); });
+    const bool urgent = must && all_ready(after);
     CopyLane& to_device = engine_.to_device_;
     visit.in = track(to_device.submit(
         std::move(after), [in, &to_device]() -> DeviceEvent { return to_device.copy(in); }, urgent));

@@ -3,7 +3,6 @@
 // thread; and global-norm clipping, whose steps wait for every shard's gradient.
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cmath>
 #include <future>
 
@@ -37,11 +36,6 @@ void step_host(ShardStore& store, int shard, const std::vector<StepRange>& range
   }
   step_ranges(spec, store.master(shard), store.pending_grad(shard), states, shadow, ranges, grad_scale, lr_scale);
   if (store.has_grad(shard)) store.grad(shard).zero_();
-}
-
-// Whether every one of `fences` is done (a host job waiting for them would not block).
-bool all_ready(const std::vector<Fence>& fences) {
-  return std::all_of(fences.begin(), fences.end(), [](const Fence& f) { return f.ready(); });
 }
 
 // The host memory a step of the shard touches: the gradient read (`grad_bytes` an element), the fp32 master and
