@@ -20,15 +20,21 @@ std::optional<int64_t> ArenaAllocator::allocate(int64_t bytes) {
   return allocate(bytes, [](int64_t, int64_t) { return true; });
 }
 
-std::optional<int64_t> ArenaAllocator::allocate(int64_t bytes, const std::function<bool(int64_t, int64_t)>& acceptable) {
+std::optional<int64_t> ArenaAllocator::allocate(int64_t bytes, const std::function<bool(int64_t, int64_t)>& acceptable,
+                                                const std::vector<int64_t>& also_try) {
   if (bytes < 0) throw std::invalid_argument("ArenaAllocator: negative size");
   const int64_t size = rounded(bytes == 0 ? 1 : bytes);
-  // Best fit among acceptable places: the start or the end of each free range that is large enough.
+  // Best fit among acceptable places: the start or the end of each free range that is large enough, or one of
+  // `also_try` inside it.
   std::optional<int64_t> offset;
   int64_t best_range = 0;
+  std::vector<int64_t> candidates;
   for (const auto& [start, range] : free_) {
     if (range < size || (offset && range >= best_range)) continue;
-    for (int64_t candidate : {start, start + range - size}) {
+    candidates = {start, start + range - size};
+    for (int64_t place : also_try)
+      if (place > start && place + size < start + range && place % alignment_ == 0) candidates.push_back(place);
+    for (int64_t candidate : candidates) {
       if (acceptable(candidate, size)) {
         offset = candidate;
         best_range = range;

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <vector>
 
 namespace hydra::core {
 
@@ -21,8 +22,10 @@ class ArenaAllocator {
   // Returns the offset, or nothing when no free range is large enough.
   std::optional<int64_t> allocate(int64_t bytes);
   // Best fit among the places `acceptable(offset, size)` admits, trying the start and the end of each free
-  // range: the engine uses it to avoid memory whose last user (a copy) has not finished yet.
-  std::optional<int64_t> allocate(int64_t bytes, const std::function<bool(int64_t, int64_t)>& acceptable);
+  // range, and each of `also_try` that lies in one with room for the request: the engine uses it to avoid memory
+  // whose last user (a copy) has not finished yet, trying the places just before and past such memory too.
+  std::optional<int64_t> allocate(int64_t bytes, const std::function<bool(int64_t, int64_t)>& acceptable,
+                                  const std::vector<int64_t>& also_try = {});
   // Returns a range to the free list, merging it with its free neighbours.
   void release(int64_t offset);
 

@@ -24,14 +24,24 @@ CopyLane::~CopyLane() {
   if (stream_) stream_->synchronize();
 }
 
-Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> job, bool urgent) {
-  return thread_.submit([this, after = std::move(after), job = std::move(job)]() -> DeviceEvent {
+std::function<DeviceEvent()> CopyLane::ordered(std::vector<Fence> after, std::function<DeviceEvent()> job) {
+  return [this, after = std::move(after), job = std::move(job)]() -> DeviceEvent {
     // On a CPU device events are null: ordering on any stream is waiting for the host part.
     for (const Fence& f : after) f.order_reuse_before(order_stream());
     if (!stream_) return job();
     c10::StreamGuard guard(*stream_);
     return job();
-  }, urgent);
+  };
+}
+
+Fence CopyLane::submit(std::vector<Fence> after, std::function<DeviceEvent()> job, bool urgent) {
+  return thread_.submit(ordered(std::move(after), std::move(job)), urgent);
+}
+
+Fence CopyLane::submit_when(std::vector<Fence> after, std::function<DeviceEvent()> job, int64_t chain,
+                           std::function<bool()> startable) {
+  return thread_.submit_chained(ordered(std::move(after), std::move(job)), chain, std::move(startable),
+                                /*only_once_startable=*/true);
 }
 
 DeviceEvent CopyLane::copy(const Copies& copies) {

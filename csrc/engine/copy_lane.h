@@ -2,7 +2,10 @@
 // optimizer steps of device-stepped shards, which wait for their state's copy without holding up the compute.)
 //
 // A lane's copies are issued by its own thread, in submission order, so no copy waits behind host arithmetic
-// it does not depend on (an optimizer step of another shard or model). On a GPU they run on the lane's own
+// it does not depend on (an optimizer step of another shard or model). The one exception is a copy that says
+// when it can start (submit_when: a gradient that needs a free landing buffer of its model's): it is not taken
+// before it can, and meanwhile the thread takes a later such copy that can, so one model's slow host steps do not
+// hold up another's copies. On a GPU they run on the lane's own
 // stream: two lanes make the link full duplex. On a CPU device the lane's thread performs them itself and,
 // with a link bandwidth set, each copy takes at least bytes / bandwidth seconds, as it would over PCIe: a CPU
 // run then takes the GPU's asynchronous path with a GPU's copy times (for tests and benchmarks).
@@ -36,6 +39,14 @@ class CopyLane {
   // failed job there delays the copy but is reported through its own fence.
   // An `urgent` copy (the compute is about to wait for it) goes before the prefetches still queued.
   Fence submit(std::vector<Fence> after, std::function<DeviceEvent()> job, bool urgent = false);
+  // As submit, for a job of `chain` (a model) taken only once `startable` (asked without blocking, under the
+  // lane's lock) says it can start (its `after` waited for as submit's are: pass work already issued); it may go
+  // before a queued one that cannot (HostWorker's chained jobs, `only_once_startable`), never before a plain job
+  // queued before it. Whatever makes `startable` true must poke() the lane.
+  Fence submit_when(std::vector<Fence> after, std::function<DeviceEvent()> job, int64_t chain,
+                    std::function<bool()> startable);
+  // Something a queued job's `startable` reads may have changed (HostWorker::poke).
+  void poke() { thread_.poke(); }
   // Inside a job: issues the copies and returns the event that marks their end (null on a CPU device, where
   // they are done on return).
   DeviceEvent copy(const Copies& copies);
@@ -49,6 +60,9 @@ class CopyLane {
   void drain() { thread_.drain(); }
 
  private:
+  // `job` on the lane's stream (where it has one), after the host part of each of `after`.
+  std::function<DeviceEvent()> ordered(std::vector<Fence> after, std::function<DeviceEvent()> job);
+
   c10::Device device_;
   std::optional<c10::Stream> stream_;
   double bytes_per_second_;

@@ -17,14 +17,6 @@
 
 namespace hydra::engine {
 
-namespace {
-
-// Gradient copies in flight or waiting for their host job, per device: enough for the next shard's copy to
-// start while the previous two are stepped, few enough that host memory stays a few shards' gradients.
-constexpr int kStagingBuffers = 3;
-
-}  // namespace
-
 DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared_ptr<HostWorker> host_steps,
                            double link_bytes_per_second, std::shared_ptr<HostPace> host_pace)
     : device_(device),
@@ -32,7 +24,6 @@ DeviceEngine::DeviceEngine(c10::Device device, int64_t budget_bytes, std::shared
       pool_(device, budget_bytes),
       host_pace_(std::move(host_pace)),
       host_steps_(host_steps ? std::move(host_steps) : std::make_shared<HostWorker>(1)),
-      staging_(kStagingBuffers, /*pinned=*/!device.is_cpu()),
       to_device_(device, link_bytes_per_second),
       to_host_(device, link_bytes_per_second),
       steps_(device, 0.0) {
@@ -279,7 +270,8 @@ EngineStats DeviceEngine::stats() const {
   stats.grad_copy_seconds = to_host_.busy_seconds();
   stats.weight_copy_seconds = to_device_.busy_seconds();
   stats.device_step_seconds = steps_.busy_seconds();
-  stats.staging_bytes = staging_.host_bytes();
+  for (const auto& m : models_)
+    if (!m->resident()) stats.staging_bytes += static_cast<const SpilledModel&>(*m).landing_bytes();
   return stats;
 }
 

@@ -10,8 +10,8 @@
 // arrive, and weight copies stay cached while the budget allows, evicted by furthest next use.
 //
 // Three kinds of work run beside the compute, none waiting for another unless it reads its result: weight
-// copies in (the host-to-device lane), gradient copies out (the device-to-host lane; a gradient region is
-// free again as soon as its copy is done) and host jobs (accumulation and optimizer steps, on host-step
+// copies in (the host-to-device lane), gradient copies out (the device-to-host lane, into each model's own
+// landing buffers; a gradient region is free again as soon as its copy is done) and host jobs (accumulation and optimizer steps, on host-step
 // threads shared by every device and ordered per model). A weight copy waits only for the step of the shard
 // it reads; a step waits for its gradient copy and for copies still reading the weights it rewrites.
 //
@@ -37,7 +37,6 @@
 #include "engine/host_pace.h"
 #include "engine/host_worker.h"
 #include "engine/shard_store.h"
-#include "engine/staging_ring.h"
 #include "engine/step_log.h"
 
 namespace hydra::engine {
@@ -69,7 +68,7 @@ struct EngineStats {
   int64_t acquire_loads = 0;
   double acquire_wait_seconds = 0.0;
   double grad_wait_seconds = 0.0;  // of which: room for the gradients (earlier gradients still copying out)
-  // Host memory the gradient copies land in (the staging buffers), in bytes.
+  // Host memory the gradient copies land in now (every spilled model's landing buffers), in bytes.
   int64_t staging_bytes = 0;
 };
 
@@ -262,7 +261,6 @@ class DeviceEngine {
   std::shared_ptr<HostPace> host_pace_;
   // Destroyed in reverse order: the lanes first (they finish their copies), then what their jobs use.
   std::shared_ptr<HostWorker> host_steps_;
-  StagingRing staging_;
   CopyLane to_device_, to_host_;
   // Device-stepped shards' steps, each once its state has landed: the compute stream never waits for that copy.
   CopyLane steps_;

@@ -48,7 +48,8 @@ class DeviceModel {
   virtual void discard_grads() = 0;
   // Copies state that lives on the device into the store (after synchronize()); nothing for a spilled model.
   virtual void copy_home() {}
-  // Frees everything the model holds on the device; `issued`: everything issued on the compute stream so far.
+  // Frees everything the model holds on the device, and the host buffers its gradients landed in; `issued`:
+  // everything issued on the compute stream so far.
   virtual void free_device_memory(const Fence& issued) = 0;
 
   // Queues a host job after the model's previous one (on any device: the store keeps one chain). `startable` says,

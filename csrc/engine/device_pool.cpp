@@ -44,7 +44,14 @@ std::optional<Allocation> DevicePool::allocate(int64_t bytes) {
       if (region.offset < offset + size && offset < region.offset + region.bytes) return false;
     return true;
   };
-  std::optional<int64_t> offset = arena_->allocate(bytes, idle);
+  // Besides the ends of each free range, the places just past and just before each such range: memory freed
+  // out of order (gradient regions, from the ends of the free space) may leave only the middle idle.
+  std::vector<int64_t> beside;
+  for (const auto& [region, fence] : released_) {
+    beside.push_back(region.offset + region.bytes);
+    beside.push_back(region.offset - arena_->rounded(bytes));
+  }
+  std::optional<int64_t> offset = arena_->allocate(bytes, idle, beside);
   if (!offset) offset = arena_->allocate(bytes);
   if (!offset) return std::nullopt;
   Allocation allocation{Region{*offset, arena_->rounded(bytes)}, {}};

@@ -45,15 +45,23 @@ Fence HostWorker::submit(std::function<DeviceEvent()> job, bool urgent) {
   return enqueue(std::move(queued));
 }
 
-Fence HostWorker::submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable) {
+Fence HostWorker::submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable,
+                                 bool only_once_startable) {
   if (chain < 0) throw std::invalid_argument("HostWorker: a chain is >= 0, got " + std::to_string(chain));
+  if (!startable) throw std::invalid_argument("HostWorker: a chained job needs its startable");
   Job queued;
   queued.run = std::move(job);
-  if (!in_submission_order_) {
+  if (!in_submission_order_ || only_once_startable) {
     queued.chain = chain;
     queued.startable = std::move(startable);
+    queued.only_once_startable = only_once_startable;
   }
   return enqueue(std::move(queued));
+}
+
+void HostWorker::poke() {
+  { std::lock_guard<std::mutex> lock(mutex_); }  // a thread between its look at the queue and its wait gets this
+  wake_.notify_all();
 }
 
 void HostWorker::want(int64_t chain) {
@@ -69,7 +77,8 @@ void HostWorker::drain() {
 
 std::deque<HostWorker::Job>::iterator HostWorker::next_job() {
   // A plain job at the front is taken in its turn (an urgent one was put there), as is every job where none is
-  // chained. Else the first chained job that can start, one of a wanted chain first; where none can, the front.
+  // chained. Else the first chained job that can start, one of a wanted chain first; where none can, the front,
+  // unless it may only be taken once it can start: then none.
   if (!queue_.front().startable) return queue_.begin();
   auto first = queue_.end();
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
@@ -77,15 +86,20 @@ std::deque<HostWorker::Job>::iterator HostWorker::next_job() {
     if (wanted_.count(it->chain)) return it;
     if (first == queue_.end()) first = it;
   }
-  return first != queue_.end() ? first : queue_.begin();
+  if (first != queue_.end()) return first;
+  return queue_.front().only_once_startable ? queue_.end() : queue_.begin();
 }
 
 void HostWorker::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    auto next = queue_.end();
+    wake_.wait(lock, [this, &next] {
+      if (queue_.empty()) return stopping_;
+      next = next_job();
+      return next != queue_.end();
+    });
     if (queue_.empty()) return;  // stopping, with nothing left to do
-    const auto next = next_job();
     Job job = std::move(*next);
     queue_.erase(next);
     if (job.chain >= 0 && wanted_.count(job.chain) &&

@@ -8,6 +8,9 @@
 // in one job's wait while another job could run; where none can start, the first queued job, which may wait. A job
 // may wait for work submitted before it, never after. A job taken out of turn waits for nothing; one that may wait
 // is the first queued, taken after every job submitted before it: every wait stays acyclic, as in submission order.
+// A chained job may instead be one that never waits (`only_once_startable`, a copy lane's gradient copy that needs a
+// free landing buffer): where it is the first queued and none can start, the threads wait until poke() says that
+// something may have become startable.
 #pragma once
 
 #include <condition_variable>
@@ -36,8 +39,13 @@ class HostWorker {
   // before every job still queued (something waits for it now); it must not wait for any of them.
   Fence submit(std::function<DeviceEvent()> job, bool urgent = false);
   // A job of `chain` (>= 0): `startable` says, without blocking and under the worker's lock, whether everything the
-  // job waits for is done. A worker `in_submission_order` runs it as a plain job.
-  Fence submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable);
+  // job waits for is done. A worker `in_submission_order` runs it as a plain job. With `only_once_startable` no
+  // thread takes it before `startable` says so; then whatever makes it startable must poke() the worker.
+  Fence submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable,
+                       bool only_once_startable = false);
+  // Something a queued job's `startable` reads may have changed: the idle threads look again. Never call it
+  // holding a lock that `startable` takes.
+  void poke();
   // Something waits for `chain`'s queued jobs now (a copy of the weights its steps rewrite): they go first among
   // those that can start, until none of the chain is queued.
   void want(int64_t chain);
@@ -53,10 +61,11 @@ class HostWorker {
     bool urgent = false;
     int64_t chain = -1;               // -1: a plain job
     std::function<bool()> startable;  // a chained job's
+    bool only_once_startable = false;
   };
   Fence enqueue(Job job);
   void run();
-  // The queued job a free thread takes now (the queue is not empty).
+  // The queued job a free thread takes now (the queue is not empty), or end() where it must wait for a poke().
   std::deque<Job>::iterator next_job();
 
   std::mutex mutex_;

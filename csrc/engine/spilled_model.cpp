@@ -8,6 +8,12 @@ namespace hydra::engine {
 
 namespace {
 
+// Gradient copies of one model landed or landing and not yet read by its host job: one copy lands while the
+// previous shard's gradient waits for its step and the one before it is stepped. Fewer cost the chain its overlap
+// (two: 1.17x the span, one: 1.59x, four models on the emulated link; benchmarks/RESULTS.md); host memory stays
+// three shards' gradients a model.
+constexpr int kLandingBuffers = 3;
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -20,7 +26,11 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
       resident_shards_(std::move(resident_shards)),
       device_shards_(std::move(device_shards)),
       frozen_base_(frozen_base),
-      homes_(engine, id) {
+      homes_(engine, id),
+      // A gradient copy waiting for a free buffer is taken by the device-to-host lane once one comes free. The
+      // lane outlives every lease: the engine drains the host jobs that hold them before its lanes go.
+      landing_(StagingRing::make(kLandingBuffers, /*pinned=*/engine.has_streams_,
+                                 [lane = &engine.to_host_] { lane->poke(); })) {
   const std::string error = resident_shards_error(this->store(), resident_shards_);
   TORCH_CHECK(error.empty(), error);
   const std::string device_error = device_shards_error(this->store(), resident_shards_, device_shards_);
@@ -252,6 +262,7 @@ void SpilledModel::free_device_memory(const Fence& issued) {
     if (state_visits_[s].in_use()) drop_state(s, issued);
   homes_.free(issued);
   free_held_grads(issued);
+  landing_->shrink();  // after synchronize(): no copy or host job holds a buffer
 }
 
 }  // namespace hydra::engine

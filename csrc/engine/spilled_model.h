@@ -24,6 +24,7 @@
 
 #include "engine/device_model.h"
 #include "engine/shard_homes.h"
+#include "engine/staging_ring.h"
 
 namespace hydra::engine {
 
@@ -77,6 +78,8 @@ class SpilledModel final : public DeviceModel {
   const std::vector<int>& resident_shards() const { return resident_shards_; }
   const std::vector<int>& device_shards() const { return device_shards_; }
   bool device_stepped(int shard) const { return device_stepped_.at(shard); }
+  // Host memory its gradient copies land in now.
+  int64_t landing_bytes() const { return landing_->host_bytes(); }
   void upload() override;
   void copy_home() override;
   void backward_done(int shard, bool step, double lr_scale, bool keep) override;
@@ -172,6 +175,9 @@ class SpilledModel final : public DeviceModel {
   bool kept_ = false;
   std::vector<bool> homed_ = std::vector<bool>(store().num_shards());
   ShardHomes homes_;
+  // The host-stepped shards' gradient copies land here, the model's own: another model's host steps falling
+  // behind never hold its copies up.
+  std::shared_ptr<StagingRing> landing_;
 };
 
 }  // namespace hydra::engine

@@ -58,15 +58,18 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
   const at::Tensor device_grad = grad_view(shard).narrow(0, 0, numel);
   const at::ScalarType dtype = store().compute_dtype();
   const int64_t bytes = numel * store().element_bytes();
-  // The staging buffer the gradient lands in: leased by the copy, given back when the host job is done with
-  // it (or when both jobs are gone, however they ended).
+  // The model's landing buffer the gradient lands in: leased by the copy, given back when the host job is done
+  // with it (or when both jobs are gone, however they ended). While the model has none free, the lane copies
+  // other models' gradients that can land.
   auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
   CopyLane& lane = engine_.to_host_;
-  StagingRing& staging = engine_.staging_;
-  const Fence landed = track(lane.submit({engine_.compute_point()}, [=, &lane, &staging]() -> DeviceEvent {
-    *landing = staging.acquire(bytes);
+  std::shared_ptr<StagingRing> ring = landing_;
+  auto copy_out = [=, &lane]() -> DeviceEvent {
+    *landing = ring->acquire(bytes);
     return lane.copy({{(*landing)->view(dtype, numel), device_grad}});
-  }));
+  };
+  const Fence landed =
+      track(lane.submit_when({engine_.compute_point()}, copy_out, id(), [ring] { return ring->has_free(); }));
   ++engine_.stats_.device_to_host_copies;
   engine_.stats_.device_to_host_bytes += bytes;
   const std::vector<Fence> readers = store().readers(shard);  // the step rewrites the buffer they read

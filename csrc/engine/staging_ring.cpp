@@ -22,8 +22,23 @@ at::Tensor StagingRing::Lease::view(at::ScalarType dtype, int64_t numel) const {
   return bytes_.narrow(0, 0, numel * c10::elementSize(dtype)).view(dtype);
 }
 
-StagingRing::StagingRing(int buffers, bool pinned) : pinned_(pinned), buffers_(buffers), free_(buffers, true) {
+StagingRing::StagingRing(int buffers, bool pinned, std::function<void()> on_free)
+    : pinned_(pinned), on_free_(std::move(on_free)), buffers_(buffers), free_(buffers, true) {}
+
+std::shared_ptr<StagingRing> StagingRing::make(int buffers, bool pinned, std::function<void()> on_free) {
   TORCH_CHECK(buffers >= 1, "StagingRing: buffers must be >= 1, got ", buffers);
+  return std::shared_ptr<StagingRing>(new StagingRing(buffers, pinned, std::move(on_free)));
+}
+
+bool StagingRing::has_free() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::find(free_.begin(), free_.end(), true) != free_.end();
+}
+
+void StagingRing::shrink() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < buffers_.size(); ++i)
+    if (free_[i]) buffers_[i] = at::Tensor();
 }
 
 std::unique_ptr<StagingRing::Lease> StagingRing::acquire(int64_t bytes) {
@@ -44,7 +59,7 @@ std::unique_ptr<StagingRing::Lease> StagingRing::acquire(int64_t bytes) {
     lock.lock();
     buffer = std::move(grown);
   }
-  return std::make_unique<Lease>(this, index, buffer);
+  return std::make_unique<Lease>(shared_from_this(), index, buffer);
 }
 
 int64_t StagingRing::host_bytes() const {
@@ -60,6 +75,7 @@ void StagingRing::give_back(int index) {
     free_[index] = true;
   }
   freed_.notify_one();
+  if (on_free_) on_free_();
 }
 
 }  // namespace hydra::engine

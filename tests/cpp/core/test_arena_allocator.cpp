@@ -317,5 +317,14 @@ TEST(ArenaAllocator, AllocationAvoidsWhatThePredicateRefuses) {
   EXPECT_EQ(arena.allocate(1024), 0);
 }
 
+TEST(ArenaAllocator, PlacesAlsoTriedInsideAFreeRange) {
+  ArenaAllocator arena(4096, 256);
+  auto refuse_ends = [](int64_t offset, int64_t size) { return offset >= 1024 && offset + size <= 3072; };
+  EXPECT_FALSE(arena.allocate(1024, refuse_ends)) << "only the ends are tried";
+  EXPECT_FALSE(arena.allocate(1024, refuse_ends, {3072, 100, -256})) << "outside, unaligned or beyond the range";
+  EXPECT_EQ(arena.allocate(1024, refuse_ends, {1024}), 1024);
+  EXPECT_EQ(arena.in_use(), 1024);
+}
+
 }  // namespace
 

@@ -1,5 +1,5 @@
 // DeviceEngine's asynchronous paths on a CPU device: gradient regions free once copied out, copies that do
-// not wait behind unrelated host jobs, copies that do wait for the step they read, prefetch along the plan.
+// not wait behind unrelated host jobs (nor another model's falling behind), copies that do wait for the step they read, prefetch along the plan.
 // The host-step threads are held by a gate job, as a long optimizer step would hold them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -8,6 +8,7 @@
 #include <chrono>
 #include <future>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "engine/device_engine.h"
@@ -108,6 +109,39 @@ TEST(AsyncEngine, APrefetchDoesNotWaitBehindAnotherModelsHostJob) {
   engine.synchronize(ma);
 }
 
+TEST(AsyncEngine, OneModelsHostJobsFallingBehindDoNotHoldUpAnothersGradientCopies) {
+  GatedHostSteps steps;
+  auto a = store_of(4, 1024), b = store_of(1, 2048);  // b's landing buffer is twice the size of each of a's
+  DeviceEngine engine(kCpu, 1 << 22, steps.worker);
+  const auto spilled = DeviceEngine::Residency::kSpilled;
+  const int ma = engine.add_model(a, spilled), mb = engine.add_model(b, spilled);
+  // The arena is the whole budget: model b's regions need not reuse ones whose gradient copy-out is still queued.
+  engine.expect_arrivals();
+  engine.plan({{ma, 3}, {ma, 2}, {ma, 1}, {ma, 0}, {mb, 0}});
+  // Model a's host jobs are held: its three landing buffers stay taken and its fourth gradient waits for one.
+  for (int s : {3, 2, 1, 0}) {
+    engine.acquire(ma, s, true);
+    fill_grads(*a, s, 1.0f + s);
+    engine.backward_done(ma, s, false);
+    engine.release(ma, s);
+  }
+  engine.acquire(mb, 0, true);
+  fill_grads(*b, 0, 7.0f);
+  engine.backward_done(mb, 0, false);
+  engine.release(mb, 0);
+  const int64_t landed = 3 * 1024 * 4 + 2048 * 4;  // a's three buffers and b's one
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (engine.stats().staging_bytes < landed && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(engine.stats().staging_bytes, landed)
+      << "model b's gradient did not land in its own buffer while model a's host jobs were held";
+  steps.open();
+  engine.synchronize(ma);
+  engine.synchronize(mb);
+  for (int s : {0, 1, 2, 3}) EXPECT_TRUE(at::equal(a->grad(s).narrow(0, 0, 1024), at::full({1024}, 1.0f + s)));
+  EXPECT_TRUE(at::equal(b->grad(0).narrow(0, 0, 2048), at::full({2048}, 7.0f)));
+}
+
 TEST(AsyncEngine, ACopyWaitsForTheStepOfTheShardItReads) {
   if (!c10::Dispatcher::singleton().findSchema({"hydra::sgd_step", ""}).has_value())
     GTEST_SKIP() << "hydra::sgd_step is not registered in this build";
@@ -171,7 +205,10 @@ TEST(AsyncEngine, StagingBuffersAreAFewShardsOfHostMemory) {
   }
   engine.synchronize(m);
   EXPECT_GT(engine.stats().staging_bytes, 0);
-  EXPECT_LE(engine.stats().staging_bytes, 3 * 1024 * 4) << "one landing buffer per shard copied out";
+  EXPECT_LE(engine.stats().staging_bytes, 3 * 1024 * 4) << "the model's three landing buffers";
+  engine.finish(m);
+  engine.release_model(m);
+  EXPECT_EQ(engine.stats().staging_bytes, 0) << "a released model keeps no landing buffer";
 }
 
 TEST(AsyncEngine, AStoreGoesWithItsEngineAfterSteps) {

@@ -109,6 +109,26 @@ TEST(DevicePool, IdleMemoryIsPreferredAndReusedMemoryCarriesTheFenceOfItsLastUse
   EXPECT_LE(pool.high_water(), pool.budget());
 }
 
+TEST(DevicePool, IdleMemoryBetweenRangesStillInUseAtBothEndsOfTheFreeSpaceIsFound) {
+  DevicePool pool(kCpu, 8 * 1024);
+  auto a = pool.allocate(1024);  // [0, 1024): the start of the free space once released
+  auto rest = pool.allocate(6 * 1024);
+  auto b = pool.allocate(1024);  // [7168, 8192): its end
+  ASSERT_TRUE(a && rest && b);
+  ManualFence fa, fb;  // say, two models' gradient copies still queued
+  pool.release(rest->region, Fence());
+  pool.release(a->region, fa.fence);
+  pool.release(b->region, fb.fence);
+  // One free range, both of whose ends a copy still reads: the idle middle is taken, with no ordering.
+  auto c = pool.allocate(2048);
+  ASSERT_TRUE(c);
+  EXPECT_TRUE(c->after.empty()) << "placed at " << c->region.offset << " over memory a copy still reads";
+  EXPECT_GE(c->region.offset, 1024);
+  EXPECT_LE(c->region.offset + c->region.bytes, 7168);
+  fa.finish();
+  fb.finish();
+}
+
 TEST(DevicePool, FinishedReleaseIsReusedWithoutOrdering) {
   DevicePool pool(kCpu, 1024);
   auto a = pool.allocate(1024);

@@ -21,6 +21,7 @@ using hydra::engine::DeviceEvent;
 using hydra::engine::Fence;
 using hydra::engine::HostWorker;
 using hydra::engine::testing::ManualFence;
+using hydra::engine::testing::ready_within;
 
 TEST(Fence, DefaultAndNullEventFencesAreReady) {
   Fence done;
@@ -274,6 +275,48 @@ TEST(HostWorker, WhereNoChainedJobCanStartTheFirstQueuedOneIsTaken) {
   landed.finish();
   worker.drain();
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+}
+
+// A job that may only be taken once it can start is not taken before: the threads wait for a poke, and a later job
+// that can start goes first.
+TEST(HostWorker, AJobTakenOnlyOnceStartableWaitsForAPoke) {
+  HostWorker worker;
+  std::atomic<bool> can_start{false};
+  std::vector<char> order;
+  Fence a = worker.submit_chained([&]() -> DeviceEvent {
+    order.push_back('a');
+    return nullptr;
+  }, 0, [&] { return can_start.load(); }, /*only_once_startable=*/true);
+  Fence b = worker.submit_chained([&]() -> DeviceEvent {
+    order.push_back('b');
+    return nullptr;
+  }, 1, [] { return true; }, true);
+  EXPECT_TRUE(ready_within(b, std::chrono::seconds(10)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(a.ready()) << "taken before it could start";
+  can_start = true;
+  worker.poke();
+  EXPECT_TRUE(ready_within(a, std::chrono::seconds(10)));
+  EXPECT_EQ(order, (std::vector<char>{'b', 'a'}));
+  EXPECT_THROW(worker.submit_chained([]() -> DeviceEvent { return nullptr; }, 0, {}), std::invalid_argument);
+}
+
+// drain() waits for a job taken only once it can start until a poke starts it.
+TEST(HostWorker, DrainWaitsForAJobTakenOnlyOnceStartable) {
+  HostWorker worker;
+  std::atomic<bool> can_start{false}, ran{false};
+  worker.submit_chained([&]() -> DeviceEvent {
+    ran = true;
+    return nullptr;
+  }, 0, [&] { return can_start.load(); }, true);
+  std::thread poker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    can_start = true;
+    worker.poke();
+  });
+  worker.drain();
+  poker.join();
+  EXPECT_TRUE(ran);
 }
 
 // In submission order (what the chains' order is measured against), a chained job is a plain one: it waits in turn.
