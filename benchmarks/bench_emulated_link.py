@@ -39,7 +39,8 @@ def make_tasks(args, data):
         config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
                             n_head=4, bos_token_id=0, eos_token_id=0)
         tasks.append(ht.ModelTask(GPT2LMHeadModel(config), data=data, optimizer=ht.optim.AdamW(lr=1e-3),
-                                  shards=args.layers + 2, name=f"m{i}", clip_grad_norm=getattr(args, "clip", None)))
+                                  shards=args.layers + 2, name=f"m{i}", clip_grad_norm=getattr(args, "clip", None),
+                                  precision=getattr(args, "precision", None)))
     return tasks
 
 

@@ -16,11 +16,15 @@ and the largest device step's regions. With `--host-speed S` the host steps run 
 over that bandwidth. With `--forecast`, each run is also forecast by the lane model (`_C.lane_forecast`, the
 simulator over the real scheduler) from what the memory-speed run of the same round measured: each shard's median
 unit times, the host steps' bytes per second (the emulated host's where there is one), the link's bandwidth, and the
-placement the run got; reported as the forecast over the measured span.
+placement the run got; reported as the forecast over the measured span. With `--precision bf16` the models compute
+in bf16 (fp32 masters on the host, as in the GPU suite's P2; the copy / forward ratio then counts a block's bf16
+weights), and with `--cache-all` the budget also has room to keep every model's weights cached, as P2's budget on
+the GPU box does: the engine then grants "auto" its resident ends beside the other spilled models (bf16 keeps
+the models themselves spilled, which fp32 weights cached whole would not).
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
                                           [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto device]
-                                          [--host-speed S] [--forecast]
+                                          [--host-speed S] [--forecast] [--precision bf16] [--cache-all]
 """
 from __future__ import annotations
 
@@ -142,13 +146,20 @@ def main():
                         help="emulate a host memory bandwidth of this many times the link's (default: the machine's)")
     parser.add_argument("--forecast", action="store_true",
                         help="also the lane model's forecast of each run, over the measured span")
+    parser.add_argument("--precision", choices=["bf16"], default=None,
+                        help="the models compute in bf16 (fp32 masters on the host), as in the GPU suite")
+    parser.add_argument("--cache-all", action="store_true",
+                        help="room in the budget to keep every model's weights cached (as P2's budget on the GPU)")
     args, data, shard_bytes = parse_workload(parser)
-    block_bytes = shard_bytes[1]
+    copied = 0.5 if args.precision == "bf16" else 1.0  # of the fp32 bytes, what a weight copy moves
+    block_bytes = shard_bytes[1] * copied
     # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile;
     # with "auto" among the placements, every model's resident ends too (the same budget for every placement).
     budget = (2 + args.ahead) * max(shard_bytes) + 65536
     if "auto" in args.placements or "device" in args.placements:
         budget += args.models * ends_bytes(shard_bytes)
+    if args.cache_all:
+        budget += int(args.models * sum(shard_bytes) * copied)
     if "device" in args.placements:  # the middle shards' fp32 gradients, and a step's master and moments (12 bytes
         budget += args.models * sum(shard_bytes[1:-1]) + 3 * max(shard_bytes) + 65536  # a parameter)
     runs = [(ratio, placement) for ratio in args.ratios for placement in args.placements]
@@ -176,10 +187,11 @@ def main():
                                            stats["grad_wait_seconds"] / took, compute,
                                            stats["host_to_device_bytes"] / bandwidth[ratio], took, forecast / took))
     prefetch = "as far as it allows" if args.far else "next"
+    cached = ", room for every weight cached" if args.cache_all else ""
     print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
           f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
           f"weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, {args.commit} units "
-          f"committed, clipping {args.clip}, host memory "
+          f"committed, clipping {args.clip}, {args.precision or 'fp32'}{cached}, host memory "
           f"{'at ' + format(args.host_speed, 'g') + 'x the link' if args.host_speed else 'unpaced'}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"medians of {args.rounds} interleaved rounds")
     for placement, got in placements.items():

@@ -147,11 +147,6 @@ double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLa
 
 bool ends_step(const SimulationConfig& config, const Unit& unit);
 
-// The unit's backward ends a step of a shard stepped on the host: the shard's next visit waits for that step.
-bool ends_host_step(const SimulationConfig& config, const Unit& unit) {
-  return !config.steps.empty() && place_of(config, unit) == StepPlace::kHost && ends_step(config, unit);
-}
-
 bool ends_step(const SimulationConfig& config, const Unit& unit) {
   const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
   return (unit.micro_batch + 1) % accumulate == 0 ||
@@ -162,6 +157,22 @@ bool ends_step(const SimulationConfig& config, const Unit& unit) {
 bool steps_on_device(const SimulationConfig& config, const Unit& unit) {
   return !config.steps.empty() && has_backward(unit.phase) && place_of(config, unit) == StepPlace::kDevice &&
          ends_step(config, unit);
+}
+
+// The unit (shard 0's backward) ends a step: when the task's next forward can run without waiting for a step, as
+// the engine's SpilledModel::next_step_waits reads it. That forward waits for the steps of the shards it copies
+// in, up to the first one stepped on the host (the last of its host steps to finish); a resident shard's weights
+// are always there. 0 where none is to wait for.
+double next_forward_ready(const SimulationConfig& config, StepState& steps, const Unit& unit) {
+  if (config.steps.empty() || unit.shard != 0 || !has_backward(unit.phase) || !ends_step(config, unit)) return 0.0;
+  const std::vector<StepPlace>& places = config.steps[static_cast<size_t>(unit.task)].places;
+  double ready = 0.0;
+  for (size_t shard = 0; shard < places.size(); ++shard) {
+    if (places[shard] == StepPlace::kResident) continue;
+    ready = std::max(ready, steps.shards[static_cast<size_t>(unit.task)][shard].ready);
+    if (places[shard] == StepPlace::kHost) break;
+  }
+  return ready;
 }
 
 // The lane copies the shards of the units the scheduler plans next for the device (a plan it commits to), as far
@@ -254,7 +265,7 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
   std::priority_queue<Completion, std::vector<Completion>, std::greater<>> events;
   SimulationResult result;
   double now = 0.0;
-  std::vector<std::pair<int, double>> held;  // tasks held back for their first shard's host step, and until when
+  std::vector<std::pair<int, double>> held;  // tasks held back for a step their next forward needs, and until when
   for (;;) {
     std::erase_if(held, [&](const std::pair<int, double>& entry) {
       if (entry.second > now) return false;
@@ -280,11 +291,11 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       result.exposed_transfer_seconds += start - now;
       const double end = after_unit(config, *unit, start + compute, state_landed,
                                     gradient_lanes[static_cast<size_t>(d)], steps, result);
-      if (config.hold_for_steps && unit->shard == 0 && has_backward(unit->phase) && ends_host_step(config, *unit)) {
-        // As the engine's device loop does: the task's next forward would wait for this step, so other tasks go
-        // first until it is done.
+      if (const double ready = next_forward_ready(config, steps, *unit); config.hold_for_steps && ready > end) {
+        // As the engine's device loop does: the task's next forward would wait for a step, so other tasks go first
+        // until it is done.
         scheduler.hold(unit->task, true);
-        held.emplace_back(unit->task, steps.of(*unit).ready);
+        held.emplace_back(unit->task, ready);
       }
       result.trace.push_back(TraceEntry{d, unit->task, unit->index, now, end});
       device.busy = true;

@@ -38,7 +38,8 @@
 //   backward is done, then sends them back with the new weights, from which a later visit on another device copies.
 // - kResident: the device steps; nothing is copied, ever.
 // The device is busy until its step is done. A planned copy of a shard whose previous step is not yet done waits
-// for a later dispatch. A task whose first shard steps on the host is held back until that step is done
+// for a later dispatch. A task whose next forward would wait for a step (its first shard past the resident ones
+// stepped on the host, or a device-stepped one in front of that) is held back until the step is done
 // (hold_for_steps), so other tasks' units run meanwhile.
 #pragma once
 
@@ -74,8 +75,8 @@ struct SimulationConfig {
   // Per task: its steps and where each shard steps (see above). Weights in and gradients out then come from here,
   // and transfer and gradient_transfer must be empty; the tasks may not evaluate. Empty: no step is modelled.
   std::vector<StepSchedule> steps;
-  // Steps: a task whose first shard was just stepped on the host is held back (Scheduler::hold) until that step
-  // is done, as the engine's device loop holds it (hydra_torch.run.workers.HOLD_FOR_STEPS).
+  // Steps: a task whose next forward would wait for a step just queued (see above) is held back (Scheduler::hold)
+  // until that step is done, as the engine's device loop holds it (hydra_torch.run.workers.HOLD_FOR_STEPS).
   bool hold_for_steps = true;
 };
 

@@ -5,10 +5,10 @@
 // it does not depend on (an optimizer step of another shard or model). The one exception is a copy that says
 // when it can start (submit_when: a gradient that needs a free landing buffer of its model's): it is not taken
 // before it can, and meanwhile the thread takes a later such copy that can, so one model's slow host steps do not
-// hold up another's copies. On a GPU they run on the lane's own
-// stream: two lanes make the link full duplex. On a CPU device the lane's thread performs them itself and,
-// with a link bandwidth set, each copy takes at least bytes / bandwidth seconds, as it would over PCIe: a CPU
-// run then takes the GPU's asynchronous path with a GPU's copy times (for tests and benchmarks).
+// hold up another's copies. On a GPU they run on the lane's own stream: two lanes make the link full duplex. On a
+// CPU device the lane's thread performs them itself and, with a link bandwidth set, each copy takes at least
+// bytes / bandwidth seconds, as it would over PCIe: a CPU run then takes the GPU's asynchronous path with a GPU's
+// copy times (for tests and benchmarks).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -127,7 +127,7 @@ DeviceModel& DeviceEngine::live(int model) {
   return m;
 }
 
-SpilledModel* DeviceEngine::spilled(int model) {
+SpilledModel* DeviceEngine::spilled(int model) const {
   DeviceModel& m = model_at(model);
   return m.released() || m.resident() ? nullptr : static_cast<SpilledModel*>(&m);
 }
@@ -194,10 +194,9 @@ void DeviceEngine::forget_step_prefetch(int model, int shard) {
   if (SpilledModel* m = spilled(model)) m->forget_prefetched_state(shard);
 }
 
-bool DeviceEngine::waits_for_step(int model, int shard) {
-  model_at(model).check_shard(shard);
+bool DeviceEngine::next_step_waits(int model) {
   const SpilledModel* m = spilled(model);
-  return m && !m->current(shard) && !m->steps_done(shard);
+  return m && m->next_step_waits();
 }
 
 void DeviceEngine::release(int model, int shard) {
@@ -270,8 +269,8 @@ EngineStats DeviceEngine::stats() const {
   stats.grad_copy_seconds = to_host_.busy_seconds();
   stats.weight_copy_seconds = to_device_.busy_seconds();
   stats.device_step_seconds = steps_.busy_seconds();
-  for (const auto& m : models_)
-    if (!m->resident()) stats.staging_bytes += static_cast<const SpilledModel&>(*m).landing_bytes();
+  for (int model = 0; model < static_cast<int>(models_.size()); ++model)
+    if (const SpilledModel* m = spilled(model)) stats.staging_bytes += m->landing_bytes();
   return stats;
 }
 

@@ -150,9 +150,9 @@ class DeviceEngine {
   void prefetch_step(int model, int shard);
   // The acquire after prefetch_step failed: what it prefetched is given back.
   void forget_step_prefetch(int model, int shard);
-  // The shard's weights are not on the device and cannot be copied yet: a step they read is still running
-  // (a spilled model's first shard, at the start of its next step).
-  bool waits_for_step(int model, int shard);
+  // The model's next forward would wait for a step still running: the weights of a shard it visits first are not
+  // on the device and cannot be copied yet (SpilledModel::next_step_waits). False for a resident model.
+  bool next_step_waits(int model);
   void release(int model, int shard);
   // The shard's backward for this micro-batch is issued. Gradients are accumulated; with `step` the shard's
   // optimizer step follows (on the host for spilled models, overlapping the compute of other shards), unless
@@ -217,7 +217,7 @@ class DeviceEngine {
   DeviceModel& model_at(int model) const;  // throws for a model never added
   DeviceModel& live(int model);         // throws for a released model
   DeviceModel& live(int model, int shard);  // and for a shard it does not have
-  SpilledModel* spilled(int model);     // null for a resident or released model
+  SpilledModel* spilled(int model) const;  // null for a resident or released model
   c10::Stream compute_stream() const;
   Fence compute_point() const;  // everything issued so far on the compute stream
   // How hard an allocation tries: a prefetch of the next planned visit only displaces shards needed later

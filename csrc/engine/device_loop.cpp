@@ -23,7 +23,7 @@ int DeviceLoop::model(int task) const {
 void DeviceLoop::release_held() {
   std::erase_if(held_, [this](const std::pair<int, int>& entry) {
     const auto [task, model] = entry;
-    if (engine_.model_of(task) == model && engine_.waits_for_step(model, 0)) return false;
+    if (engine_.model_of(task) == model && engine_.next_step_waits(model)) return false;
     scheduler_.hold(task, false);
     return true;
   });
@@ -79,10 +79,11 @@ int64_t DeviceLoop::end(const core::Unit& unit, const std::optional<BackwardDone
     throw;
   }
   engine_.release(visit.model, visit.shard);
-  // Shard 0's step is queued now, or with clipping by clip_and_step right after this end: either way the task's
-  // next forward would wait for it.
+  // The step's last backward: its steps are queued (with clipping, by clip_and_step right after this end), and the
+  // task's next forward would wait for the first of its shards stepped on the host (shard 0, or the first past the
+  // resident ones), with the device idle: other tasks run until that step is done.
   if (backward && visit.shard == 0 && options_.hold_for_steps && !engine_.resident(visit.model) &&
-      (backward->clip_follows || (backward->step && engine_.waits_for_step(visit.model, 0)))) {
+      (backward->clip_follows || (backward->step && engine_.next_step_waits(visit.model)))) {
     scheduler_.hold(unit.task, true);
     held_.emplace_back(unit.task, visit.model);
   }

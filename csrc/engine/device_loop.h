@@ -28,8 +28,8 @@ struct LoopOptions {
   int committed_units = 4;   // how many of them the device commits to running in order (Scheduler::commit_plan)
   int64_t prefetch_bytes = 0;  // how far beyond the next planned shard prefetch goes (DeviceEngine::prefetch_ahead)
   // A spilled task whose step has just been queued (or, clipped, is queued next by clip_and_step) is held
-  // (Scheduler::hold) until its first shard can be copied in again: its next forward would wait for the whole
-  // step, and another task's units run meanwhile.
+  // (Scheduler::hold) until its next forward would no longer wait for the step (DeviceEngine::next_step_waits):
+  // another task's units run meanwhile.
   bool hold_for_steps = true;
 };
 

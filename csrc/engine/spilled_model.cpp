@@ -81,6 +81,14 @@ std::vector<Fence> SpilledModel::pending_steps(int shard) const {
 
 bool SpilledModel::steps_done(int shard) const { return all_ready(pending_steps(shard)); }
 
+bool SpilledModel::next_step_waits() const {
+  for (int shard = 0; shard < store().num_shards(); ++shard) {
+    if (!current(shard) && !steps_done(shard)) return true;
+    if (!homed(shard) && !device_stepped(shard)) return false;
+  }
+  return false;
+}
+
 void SpilledModel::evict(int shard) {
   Weights& w = weights_[shard];
   engine_.pool_.release(w.weights, w.last_use);

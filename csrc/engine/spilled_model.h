@@ -95,6 +95,12 @@ class SpilledModel final : public DeviceModel {
   bool current(int shard) const;
   // The steps a copy of the shard reads the result of are done.
   bool steps_done(int shard) const;
+  // The next forward, visiting the shards in order, would wait for a step: a shard it reaches no later than the
+  // first host-stepped one is neither current nor copyable yet. Resident and device-stepped shards in front of
+  // that one do not end the search (their weights on the device may still be stale, their step running), and
+  // shards past it need not be looked at: a model's host steps run in the order they were queued, the backward's,
+  // so the first host-stepped shard's step is the last of them to finish.
+  bool next_step_waits() const;
   int64_t weight_bytes(int shard) const;
   // Copies the shard's weights in, after the steps they read; false when `need` allows no room for them.
   bool load(int shard, DeviceEngine::Need need);

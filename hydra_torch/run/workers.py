@@ -22,8 +22,9 @@ from hydra_torch.run.saved_bytes import SavedBytes
 PLAN_UNITS = 32
 COMMITTED_UNITS = 4
 PREFETCH_BEYOND_NEXT_BYTES = 0
-# A spilled task whose step was just queued is held back (Scheduler.hold) until its first shard can come in
-# again: other tasks run meanwhile instead of the device waiting for the step and the copy.
+# A spilled task whose step was just queued is held back (Scheduler.hold) until the first shard its next forward
+# copies in (shard 0, or the first past its resident ends) can come in again: other tasks run meanwhile instead of
+# the device waiting for the step and the copy.
 HOLD_FOR_STEPS = True
 
 

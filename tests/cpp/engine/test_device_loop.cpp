@@ -32,12 +32,13 @@ bool is_backward(const Unit& unit) { return unit.phase == Phase::kForwardBackwar
 // as they landed (one micro-batch a step) or summed (several).
 enum class Clipping { kNone, kKept, kSummed };
 
-// Runs `unit` through the loop, its parameters bound to the master values, writing a backward's gradients as
-// run_step does and stepping (clipped: leaving the step to clip_and_step); then completes it.
+// Runs `unit` through the loop, its parameters bound to the master values (but a resident shard's, which steps on
+// the device and not in the master), writing a backward's gradients as run_step does and stepping (clipped:
+// leaving the step to clip_and_step); then completes it.
 void run_unit(Scheduler& scheduler, DeviceLoop& loop, ShardStore& store, const Unit& unit,
-              Clipping clipping = Clipping::kNone) {
+              Clipping clipping = Clipping::kNone, bool resident = false) {
   loop.begin(unit);
-  expect_bound_to_master(store, unit.shard);
+  if (!resident) expect_bound_to_master(store, unit.shard);
   std::optional<BackwardDone> backward;
   if (is_backward(unit)) {
     write_grads(store, unit.shard);
@@ -125,20 +126,25 @@ TEST(DeviceLoop, BeginPlansAndPrefetchesTheNextPlannedShard) {
 // A spilled task whose step was just queued cannot start its next forward before the step is done: the loop
 // holds it, and the device runs another task meanwhile. Once the step is done the task is released.
 // Stepping at its last backward or, clipped, at clip_and_step right after it, whether its gradients were kept
-// as they landed or summed.
+// as they landed or summed; with every shard spilled, or with shard 0 resident (stepped on the device, so the
+// forward first waits at shard 1, the first stepped on the host).
 TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
   if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
+  for (const bool resident_first : {false, true})
   for (const bool hold : {false, true})
   for (const Clipping clipping : {Clipping::kNone, Clipping::kKept, Clipping::kSummed}) {
     const bool clipped = clipping != Clipping::kNone;
-    SCOPED_TRACE(testing::Message() << (hold ? "holding" : "not holding")
+    SCOPED_TRACE(testing::Message() << (resident_first ? "shard 0 resident, " : "")
+                                    << (hold ? "holding" : "not holding")
                                     << (clipped ? (clipping == Clipping::kKept ? ", clipped, kept" : ", clipped, summed")
                                                 : ""));
     auto first = equal_shards(kShards), second = equal_shards(kShards, 20);
     auto host_steps = std::make_shared<HostWorker>(1);
     DeviceEngine engine(kCpu, 1 << 20, host_steps);
-    engine.add_model(first, DeviceEngine::Residency::kSpilled, 0);
+    const std::vector<int> resident = resident_first ? std::vector<int>{0} : std::vector<int>{};
+    engine.add_model(first, DeviceEngine::Residency::kSpilled, 0, resident);
     engine.add_model(second, DeviceEngine::Residency::kSpilled, 1);
+    const int first_on_host = resident_first ? 1 : 0;  // the first shard the next forward copies in
     // Task 0 has the longer chain: LRTF goes back to it after its first step, unless it is held.
     Scheduler scheduler({TaskSpec{kShards, 3, std::nullopt}, TaskSpec{kShards, 1, std::nullopt}}, 1,
                         PolicyKind::kLrtf);
@@ -151,14 +157,14 @@ TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
       const Unit unit = *scheduler.try_next(0);
       ASSERT_EQ(unit.task, 0);
       const bool last = unit.phase == Phase::kBackward && unit.shard == 0;
-      auto close_the_gate = [&] {  // shard 0's step waits behind it
+      if (!clipped && unit.phase == Phase::kBackward && unit.shard == first_on_host) {
+        // That shard's host step waits behind the gate.
         host_steps->submit([fence = gate.fence]() -> hydra::engine::DeviceEvent {
           fence.wait();
           return nullptr;
         });
-      };
-      if (last && !clipped) close_the_gate();
-      run_unit(scheduler, loop, *first, unit, clipping);
+      }
+      run_unit(scheduler, loop, *first, unit, clipping, resident_first && unit.shard == 0);
       // As the runner: the norm of the gradients kept, then every shard's step, queued behind the gradient jobs
       // (ungated by the loss: the runner reads it first). The task is held from its last backward until its next
       // begin at least.
@@ -169,8 +175,9 @@ TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
     const Unit next = *scheduler.try_next(0);
     EXPECT_EQ(next.task, hold ? 1 : 0) << "while task 0's step runs, task 1 goes first";
     gate.finish();
-    ASSERT_TRUE(hydra::engine::testing::ready_within(first->last_step(0), 10s));
-    run_unit(scheduler, loop, next.task == 0 ? *first : *second, next);  // its begin releases task 0
+    ASSERT_TRUE(hydra::engine::testing::ready_within(first->last_step(first_on_host), 10s));
+    run_unit(scheduler, loop, next.task == 0 ? *first : *second, next, Clipping::kNone,
+             resident_first && next.task == 0 && next.shard == 0);  // its begin releases task 0
     if (hold) EXPECT_EQ(scheduler.try_next(0)->task, 0) << "released, the longer task comes back first";
     engine.synchronize(0);
     engine.synchronize(1);

@@ -239,7 +239,6 @@ TEST(DeviceEngine, AShardOrModelThatDoesNotExistIsAClearErrorThatChangesNothing)
     expect_error([&] { engine.acquire(m, shard, true); }, says);
     expect_error([&] { engine.release(m, shard); }, says);
     expect_error([&] { engine.backward_done(m, shard, true); }, says);
-    expect_error([&] { engine.waits_for_step(m, shard); }, says);
   }
   for (const int model : {-1, 1}) {
     const std::string says = "no model " + std::to_string(model) + " on this device (1 added)";
