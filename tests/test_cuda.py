@@ -113,3 +113,20 @@ def test_cuda_bf16_device_steps_train_as_host_steps_do():
     # The CUDA kernel and the host's round the fp32 arithmetic apart; the bf16 weights follow within rounding.
     assert got.losses == pytest.approx(want.losses, rel=1e-2)
     assert got.losses[-1] < got.losses[0]
+
+
+def test_cuda_device_stepped_shards_keep_their_master_and_moments_pinned():
+    # A device-stepped shard's master and AdamW moments cross the link both ways every step: pinned, so that the
+    # copies are DMA and do not hold their lane; a host-stepped shard's stay in pageable memory (bf16: its master
+    # never crosses).
+    model = tied_transformer()
+    task = ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=1e-3), loss_fn=lm_loss, data=cuda_batches(1),
+                        precision="bf16")
+    store = ht._C.ShardStore(task.shard_params, task.optimizer.spec(), True, True)
+    engine = ht._C.DeviceEngine("cuda:0", 100 * model_bytes(model))
+    engine.add_model(store, allow_resident=False, resident_shards=[0, 7], device_shards=[2, 3])
+    assert store.pinned
+    shard_of = {id(p): s for s, params in enumerate(task.shard_params) for p in params}
+    for param, master, states, _ in store.param_states():
+        stepped = shard_of[id(param)] in (2, 3)
+        assert master.is_pinned() == stepped and all(state.is_pinned() == stepped for state in states)

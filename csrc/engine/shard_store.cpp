@@ -139,6 +139,19 @@ at::Tensor ShardStore::host_buffer(int64_t numel, at::ScalarType dtype, bool pin
   return at::empty({numel}, options);
 }
 
+void ShardStore::pin_state(int shard) {
+  auto pin = [&](at::Tensor& buffer) {
+    // Pinned already: in fp32 the master, which crosses as the weights; or a model added again.
+    if (!pinned_ || !buffer.defined() || buffer.is_pinned()) return;
+    at::Tensor pinned = host_buffer(buffer.numel(), buffer.scalar_type(), /*pin=*/true);
+    if (!pinned_) return;  // host_buffer could not pin after all: the pageable buffer stays
+    pinned.copy_(buffer);
+    buffer = std::move(pinned);
+  };
+  pin(master_.at(shard));
+  for (at::Tensor& state : state_.at(shard)) pin(state);
+}
+
 int64_t ShardStore::device_bytes(const std::vector<int64_t>& numels, bool bf16) {
   int64_t elements = 0;
   for (int64_t n : numels) elements += aligned(n);

@@ -103,6 +103,11 @@ class ShardStore {
   // shadow.
   int64_t host_bytes() const;
   at::Tensor& state(int shard, int k) { return state_.at(shard).at(k); }
+  // Moves the shard's fp32 master and optimizer states into pinned memory, values kept, where the store pins what
+  // crosses to the device: a device-stepped shard's state crosses both ways every step, and a copy from pageable
+  // memory is staged through a bounce buffer and holds its lane's thread until it is done. Before the shard's
+  // first step (nothing may be reading the buffers it replaces); a no-op where pinning turns out impossible.
+  void pin_state(int shard);
   // What is copied to the device: the bf16 shadow when training in bf16, else the master.
   at::Tensor& transfer_source(int shard) { return bf16_ ? shadow_.at(shard) : master_.at(shard); }
   at::Tensor& shadow(int shard) { return shadow_.at(shard); }

@@ -366,6 +366,31 @@ TEST(ShardStore, PinMemoryFallsBackWhenUnavailable) {
   EXPECT_FALSE(unpinned.pinned());
 }
 
+// A device-stepped shard's master and states move to pinned memory (or stay, where there is none), values and all,
+// with and without the bf16 shadow beside the master; the other shards' are left as they were.
+TEST(ShardStore, PinStateKeepsTheValuesOfTheShardsMasterAndStates) {
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    ShardStore store({{param({5}, 1.0)}, {param({7}, 2.0)}}, OptimizerSpec{}, bf16, /*pin_memory=*/true);
+    for (int s = 0; s < 2; ++s)
+      for (int k = 0; k < 2; ++k) store.state(s, k).copy_(values({store.state(s, k).numel()}, 3.0 + s + k));
+    const at::Tensor master = store.master(1).clone(), first = store.state(1, 0).clone(),
+                     second = store.state(1, 1).clone(), other = store.state(0, 0);
+    store.pin_state(1);
+    EXPECT_TRUE(at::equal(store.master(1), master));
+    EXPECT_TRUE(at::equal(store.state(1, 0), first));
+    EXPECT_TRUE(at::equal(store.state(1, 1), second));
+    EXPECT_TRUE(store.state(0, 0).is_same(other)) << "another shard's state is left where it was";
+    if (store.pinned()) {
+      EXPECT_TRUE(store.master(1).is_pinned());
+      EXPECT_TRUE(store.state(1, 0).is_pinned() && store.state(1, 1).is_pinned());
+      const at::Tensor pinned = store.state(1, 0);
+      store.pin_state(1);  // the model added again, say
+      EXPECT_TRUE(store.state(1, 0).is_same(pinned)) << "pinned once";
+    }
+  }
+}
+
 TEST(ShardStore, WriteBackGivesEachParameterAnIndependentMasterCopy) {
   at::Tensor d = param({2, 3}, 1.0, true, at::kDouble);
   at::Tensor hf = param({4}, 2.0, true, at::kHalf);
