@@ -97,9 +97,10 @@ class SpilledModel final : public DeviceModel {
   bool steps_done(int shard) const;
   // The next forward, visiting the shards in order, would wait for a step: a shard it reaches no later than the
   // first host-stepped one is neither current nor copyable yet. Resident and device-stepped shards in front of
-  // that one do not end the search (their weights on the device may still be stale, their step running), and
-  // shards past it need not be looked at: a model's host steps run in the order they were queued, the backward's,
-  // so the first host-stepped shard's step is the last of them to finish.
+  // that one do not end the search (a resident shard is always current; a device-stepped one's copy may be gone
+  // and its step still running), and shards past it need not be looked at: a model's host steps run one after
+  // another in the order they were queued, from the last shard down, so the first host-stepped shard's step is
+  // the last of them to finish.
   bool next_step_waits() const;
   int64_t weight_bytes(int shard) const;
   // Copies the shard's weights in, after the steps they read; false when `need` allows no room for them.
