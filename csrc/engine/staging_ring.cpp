@@ -7,6 +7,16 @@
 
 namespace hydra::engine {
 
+namespace {
+
+// The first buffer no lease holds, or -1.
+int first_free(const std::vector<bool>& free) {
+  const auto it = std::find(free.begin(), free.end(), true);
+  return it == free.end() ? -1 : static_cast<int>(it - free.begin());
+}
+
+}  // namespace
+
 at::Tensor StagingRing::allocate(int64_t bytes) const {
   if (pinned_) {
     try {
@@ -32,7 +42,7 @@ std::shared_ptr<StagingRing> StagingRing::make(int buffers, bool pinned, std::fu
 
 bool StagingRing::has_free() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return std::find(free_.begin(), free_.end(), true) != free_.end();
+  return first_free(free_) >= 0;
 }
 
 void StagingRing::shrink() {
@@ -43,8 +53,8 @@ void StagingRing::shrink() {
 
 std::unique_ptr<StagingRing::Lease> StagingRing::acquire(int64_t bytes) {
   std::unique_lock<std::mutex> lock(mutex_);
-  freed_.wait(lock, [this] { return std::find(free_.begin(), free_.end(), true) != free_.end(); });
-  const int index = static_cast<int>(std::find(free_.begin(), free_.end(), true) - free_.begin());
+  int index = -1;
+  freed_.wait(lock, [this, &index] { return (index = first_free(free_)) >= 0; });
   free_[index] = false;
   at::Tensor& buffer = buffers_[index];
   if (!buffer.defined() || buffer.numel() < bytes) {

@@ -1,5 +1,6 @@
 // DeviceEngine's asynchronous paths on a CPU device: gradient regions free once copied out, copies that do
-// not wait behind unrelated host jobs (nor another model's falling behind), copies that do wait for the step they read, prefetch along the plan.
+// not wait behind unrelated host jobs (nor behind another model's falling behind), copies that do wait for the
+// step they read, prefetch along the plan.
 // The host-step threads are held by a gate job, as a long optimizer step would hold them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
