@@ -5,7 +5,8 @@ from hydra_torch import optim  # ht.optim is hydra_torch.optim
 from hydra_torch.api import train
 from hydra_torch.models import planner  # ht.planner.apply_plan
 from hydra_torch.models.frozen_base import FrozenBase
-from hydra_torch.models.planner import Plan, plan
+from hydra_torch.models.planner import Plan
+from hydra_torch.planning import plan
 from hydra_torch.report.results import Results, TaskResult
 from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError
 from hydra_torch.selection.rules import SuccessiveHalving

@@ -8,10 +8,9 @@ import time
 
 import torch
 
-from hydra_torch import testing
 from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner, sharding
-from hydra_torch.models.memory import format_bytes, parse_budget
+from hydra_torch.models.memory import parse_budget
 from hydra_torch.report.results import Results
 from hydra_torch.run import call_end, lane_choice, lifecycle, saved_bytes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
@@ -61,9 +60,6 @@ def _sole_call():
     finally:
         _running_in = None
         _ONE_CALL.release()
-
-
-PLACEMENTS = ("auto", "host", "device")
 
 
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
@@ -146,7 +142,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         planner.plan_for_devices(tasks, resolved, budgets)
         lane_choice.measure_tasks(tasks, resolved, placement)  # the units' compute the lane model weighs
         kept_outside = saved_bytes.kept_outside_arena(tasks)  # (working set, saved inputs)
-        engines = _engines(resolved, budgets, host_steps, arrivals, sum(kept_outside))
+        engines = lifecycle.make_engines(resolved, budgets, host_steps, sum(kept_outside), arrivals)
         runners, start_rng = _runners(tasks, resolved)
         # From train itself: the stack level of its warning counts on it.
         lane_plan = lifecycle.place(runners, engines, resolved, pin, saved_bytes.graphs_beyond_inputs(tasks),
@@ -183,8 +179,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
 
 def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement) -> list[ModelTask]:
     """The tasks as a list, once everything about the call that can be checked before any state exists is."""
-    if not isinstance(placement, str) or placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, got {placement!r}")
+    if not isinstance(placement, str) or placement not in lifecycle.PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(map(repr, lifecycle.PLACEMENTS))}, got {placement!r}")
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
     tasks = list(tasks)
@@ -233,23 +229,6 @@ def _budgets(devices, memory_budget) -> list[int]:
     """Each device's budget in bytes. Virtual CPU devices share one memory: a fraction of it (or the default) is
     split between them."""
     return [parse_budget(memory_budget, d, sharing=devices.count(d) if d.type == "cpu" else 1) for d in devices]
-
-
-def _engines(devices, budgets, host_steps, arrivals, kept_outside: int) -> list:
-    """One native DeviceEngine per device, whose arena may take what the budget keeps for no unit's working set
-    and no micro-batch's saved inputs (`kept_outside`); with arrivals, each arena takes that from the start."""
-    for device, budget in zip(devices, budgets):
-        if budget <= kept_outside:
-            raise ValueError(f"memory budget {format_bytes(budget)} on {device} leaves nothing for training state: "
-                             f"one unit's working set and one micro-batch's saved inputs take "
-                             f"{format_bytes(kept_outside)}; raise memory_budget or train on smaller batches")
-    link, host = testing.link_bytes_per_second(), testing.host_bytes_per_second()
-    host_pace = _C.HostPace(host) if host > 0 else None  # one memory bandwidth, shared by every device's steps
-    engines = [_C.DeviceEngine(str(d), b - kept_outside, host_steps, link, host_pace)
-               for d, b in zip(devices, budgets)]
-    for engine in engines if arrivals is not None else ():
-        engine.expect_arrivals()
-    return engines
 
 
 def _runners(tasks, devices) -> tuple[list[TaskRunner], task_rng.TaskRng]:

@@ -15,7 +15,7 @@ LAYERS = [
     {"state", "report"},
     {"run"},
     {"selection"},
-    {"api"},
+    {"api", "planning"},
     {"optuna", "cluster"},
     {"optim", "arrivals"},  # public paths kept as re-exports of recipe/ and selection/
     {"__init__"},

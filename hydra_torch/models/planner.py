@@ -1,9 +1,5 @@
 """The automatic partitioner: measure each piece of a task once on the target device, then let the native
-partitioner choose the shards.
-
-    plan = ht.plan(task, device="cuda:0", budget="8GiB")
-    print(plan)                                   # a table of shards: pieces, bytes, seconds
-    task = ht.ModelTask(model, ..., shards=plan.starts)
+partitioner choose the shards (ht.plan, hydra_torch.planning, adds where each would live and step).
 
 Probing never touches the user's modules: each piece runs through torch.func.functional_call on copies of
 its parameters and buffers, so the model's weights, buffers and gradients stay bit-for-bit what they were
@@ -22,6 +18,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.models import saved_tensors, sharding
 from hydra_torch.models.carried import as_shard_input
 from hydra_torch.models.memory import format_bytes, parse_budget
+from hydra_torch.models.lane_summary import describe as describe_lane_plan
 
 
 @dataclass
@@ -45,22 +42,30 @@ class Plan:
     piece_activation_bytes: list[int]
     piece_seconds: list[float]
     piece_input_bytes: list[int]            # what each piece takes in: a shard's saved input, where it starts one
+    # Where each shard would live and step were the task trained alone on the device (ht.plan's `placement`):
+    # "resident", "device" (stepped there) or "host" (stepped on the host); None where not asked.
+    placement: list[str] | None = None
+    lane_plan: dict | None = None           # what the lane model was told and forecast, as Results.lane_plan
 
     @property
     def num_shards(self) -> int:
         return len(self.starts)
 
     def __str__(self) -> str:
+        placed = self.placement is not None
         lines = [f"Plan: {self.num_shards} shards of {len(self.piece_seconds)} pieces on {self.device}, budget "
                  f"{format_bytes(self.budget_bytes)}, prefetch {format_bytes(self.prefetch_bytes)}",
-                 f"{'shard':>5}  {'pieces':>9}  {'weights':>11}  {'activations':>11}  {'needs':>11}  {'ms':>9}",
+                 f"{'shard':>5}  {'pieces':>9}  {'weights':>11}  {'activations':>11}  {'needs':>11}  {'ms':>9}"
+                 + (f"  {'steps':>8}" if placed else ""),
                  ]
         for s, (a, b) in enumerate(self.piece_ranges):
             lines.append(f"{s:>5}  {f'{a}-{b - 1}':>9}  {format_bytes(self.shard_weight_bytes[s]):>11}  "
                          f"{format_bytes(self.shard_activation_bytes[s]):>11}  {format_bytes(self.shard_bytes[s]):>11}  "
-                         f"{1e3 * self.shard_seconds[s]:>9.3f}")
+                         f"{1e3 * self.shard_seconds[s]:>9.3f}" + (f"  {self.placement[s]:>8}" if placed else ""))
         lines.append(f"bottleneck {1e3 * self.bottleneck_seconds:.3f} ms, ideal {1e3 * self.ideal_seconds:.3f} ms "
                      f"({self.bottleneck_seconds / self.ideal_seconds:.2f}x)" if self.ideal_seconds > 0 else "")
+        if self.lane_plan is not None:
+            lines.append(describe_lane_plan(self.lane_plan))
         return "\n".join(lines)
 
 
@@ -81,8 +86,8 @@ class Probe:
         return max((c[1] for c in self.costs), default=0) + sum(self.input_bytes)
 
 
-def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int | None = None,
-         repeats: int = 3) -> Plan:
+def plan_shards(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int | None = None,
+                repeats: int = 3) -> Plan:
     """Shards for `task` on `device` under `budget` (what hydra_torch.models.memory.parse_budget accepts; None: 90%
     of free memory), measured on `sample_batch` (default: the task's first batch).
 

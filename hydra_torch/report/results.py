@@ -6,6 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from hydra_torch.models.memory import format_bytes
+from hydra_torch.models.lane_summary import describe as describe_lane_plan
 
 
 def shard_list(shards: list[int]) -> str:
@@ -121,10 +122,6 @@ def _step_places(steps: list[StepEntry]) -> str:
             median = f" (median {1e3 * statistics.median(times):.2f} ms)" if place == "host" else ""
             parts.append(f"{len(times)} {where}{median}")
     return ", ".join(parts)
-
-
-def _rate(bytes_per_second: float) -> str:
-    return f"{format_bytes(int(bytes_per_second))}/s"
 
 
 @dataclass
@@ -273,12 +270,7 @@ class Results:
         if any(e.place != "resident" for e in self.steps):
             lines.append("shard steps: " + _step_places(self.steps))
         if self.lane_plan is not None:
-            rates, busy = self.lane_plan["rates"], self.lane_plan["busy"]
-            lines.append(f"lane model: link {_rate(rates['copies_in'])} in, {_rate(rates['copies_out'])} out, steps "
-                         f"{_rate(rates['host_steps'])} on the host, {_rate(rates['device_steps'])} on the device; "
-                         f"forecast busy: compute {100 * busy['compute']:.0f}%, copies in "
-                         f"{100 * busy['copies_in']:.0f}%, out {100 * busy['copies_out']:.0f}%, host "
-                         f"{100 * busy['host']:.0f}%")
+            lines.append(describe_lane_plan(self.lane_plan))
         if self.checkpoint_failures:
             lines.append(f"{self.checkpoint_failures} checkpoints could not be written (see the warnings)")
         best = self.best

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import warnings
 
+from hydra_torch import testing
 from hydra_torch._loader import native as _C
+from hydra_torch.models.memory import format_bytes
 from hydra_torch.report.errors import detached
 from hydra_torch.report.results import TaskResult
 from hydra_torch.run import bases, lane_choice
+
+PLACEMENTS = ("auto", "host", "device")  # ht.train's and ht.plan's `placement`
 
 
 def make_store(runner, pin: bool):
@@ -33,6 +37,23 @@ def may_keep_ends(task) -> bool:
     return not (task.precision == "bf16" and task.accumulate > 1)
 
 
+def make_engines(devices, budgets, host_steps, kept_outside: int, arrivals=None) -> list:
+    """One native DeviceEngine per device, whose arena may take what the budget keeps for no unit's working set
+    and no micro-batch's saved inputs (`kept_outside`); with arrivals, each arena takes that from the start."""
+    for device, budget in zip(devices, budgets):
+        if budget <= kept_outside:
+            raise ValueError(f"memory budget {format_bytes(budget)} on {device} leaves nothing for training state: "
+                             f"one unit's working set and one micro-batch's saved inputs take "
+                             f"{format_bytes(kept_outside)}; raise memory_budget or train on smaller batches")
+    link, host = testing.link_bytes_per_second(), testing.host_bytes_per_second()
+    host_pace = _C.HostPace(host) if host > 0 else None  # one memory bandwidth, shared by every device's steps
+    engines = [_C.DeviceEngine(str(d), b - kept_outside, host_steps, link, host_pace)
+               for d, b in zip(devices, budgets)]
+    for engine in engines if arrivals is not None else ():
+        engine.expect_arrivals()
+    return engines
+
+
 def place(runners, engines, devices, pin: bool, graph_bytes=(), kept_outside: int = 0, placement: str = "auto"):
     """Registers every task's state with the engines: resident on one device or spilled on all, as the
     engines' budget rules decide (`_C.place_models`: a task is resident only where every task that may spill
@@ -40,23 +61,13 @@ def place(runners, engines, devices, pin: bool, graph_bytes=(), kept_outside: in
     `placement="auto"` (or "device") on one device a spilled task keeps its first and last shards resident where
     they fit; with "auto" it also keeps resident, or steps on the device, the shards the lane model takes off the
     host (hydra_torch.run.lane_choice), and with "device" it steps all its other untied shards on the device
-    (engine/placement.h). The engines' budgets are
-    memory_budget less `kept_outside`, which a refusal says.
+    (engine/placement.h). The engines' budgets are memory_budget less `kept_outside`, which a refusal says.
     The frozen bases the tasks share (ht.FrozenBase) are held and registered first (hydra_torch.run.bases).
     Returns what the lane model was told and forecast (Results.lane_plan), or None where it was not asked."""
     held = bases.hold(runners, engines, pin)
     stores = [make_store(runner, pin) for runner in runners]
-    off_host = [placement in ("auto", "device") and may_keep_ends(runner.task) for runner in runners]
-    base_ids = [runner.base.group if runner.base is not None else -1 for runner in runners]
-    try:
-        wishes, lane_plan = lane_choice.wishes(runners, stores, engines, devices, placement, off_host,
-                                               list(graph_bytes), base_ids)
-        placed, _ = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
-                                    off_host, base_ids, wishes)
-    except RuntimeError as error:
-        kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
-                f"set and one micro-batch's saved inputs)" if kept_outside else "")
-        raise ValueError(str(error) + kept) from None
+    placed, lane_plan = _placed(runners, stores, engines, devices, graph_bytes, kept_outside, placement,
+                                decide_only=False)
     for runner, (device, home, resident_shards, model_ids, device_shards) in zip(runners, placed):
         runner.model_ids = {d: model for d, model in enumerate(model_ids) if model >= 0}
         runner.resident_shards = list(range(runner.n)) if device >= 0 else list(resident_shards)
@@ -69,6 +80,37 @@ def place(runners, engines, devices, pin: bool, graph_bytes=(), kept_outside: in
         for runner in base.members:
             base.attach(runner, engines)
     return lane_plan
+
+
+def decide(runners, engines, devices, graph_bytes=(), kept_outside: int = 0, placement: str = "auto"):
+    """What `place` would decide for tasks without a frozen base, registering nothing: (per task, per shard:
+    "resident", "device" or "host"; what the lane model was told and forecast, or None). Makes each task's store
+    (its host state, unpinned) as place does."""
+    stores = [make_store(runner, pin=False) for runner in runners]
+    placed, lane_plan = _placed(runners, stores, engines, devices, graph_bytes, kept_outside, placement,
+                                decide_only=True)
+    places = [["resident"] * store.num_shards if device >= 0 else
+              ["resident" if s in resident_shards else "device" if s in device_shards else "host"
+               for s in range(store.num_shards)]
+              for store, (device, _, resident_shards, _, device_shards) in zip(stores, placed)]
+    return places, lane_plan
+
+
+def _placed(runners, stores, engines, devices, graph_bytes, kept_outside: int, placement: str, decide_only: bool):
+    """place_models' placements of `stores` (registered unless `decide_only`) with the lane model's wishes, and what
+    the lane model was told and forecast; a budget that cannot hold a task is a ValueError."""
+    off_host = [placement in ("auto", "device") and may_keep_ends(runner.task) for runner in runners]
+    base_ids = [runner.base.group if runner.base is not None else -1 for runner in runners]
+    try:
+        wishes, lane_plan = lane_choice.wishes(runners, stores, engines, devices, placement, off_host,
+                                               list(graph_bytes), base_ids)
+        placed, _ = _C.place_models(engines, stores, [runner.task.name for runner in runners], list(graph_bytes),
+                                    off_host, base_ids, wishes, decide_only)
+    except RuntimeError as error:
+        kept = (f" (the arena's share of memory_budget: {kept_outside} bytes of it are kept for one unit's working "
+                f"set and one micro-batch's saved inputs)" if kept_outside else "")
+        raise ValueError(str(error) + kept) from None
+    return placed, lane_plan
 
 
 def home_slot(runner) -> int:
