@@ -20,11 +20,15 @@ placement the run got; reported as the forecast over the measured span. With `--
 in bf16 (fp32 masters on the host, as in the GPU suite's P2; the copy / forward ratio then counts a block's bf16
 weights), and with `--cache-all` the budget also has room to keep every model's weights cached, as P2's budget on
 the GPU box does: the engine then grants "auto" its resident ends beside the other spilled models (bf16 keeps
-the models themselves spilled, which fp32 weights cached whole would not).
+the models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the models train on N
+virtual CPU devices, each with its own emulated link and a share of the cores: the bound then counts the compute
+spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a device's share, "copies
+in s" all devices' together.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
                                           [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto device]
                                           [--host-speed S] [--forecast] [--precision bf16] [--cache-all]
+                                          [--devices N]
 """
 from __future__ import annotations
 
@@ -51,7 +55,8 @@ def train(args, data, budget, bandwidth=None, placement="host"):
         if args.far:  # prefetch along the plan into all free memory, not only the next planned shard
             stack.enter_context(mock.patch.object(workers, "PREFETCH_BEYOND_NEXT_BYTES", -1))
         stack.enter_context(mock.patch.object(workers, "COMMITTED_UNITS", args.commit))
-        results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False, placement=placement)
+        results = ht.train(tasks, devices=["cpu"] * args.devices, memory_budget=budget, progress=False,
+                           placement=placement)
     assert all(r.error is None for r in results), (placement, [r.error for r in results])
     placements.setdefault(placement, [r.placement for r in results])
     return results
@@ -120,7 +125,8 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
     # rate the memory-speed run's host steps reached.
     memory_rate = stats["host_step_bytes"] / stats["host_step_seconds"]
     rates = (bandwidth, bandwidth, host_rate, memory_rate)
-    forecast = _C.lane_forecast([(shapes, args.steps, 1, False)] * len(results.tasks), rates, fp32_adamw, 1, placement)
+    forecast = _C.lane_forecast([(shapes, args.steps, 1, False)] * len(results.tasks), rates, fp32_adamw,
+                                args.devices, placement)
     return forecast["span"]  # as measured: the first unit's start to the last's end
 
 
@@ -148,6 +154,8 @@ def main():
                         help="also the lane model's forecast of each run, over the measured span")
     parser.add_argument("--precision", choices=["bf16"], default=None,
                         help="the models compute in bf16 (fp32 masters on the host), as in the GPU suite")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="virtual CPU devices, each with its own emulated link and a share of the cores")
     parser.add_argument("--cache-all", action="store_true",
                         help="room in the budget to keep every model's weights cached (as P2's budget on the GPU)")
     args, data, shard_bytes = parse_workload(parser)
@@ -169,26 +177,30 @@ def main():
     bandwidth = {}
     for _ in range(args.rounds):
         base = train(args, data, budget)
-        compute = sum(e.end - e.start for e in base.trace)
+        compute = sum(e.end - e.start for e in base.trace) / args.devices  # spread evenly at best
         forward = block_forward_seconds(base, len(shard_bytes))
         for ratio, placement in runs:
             # Fixed after the first round, so that every round copies at the same pace.
             bandwidth.setdefault(ratio, block_bytes / (ratio * forward))
             results = train(args, data, budget, bandwidth[ratio], placement)
             stats = results.stats[0]
-            host_lane = stats["host_step_bytes"] / (args.host_speed * bandwidth[ratio]) if args.host_speed else 0.0
-            bound = max(compute, stats["host_to_device_bytes"] / bandwidth[ratio],
-                        stats["device_to_host_bytes"] / bandwidth[ratio], host_lane)
+            # Each device's link is its own; the host's memory is one lane for them all.
+            host_bytes = sum(s["host_step_bytes"] for s in results.stats)
+            host_lane = host_bytes / (args.host_speed * bandwidth[ratio]) if args.host_speed else 0.0
+            bound = max(compute, max(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
+                        max(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio], host_lane)
             took = span(results)
             extra[ratio, placement].append(extra_by_kind(base, results, len(shard_bytes)))
             forecast = (lane_forecast(base, results, args, shard_bytes, bandwidth[ratio]) if args.forecast
                         else float("nan"))
-            rows[ratio, placement].append((took / bound, stats["acquire_wait_seconds"] / took,
-                                           stats["grad_wait_seconds"] / took, compute,
-                                           stats["host_to_device_bytes"] / bandwidth[ratio], took, forecast / took))
+            waits = [sum(s[key] for s in results.stats) / args.devices
+                     for key in ("acquire_wait_seconds", "grad_wait_seconds")]
+            rows[ratio, placement].append((took / bound, waits[0] / took, waits[1] / took, compute,
+                                           sum(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
+                                           took, forecast / took))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
-    print(f"{args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
+    print(f"{args.devices} device(s), {args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
           f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
           f"weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, {args.commit} units "
           f"committed, clipping {args.clip}, {args.precision or 'fp32'}{cached}, host memory "

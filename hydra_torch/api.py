@@ -105,14 +105,18 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         lanes are apart (a GPU; a CPU device only with an emulated link or host, hydra_torch.testing), the lane
         model then weighs each other shard's step on the host against the device from the lanes' rates measured at
         the start and each layer's measured compute, and keeps the shortest simulated run: more shards resident,
-        stepped on the device (see "device"), or on the host (hydra_torch.run.lane_choice). Every shard on
-        several devices or of a task joining later is spilled.
+        stepped on the device (see "device"), or on the host (hydra_torch.run.lane_choice). On several devices
+        a spilled task keeps no shard resident (its units run on any device), and the lane model steps shards on
+        the devices only of a task with one micro-batch a step and no clipping. A task joining later spills
+        every shard.
         "host": every shard of a spilled task is spilled.
-        "device": as "auto", and every other shard of a spilled task on one device that is not tied to another
-        (a shared embedding and head are) steps on the device: its gradients stay there, its fp32 master and
-        optimizer state come in after its backward and go home with its new weights, so the host does no
-        arithmetic for it; as many as the budget holds (each step's regions beside a unit, and with accumulation
-        or clipping a gradient buffer per shard for the run), first shards first. Worth it where
+        "device": as "auto", and every other shard of a spilled task that is not tied to another (a shared
+        embedding and head are) steps on the device: its gradients stay there, its fp32 master and optimizer
+        state come in after its backward and go home with its new weights, so the host does no arithmetic for
+        it; as many as the budget holds (each step's regions beside a unit, and on one device with accumulation
+        or clipping a gradient buffer per shard for the run), first shards first. On several devices each steps
+        on the device that ran its backward, and only for a task with one micro-batch a step and no clipping
+        (its gradients would otherwise be summed on several devices). Worth it where
         the host's memory bandwidth, not the link, binds the run (results.lanes() says which). Not for a bf16
         task that sums micro-batches (as "auto" keeps its ends spilled).
         `TaskResult.placement` says what each task got.

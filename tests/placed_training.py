@@ -3,7 +3,7 @@ ends, device-stepped shards) share."""
 import torch
 
 import hydra_torch as ht
-from models import lm_loss, model_bytes
+from models import lm_loss, model_bytes, tied_transformer, train_plain
 
 SEED = 123
 
@@ -25,3 +25,10 @@ def train(model, data, placement, budget_fraction, devices="cpu", checkpoint_dir
 
 def params(model):
     return [p.detach().clone() for p in model.parameters()]
+
+
+def plain_reference(data):
+    """The tied test model trained on `data` by plain PyTorch with the AdamW of adamw(): (model, losses)."""
+    reference = tied_transformer()
+    losses = train_plain(reference, data, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05), seed=SEED)
+    return reference, losses

@@ -10,10 +10,9 @@ import torch
 import hydra_torch as ht
 from hydra_torch import testing
 from hydra_torch.run import lane_choice, lane_rates
-from models import OneShot, lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
+from models import OneShot, lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches
 import placed_training
 from test_bad_input import LyingData
-from placed_training import SEED
 
 ENDS = "spilled, shards 0, 7 resident"
 
@@ -49,9 +48,7 @@ def test_auto_takes_steps_off_a_slow_host_and_trains_as_plain_pytorch(shards):
     # Shards given by hand: the lane model has their pieces timed on a batch of the data, with the generators left
     # as they were (a shuffling DataLoader draws its order from them), so training is still plain PyTorch training.
     data = token_batches(6)
-    reference = tied_transformer()
-    reference_losses = train_plain(reference, data, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
-                                   seed=SEED)
+    reference, reference_losses = placed_training.plain_reference(data)
     model = tied_transformer()
     # The host steps the model's ~1.8 MB a step at 2 MB/s: a second a step, against milliseconds of compute.
     results = train_auto(model, data, link=1e10, host=2e6, shards=shards, budget_fraction=4.0)
@@ -154,3 +151,27 @@ def test_a_task_given_its_shards_is_priced_at_the_measured_tasks_rate():
     assert second == pytest.approx([rate * stores[1].device_numel(s) for s in range(stores[1].num_shards)])
     measured.piece_seconds = measured.piece_seconds[:-1]  # not this cut's pieces: not used
     assert lane_choice.timed_seconds(runners, stores) == [None, None]
+
+
+@pytest.mark.parametrize("shards", ["auto", None], ids=["planned", "by_hand"])
+def test_auto_on_several_devices_takes_steps_off_a_slow_host_onto_the_devices(shards):
+    # No home on several devices (a spilled task's units run on any of them): the tied ends step on the host, and the
+    # lane model steps other shards on whichever device runs their backward. A task cut by hand is timed on the first.
+    data = token_batches(6)
+    reference, reference_losses = placed_training.plain_reference(data)
+    model = tied_transformer()
+    with testing.emulated_link(1e10), testing.emulated_host(2e6):
+        results = placed_training.train(model, data, "auto", 4.0, devices=["cpu", "cpu"], shards=shards)
+    result = results[0]
+    assert result.resident_shards == [] and result.device_shards, result.placement
+    assert sum(stats["device_steps"] for stats in results.stats) == len(result.device_shards) * result.steps
+    assert result.losses == pytest.approx(reference_losses, rel=1e-5)
+    assert max_relative_error(model, reference) <= 1e-5
+    assert results.lane_plan["rates"]["host_steps"] == 2e6
+
+
+def test_auto_on_several_devices_keeps_a_task_whose_steps_sum_backwards_on_the_host():
+    with testing.emulated_link(1e10), testing.emulated_host(2e6):
+        results = placed_training.train(tied_transformer(), token_batches(4), "auto", 4.0, devices=["cpu", "cpu"],
+                                        shards=None, accumulate=2)
+    assert results[0].placement == "spilled" and results.lane_plan is None

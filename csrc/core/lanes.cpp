@@ -264,9 +264,12 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
   const bool one_device = num_devices == 1;
   if (!start.empty()) {
     validate_placement(tasks, start);
-    for (const auto& places : start)
-      for (StepPlace place : places)
-        require(one_device || place != StepPlace::kResident, "a start with resident shards needs one device");
+    // On several devices any device may run a unit of a task that moves, which a home would give up; a task kept
+    // where it is (a model resident on one of them) loads its device's compute and nothing else.
+    for (size_t t = 0; t < start.size(); ++t)
+      for (StepPlace place : start[t])
+        require(one_device || tasks[t].fixed || place != StepPlace::kResident,
+                "a start with resident shards needs one device, or the task fixed where it is");
   }
   Placement placement = start.empty() ? host_placement(tasks) : start;
   std::vector<TaskLanes> per_task;

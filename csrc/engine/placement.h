@@ -16,16 +16,19 @@
 // round trip through the host, and the last shard, whose backward follows its forward at once, is never copied.
 // The homes take arena room that would cache weights, so beside other models that may spill (whose units run
 // while a model's step goes round) they are taken only where every spilled shard's weights still fit cached.
-// With several devices a spilled model runs on any of them, which resident shards would give up: there every
-// spilled model spills whole.
+// With several devices a spilled model runs on any of them, which resident shards would give up: there it keeps
+// none.
 //
-// Where `wishes[i]` asks (on one device; placement "device": every shard stepped on the device; "auto": what the
-// lane model takes off the host, hydra_torch/run/lane_choice.py), model i, if spilled, also keeps resident each
-// shard of `wishes[i].resident` (with the shards tied to it, in the order asked) whose home and its working set
-// still fit beside every other model's working set, and steps on the device each shard of `wishes[i].device` that
-// is neither resident nor tied (SpilledModel's device-stepped shards), less the last ones while their gradient
-// buffers and its working set do not fit (with `keep_cached`, beside other spilled models, and every spilled
-// shard's weights cached).
+// Where `wishes[i]` asks (placement "device": every shard stepped on the device; "auto": what the lane model takes
+// off the host, hydra_torch/run/lane_choice.py), model i, if spilled, on one device also keeps resident each shard
+// of `wishes[i].resident` (with the shards tied to it, in the order asked) whose home and its working set still fit
+// beside every other model's working set, and steps on the device each shard of `wishes[i].device` that is neither
+// resident nor tied (SpilledModel's device-stepped shards), less the last ones while their gradient buffers and its
+// working set do not fit (with `keep_cached`, beside other spilled models, and every spilled shard's weights
+// cached). On several devices it keeps no resident shard and steps on the device (whichever ran the shard's
+// backward) the shards of `wishes[i].device` that every device has room for, and only where each of its backwards
+// is followed by its step (ShardStore::steps_after_each_backward): a step summing backwards would sum them in one
+// device's buffer, and they may run on several.
 //
 // `bases[i]` (empty: none) is the frozen base model i uses (DeviceEngine::add_base, the same id on every engine),
 // or -1: its units hold their base shards beside their own, which its working set counts, and it is resident

@@ -9,6 +9,11 @@ from the engine's rule (its resident models and resident ends, engine/placement.
 the further shards the plan makes resident and steps on the device those it steps there, as far as the budget holds
 their homes, their steps' regions and (where a task's steps sum several backwards) their gradient buffers.
 
+On several devices the lane model counts every device alike (a spilled task's units run on any of them): there it
+keeps no home, and steps shards on the devices only of tasks whose every backward is followed by its step (a step
+summing backwards would sum them on one device, and they may run on several); the engine grants what every device's
+room holds.
+
 The lanes are apart on a GPU: a CPU device shares its cores and memory with the host, and there the lane model
 runs only where the link or the host is emulated (hydra_torch.testing), else "auto" keeps the engine's rule.
 
@@ -81,13 +86,13 @@ def task_shape(runner, store, seconds: list[float]) -> tuple:
 
 def measure_tasks(tasks, devices, placement: str) -> None:
     """Times the pieces of every task the planner did not cut (planner.probe, on one batch), where "auto" will
-    ask the lane model: on one device whose lanes are apart. Before the engines exist, as the planner's probes are,
-    so that nothing else holds device memory; every random generator is left as it was (a shuffling DataLoader
-    draws its order from them: torch's, Python's, NumPy's, and the loader's own). A one-shot iterator's batch cannot
-    be drawn twice, and a loader with worker processes would start them: their tasks are not measured. Nor is a
-    task whose data yields nothing or whose pieces fail on its batch: the measurement only informs the placement,
-    and the task's own units then meet the error where it is the task's alone (its result says it)."""
-    if placement != "auto" or len(devices) != 1 or not lanes_apart(devices[0]):
+    ask the lane model: on devices whose lanes are apart, on the first of them. Before the engines exist, as the
+    planner's probes are, so that nothing else holds device memory; every random generator is left as it was (a
+    shuffling DataLoader draws its order from them: torch's, Python's, NumPy's, and the loader's own). A one-shot
+    iterator's batch cannot be drawn twice, and a loader with worker processes would start them: their tasks are not
+    measured. Nor is a task whose data yields nothing or whose pieces fail on its batch: the measurement only informs
+    the placement, and the task's own units then meet the error where it is the task's alone (its result says it)."""
+    if placement != "auto" or not lanes_apart(devices[0]):
         return
     device = torch.device(devices[0])
     forked = planner.rng_devices(device)
@@ -145,12 +150,14 @@ def lanes_apart(device) -> bool:
         or testing.host_bytes_per_second() > 0
 
 
-def plan(runners, stores, device, candidates: list[bool], decided, free_left: int):
+def plan(runners, stores, devices, candidates: list[bool], decided, free_left: list[int]):
     """(per task, per shard: "host", "device" or "resident"; what the lane model was told and forecast) for the
     lane model's choice from the placement the engine's rule `decided` (place_models' decision: resident models and
-    resident ends), within the room its budget leaves beyond that (`free_left`) less the largest working set; None
-    where no task is spilled or none had its compute measured. Tasks that may not step off the host (`candidates`)
-    are in the model for the lanes they load, and keep their steps on the host whatever it says of them."""
+    resident ends), within the room every device's budget leaves beyond that (`free_left`, per device) less the
+    largest working set; None where no task is spilled or none had its compute measured. Tasks that may not step off
+    the host (`candidates`) are in the model for the lanes they load, and keep their steps on the host whatever it
+    says of them; resident ones are kept where they are (on several devices, each on its own). The lanes' rates are
+    the first device's."""
     spilled = [store for store, (resident_on, *_) in zip(stores, decided) if resident_on < 0]
     seconds = timed_seconds(runners, stores)
     if not spilled or seconds[0] is None:
@@ -158,11 +165,12 @@ def plan(runners, stores, device, candidates: list[bool], decided, free_left: in
     shapes = [task_shape(runner, store, s) for runner, store, s in zip(runners, stores, seconds)]
     start = [["resident" if resident_on >= 0 or s in resident_shards else "host" for s in range(store.num_shards)]
              for store, (resident_on, _, resident_shards, _, _) in zip(stores, decided)]
+    resident = [resident_on >= 0 for resident_on, *_ in decided]
     largest = max(max(store.device_numel(s) for s in range(store.num_shards)) for store in stores)
-    rates = lane_rates.measure(device, largest)
-    room = max(0, free_left - max(_C.DeviceEngine.spilled_need(store) for store in spilled))
+    rates = lane_rates.measure(devices[0], largest)
+    room = max(0, min(free_left) - max(_C.DeviceEngine.spilled_need(store) for store in spilled))
     bytes_ = step_bytes(runners[candidates.index(True)].task)
-    forecast = _C.lane_forecast(shapes, rates, bytes_, 1, None, room, start)
+    forecast = _C.lane_forecast(shapes, rates, bytes_, len(devices), None, room, start, resident)
     places = [list(p) if candidate else ["host"] * len(p) for p, candidate in zip(forecast["placement"], candidates)]
     return places, told_and_forecast(rates, forecast)
 
@@ -181,7 +189,7 @@ def wishes(runners, stores, engines, devices, placement: str, candidates: list[b
     """(per task, the shards it asks to keep resident (the resident ends among them), the shards it asks to step on
     the device, and whether only with every weight cached: engine/placement.h's `wishes`; the lane model's rates and
     the forecast of what it asked, or None). Every shard on the device for "device"; the lane model's choice for
-    "auto" on one device whose lanes are apart; nothing for "host". `candidates`, `graph_bytes` and `bases` are
+    "auto" on devices whose lanes are apart; nothing for "host". `candidates`, `graph_bytes` and `bases` are
     place_models' `resident_ends`, `graph_bytes` and `bases`.
 
     The lane model only informs the placement: where measuring or planning fails (a device out of memory for the
@@ -191,12 +199,17 @@ def wishes(runners, stores, engines, devices, placement: str, candidates: list[b
     if placement == "device":
         return [([], list(range(store.num_shards)) if candidate else [], False)
                 for store, candidate in zip(stores, candidates)], None
-    if placement != "auto" or len(engines) != 1 or not any(candidates) or not lanes_apart(devices[0]):
+    if placement != "auto" or not lanes_apart(devices[0]):
+        return nothing, None
+    # On several devices a step summing backwards stays on the host (engine/placement.h).
+    movable = [candidate and (len(engines) == 1 or store.steps_after_each_backward)
+               for candidate, store in zip(candidates, stores)]
+    if not any(movable):
         return nothing, None
     names = [runner.task.name for runner in runners]
     decided, free_left = _C.place_models(engines, stores, names, graph_bytes, candidates, bases, [], True)
     try:
-        planned = plan(runners, stores, devices[0], candidates, decided, free_left[0])
+        planned = plan(runners, stores, devices, movable, decided, free_left)
     except Exception as error:  # noqa: BLE001  (see the docstring; KeyboardInterrupt is not caught)
         warnings.warn(f"placement='auto' could not ask the lane model ({type(error).__name__}: {error}); every "
                       f"spilled task keeps the engine's rule (resident ends)", RuntimeWarning, stacklevel=5)

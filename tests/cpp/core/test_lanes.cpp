@@ -134,6 +134,18 @@ TEST(Lanes, BoundNeverExceedsTheSimulatedMakespan) {
 
 // Four models whose host steps take longer than their compute: the placement moves steps off the host until the
 // compute binds, within the room it is given, and the simulated run follows the bound.
+// A shard of 100 elements (shard(0.05, 0.1, 100)) steps on the host in 0.3 s against its 0.15 s of compute a step;
+// its kDevice copies take 0.08 s each way.
+const LaneRates kHostBinds{20000.0, 20000.0, 100 * 28 / 0.3, 1e5};
+
+// Two tasks of six such shards, the first kept where its start has it (`fixed`).
+std::vector<TaskShape> one_fixed_one_free() {
+  std::vector<ShardShape> shards(6, shard(0.05, 0.1, 100));
+  std::vector<TaskShape> tasks{task(shards, 8), task(shards, 8)};
+  tasks[0].fixed = true;
+  return tasks;
+}
+
 TEST(Lanes, PlacementMovesStepsOffABusyHost) {
   const StepBytes bytes;
   std::vector<TaskShape> tasks;
@@ -143,8 +155,7 @@ TEST(Lanes, PlacementMovesStepsOffABusyHost) {
     shards.back().tied_to = 0;
     tasks.push_back(task(shards, 8));
   }
-  // A shard's host step takes 0.3 s against its 0.15 s of compute a step; its kDevice copies 0.08 s each way.
-  const LaneRates rates{20000.0, 20000.0, 100 * 28 / 0.3, 1e5};
+  const LaneRates rates = kHostBinds;
   const Placement host = host_placement(tasks);
   const LaneBound host_bound = lane_bound(tasks, host, rates, bytes, 1);
   EXPECT_EQ(host_bound.bound(), host_bound.host);
@@ -224,7 +235,7 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
   const StepBytes bytes;
   std::vector<ShardShape> shards(6, shard(0.05, 0.1, 100));
   const std::vector<TaskShape> tasks{task(shards, 8)};
-  const LaneRates rates{20000.0, 20000.0, 100 * 28 / 0.3, 1e5};  // the host binds, as above
+  const LaneRates rates = kHostBinds;
   Placement start = host_placement(tasks);
   start[0][0] = StepPlace::kResident;
   EXPECT_EQ(choose_placement(tasks, rates, bytes, 1, 0, 1.0, start), start);
@@ -247,10 +258,8 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
 // within the room, and the fixed task's load still counts on the lanes.
 TEST(Lanes, AFixedTaskKeepsItsPlacementAndTheOthersMoveAroundIt) {
   const StepBytes bytes;
-  std::vector<ShardShape> shards(6, shard(0.05, 0.1, 100));
-  std::vector<TaskShape> tasks{task(shards, 8), task(shards, 8)};
-  tasks[0].fixed = true;
-  const LaneRates rates{20000.0, 20000.0, 100 * 28 / 0.3, 1e5};  // the host binds, as above
+  std::vector<TaskShape> tasks = one_fixed_one_free();
+  const LaneRates rates = kHostBinds;
   Placement start = host_placement(tasks);
   start[0][1] = StepPlace::kDevice;
   for (int64_t room : {int64_t{3000}, int64_t{1} << 40}) {
@@ -265,6 +274,26 @@ TEST(Lanes, AFixedTaskKeepsItsPlacementAndTheOthersMoveAroundIt) {
   // Free to move, the first task's shards come off the host too.
   tasks[0].fixed = false;
   EXPECT_NE(choose_placement(tasks, rates, bytes, 1, int64_t{1} << 40, 1.0, start)[0], start[0]);
+}
+
+// On several devices a model resident on one of them is kept where it is (`fixed`); the spilled one takes its steps
+// off the host onto the devices, never into a home (it runs on any device).
+TEST(Lanes, OnSeveralDevicesOnlyAFixedTaskStartsResident) {
+  const StepBytes bytes;
+  std::vector<TaskShape> tasks = one_fixed_one_free();
+  const LaneRates rates = kHostBinds;
+  Placement start = host_placement(tasks);
+  start[0].assign(tasks[0].shards.size(), StepPlace::kResident);
+  const Placement chosen = choose_placement(tasks, rates, bytes, 2, int64_t{1} << 40, 1.0, start);
+  const LanePlan plan = plan_lanes(tasks, rates, bytes, 2, int64_t{1} << 40, start);
+  for (const Placement& placement : {chosen, plan.placement}) {
+    EXPECT_EQ(placement[0], start[0]);
+    EXPECT_NE(placement[1], start[1]) << "steps come off the host";
+    for (StepPlace place : placement[1]) EXPECT_NE(place, StepPlace::kResident);
+  }
+  tasks[0].fixed = false;
+  EXPECT_THROW(choose_placement(tasks, rates, bytes, 2, 0, 1.0, start), std::invalid_argument)
+      << "a home on one of two devices";
 }
 
 // Room for two homes or for four device steps' gradient buffers (held for the run: the steps are clipped): each home

@@ -131,6 +131,68 @@ TEST(DeviceSteps, WhereEachBackwardIsFollowedByItsStepTheirGradientsComeAndGoWit
   held_engine.finish(h);
 }
 
+// One model spilled on two devices, each backward followed by its step: a device-stepped shard steps on whichever
+// device ran its backward, its state coming from and going home to the one store, and the other device's cached
+// copy of its weights is stale until it copies the new ones in. The units alternate devices, differently each step.
+// `roomy`: a budget that caches every shard's weights on both devices, else one with room for a unit and its step
+// (twice the working set: the arena's regions are placed first fit, and the step's must not find it fragmented).
+Trained train_on_two_devices(bool bf16, const std::vector<int>& device, bool roomy) {
+  auto store = make_store(untied_shards(), bf16, adamw_spec());
+  store->set_steps_after_each_backward(true);
+  const int64_t budget = roomy ? DeviceEngine::resident_need(*store) - 1
+                               : 2 * SpilledModel::spilled_need(*store, {}, nullptr, device);
+  DeviceEngine a(kCpu, budget), b(kCpu, budget);
+  const auto placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, {{{}, device}});
+  EXPECT_EQ(placed[0].device_shards, device);
+  EXPECT_EQ(placed[0].home_device, -1) << "it runs on either device";
+  EXPECT_EQ(a.device_shards(placed[0].model_ids[0]), device);
+  EXPECT_EQ(b.device_shards(placed[0].model_ids[1]), device);
+  DeviceEngine* engines[] = {&a, &b};
+  const int n = store->num_shards();
+  for (int step = 0; step < 3; ++step) {
+    int unit = step;
+    auto next = [&] {
+      const int d = unit++ % 2;
+      return std::pair<DeviceEngine*, int>{engines[d], placed[0].model_ids[d]};
+    };
+    // Each unit computes with the shard's latest weights, whichever device stepped it last (its steps' copies home
+    // waited for, so that the host's master is the latest to compare with).
+    auto acquire = [&](DeviceEngine* engine, int m, int s, bool with_grads) {
+      engine->acquire(m, s, with_grads);
+      engine->synchronize(m);
+      expect_bound_to_master(*store, s);
+    };
+    for (int s = 0; s < n - 1; ++s) {
+      auto [engine, m] = next();
+      acquire(engine, m, s, /*with_grads=*/false);
+      engine->release(m, s);
+    }
+    for (int s = n - 1; s >= 0; --s) {
+      auto [engine, m] = next();
+      acquire(engine, m, s, /*with_grads=*/true);
+      add_grads(*store, s);
+      engine->backward_done(m, s, /*step=*/true, 0.5);
+      engine->release(m, s);
+    }
+  }
+  EXPECT_EQ(a.stats().device_steps + b.stats().device_steps, static_cast<int64_t>(3 * device.size()));
+  EXPECT_TRUE(a.stats().device_steps > 0 && b.stats().device_steps > 0) << "both devices stepped";
+  b.synchronize(placed[0].model_ids[1]);
+  return finish_and_copy(a, placed[0].model_ids[0], *store);
+}
+
+TEST(DeviceSteps, OnTwoDevicesEachShardStepsWhereItsBackwardRanAndTheModelEndsAsOnTheHost) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    const Trained host = train_stepping_after_each_backward(bf16, true, {});
+    for (bool roomy : {false, true}) {
+      SCOPED_TRACE(roomy ? "every shard's weights cached" : "the working set alone");
+      expect_same(train_on_two_devices(bf16, {0, 1, 2, 3}, roomy), host);
+      expect_same(train_on_two_devices(bf16, {1, 3}, roomy), host);
+    }
+  }
+}
+
 // What the lane model (core/lanes.h) asks of the room for a device-stepped shard, beyond the working set every room
 // leaves out, is what the engine's budget asks, up to the regions' alignment: else it plans steps the engine refuses.
 TEST(DeviceSteps, TheLaneModelCountsTheRoomOfADeviceStepAsTheEngineDoes) {
@@ -360,7 +422,28 @@ TEST(Placement, DeviceStepsTakeEveryWantedUntiedShardThatFitsFirstShardsFirst) {
   EXPECT_EQ(placed[0].home_device, -1) << "a model with no shard on the device spills on every device";
   DeviceEngine a(kCpu, 2 * all), b(kCpu, 2 * all);
   placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, every);
-  EXPECT_TRUE(placed[0].device_shards.empty()) << "on several devices a spilled model runs anywhere";
+  EXPECT_TRUE(placed[0].device_shards.empty()) << "on several devices, a step summing backwards would sum them apart";
+  EXPECT_EQ(placed[0].model_ids, (std::vector<int>{0, 0}));
+  // Each backward followed by its step: stepped on whichever device ran the backward, as many as every device holds.
+  auto growing = make_store({linear_shard(0, 10), linear_shard(1, 20), linear_shard(2, 30), linear_shard(3, 40)},
+                            false, adamw_spec());
+  growing->set_steps_after_each_backward(true);
+  const int64_t each = SpilledModel::spilled_need(*growing, {}, nullptr, {0, 1, 2, 3});
+  const int64_t three = SpilledModel::spilled_need(*growing, {}, nullptr, {0, 1, 2});
+  ASSERT_LT(three, each) << "the last shard's step regions are the largest";
+  ASSERT_LT(each, DeviceEngine::resident_need(*growing)) << "the model must not fit whole";
+  DeviceEngine c(kCpu, each), d(kCpu, each), roomy_one(kCpu, each), tight_one(kCpu, three);
+  placed = place_models({&c, &d}, {growing}, {"m"}, {}, {}, {}, every);
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(placed[0].home_device, -1);
+  EXPECT_TRUE(placed[0].resident_shards.empty());
+  EXPECT_EQ(c.device_shards(placed[0].model_ids[0]), placed[0].device_shards);
+  EXPECT_EQ(d.device_shards(placed[0].model_ids[1]), placed[0].device_shards);
+  placed = place_models({&roomy_one, &tight_one}, {growing}, {"m"}, {}, {true}, {}, {{{0, 3}, {0, 1, 2, 3}}});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 2})) << "what the device with the least room holds";
+  EXPECT_TRUE(placed[0].resident_shards.empty()) << "no home on several devices";
+  EXPECT_EQ(roomy_one.device_shards(placed[0].model_ids[0]), placed[0].device_shards);
+  EXPECT_EQ(tight_one.device_shards(placed[0].model_ids[1]), placed[0].device_shards);
   // Deciding registers nothing, and says what place_models then does and leaves.
   DeviceEngine decided(kCpu, all), placed_alike(kCpu, all);
   std::vector<int64_t> free_left;
