@@ -130,6 +130,10 @@ void DeviceModel::synchronize() {
       if (!first_error) first_error = std::current_exception();
     }
   }
+  // A step another device queued (a model spilled on several steps a shard on the device that ran its backward)
+  // sends the shard home on that device's lane, outside this model's jobs: it is the shard's last step in the
+  // store. Its error, if any, is that device's to report.
+  for (int s = 0; s < store_->num_shards(); ++s) store_->last_step(s).wait_done();
   if (first_error) std::rethrow_exception(first_error);
 }
 

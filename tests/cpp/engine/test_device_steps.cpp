@@ -193,6 +193,30 @@ TEST(DeviceSteps, OnTwoDevicesEachShardStepsWhereItsBackwardRanAndTheModelEndsAs
   }
 }
 
+// A checkpoint taken on one device reads the store after that device's synchronize (DeviceEngine::snapshot): a step
+// another device queued sends its shard home on that device's lane, and must be home by then too.
+TEST(DeviceSteps, SynchronizingOneDeviceWaitsForTheStepsAnotherDeviceSendsHome) {
+  auto store = make_store(untied_shards(), false, adamw_spec());
+  store->set_steps_after_each_backward(true);
+  const std::vector<int> device{0, 1, 2, 3};
+  const int64_t budget = 2 * SpilledModel::spilled_need(*store, {}, nullptr, device);
+  DeviceEngine a(kCpu, budget), b(kCpu, budget, nullptr, /*link_bytes_per_second=*/2e4);  // b's copies crawl
+  const auto placed = place_models({&a, &b}, {store}, {"m"}, {}, {}, {}, {{{}, device}});
+  ASSERT_EQ(placed[0].device_shards, device);
+  const int on_a = placed[0].model_ids[0], on_b = placed[0].model_ids[1];
+  const at::Tensor before = store->master(0).clone();
+  run_step(b, on_b, *store, 1, /*check_values=*/false, /*step=*/true, 1.0, false, add_grads);  // every unit on b
+  a.synchronize(on_a);
+  std::vector<at::Tensor> seen;
+  for (int s = 0; s < store->num_shards(); ++s) seen.push_back(store->master(s).clone());
+  b.synchronize(on_b);
+  EXPECT_FALSE(at::equal(before, store->master(0))) << "the step changed the master";
+  for (int s = 0; s < store->num_shards(); ++s)
+    EXPECT_TRUE(at::equal(seen[s], store->master(s))) << "shard " << s << " was still on its way home";
+  EXPECT_EQ(b.stats().device_steps, 4);
+  b.finish(on_b);
+}
+
 // What the lane model (core/lanes.h) asks of the room for a device-stepped shard, beyond the working set every room
 // leaves out, is what the engine's budget asks, up to the regions' alignment: else it plans steps the engine refuses.
 TEST(DeviceSteps, TheLaneModelCountsTheRoomOfADeviceStepAsTheEngineDoes) {
