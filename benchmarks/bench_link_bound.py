@@ -164,12 +164,18 @@ def main():
     # One shard's weights and gradients, and room for `ahead` more shards' weights to be copied in meanwhile;
     # with "auto" among the placements, every model's resident ends too (the same budget for every placement).
     budget = (2 + args.ahead) * max(shard_bytes) + 65536
-    if "auto" in args.placements or "device" in args.placements:
-        budget += args.models * ends_bytes(shard_bytes)
+    if args.devices > 1:
+        # No home on several devices, and no gradient buffer held (one micro-batch a step, no clipping): a device
+        # step takes its master and moments (12 bytes a parameter) beside the working set, on each device.
+        if "auto" in args.placements or "device" in args.placements:
+            budget += 3 * max(shard_bytes) + 65536
+    else:
+        if "auto" in args.placements or "device" in args.placements:
+            budget += args.models * ends_bytes(shard_bytes)
+        if "device" in args.placements:  # the middle shards' fp32 gradients, and a step's master and moments (12
+            budget += args.models * sum(shard_bytes[1:-1]) + 3 * max(shard_bytes) + 65536  # bytes a parameter)
     if args.cache_all:
         budget += int(args.models * sum(shard_bytes) * copied)
-    if "device" in args.placements:  # the middle shards' fp32 gradients, and a step's master and moments (12 bytes
-        budget += args.models * sum(shard_bytes[1:-1]) + 3 * max(shard_bytes) + 65536  # a parameter)
     runs = [(ratio, placement) for ratio in args.ratios for placement in args.placements]
     placements.clear()
     rows = {run: [] for run in runs}

@@ -107,7 +107,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         the start and each layer's measured compute, and keeps the shortest simulated run: more shards resident,
         stepped on the device (see "device"), or on the host (hydra_torch.run.lane_choice). On several devices
         a spilled task keeps no shard resident (its units run on any device), and the lane model steps shards on
-        the devices only of a task with one micro-batch a step and no clipping. A task joining later spills
+        the devices only of a task with one micro-batch a step and no clipping, and only where the host's
+        memory bounds the run. A task joining later spills
         every shard.
         "host": every shard of a spilled task is spilled.
         "device": as "auto", and every other shard of a spilled task that is not tied to another (a shared

@@ -175,3 +175,12 @@ def test_auto_on_several_devices_keeps_a_task_whose_steps_sum_backwards_on_the_h
         results = placed_training.train(tied_transformer(), token_batches(4), "auto", 4.0, devices=["cpu", "cpu"],
                                         shards=None, accumulate=2)
     assert results[0].placement == "spilled" and results.lane_plan is None
+
+
+def test_auto_on_several_devices_keeps_the_steps_on_the_host_where_the_link_binds():
+    """There the lane model's choice is asked only where the host lane bounds the host-only run (lane_choice's
+    _host_binds): on two devices its forecast counted host steps too dear, and took device steps that ran slower."""
+    with testing.emulated_link(1e7), testing.emulated_host(1e11):
+        results = placed_training.train(tied_transformer(), token_batches(3), "auto", 4.0, devices=["cpu", "cpu"],
+                                        shards=None)
+    assert results[0].placement == "spilled" and results.lane_plan is None

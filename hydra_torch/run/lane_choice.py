@@ -11,8 +11,8 @@ their homes, their steps' regions and (where a task's steps sum several backward
 
 On several devices the lane model counts every device alike (a spilled task's units run on any of them): there it
 keeps no home, and steps shards on the devices only of tasks whose every backward is followed by its step (a step
-summing backwards would sum them on one device, and they may run on several); the engine grants what every device's
-room holds.
+summing backwards would sum them on one device, and they may run on several), and only where the host lane bounds
+the rule's placement (_host_binds); the engine grants what every device's room holds.
 
 The lanes are apart on a GPU: a CPU device shares its cores and memory with the host, and there the lane model
 runs only where the link or the host is emulated (hydra_torch.testing), else "auto" keeps the engine's rule.
@@ -170,9 +170,21 @@ def plan(runners, stores, devices, candidates: list[bool], decided, free_left: l
     rates = lane_rates.measure(devices[0], largest)
     room = max(0, min(free_left) - max(_C.DeviceEngine.spilled_need(store) for store in spilled))
     bytes_ = step_bytes(runners[candidates.index(True)].task)
+    if len(devices) > 1 and not _host_binds(shapes, rates, bytes_, len(devices), start):
+        return None
     forecast = _C.lane_forecast(shapes, rates, bytes_, len(devices), None, room, start, resident)
     places = [list(p) if candidate else ["host"] * len(p) for p, candidate in zip(forecast["placement"], candidates)]
     return places, told_and_forecast(rates, forecast)
+
+
+def _host_binds(shapes, rates, bytes_, devices: int, start) -> bool:
+    """Whether the host lane bounds the rule's placement (`start`) on `devices` devices: the lane that steps taken
+    off the host relieve. On several devices the simulator counts every device alike and forecast host-stepped runs
+    1.2x longer than they ran on two emulated devices (benchmarks/RESULTS.md), so its choice there, which once
+    stepped shards on the device where the link bound and took 1.26x the host-only span, is asked only where the
+    host binds."""
+    bound = _C.lane_forecast(shapes, rates, bytes_, devices, start)["bound"]
+    return bound["host"] >= max(bound["compute"], bound["host_to_device"], bound["device_to_host"])
 
 
 def told_and_forecast(rates, forecast) -> dict:
