@@ -206,11 +206,12 @@ def main():
                                            took, forecast / took))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
-    print(f"{args.devices} device(s), {args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} "
-          f"shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} bytes (one shard's "
-          f"weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, {args.commit} units "
-          f"committed, clipping {args.clip}, {args.precision or 'fp32'}{cached}, host memory "
-          f"{'at ' + format(args.host_speed, 'g') + 'x the link' if args.host_speed else 'unpaced'}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    host = f"at {args.host_speed:g}x the link" if args.host_speed else "unpaced"
+    print(f"{args.devices} device(s), {args.models} spilled GPT-2 model(s) of {sum(shard_bytes) / 4e6:.2f}M params "
+          f"in {len(shard_bytes)} shards, {args.steps} steps of {args.batch}x{args.seq} tokens, budget {budget} "
+          f"bytes (one shard's weights and gradients and {args.ahead} more's weights), prefetch {prefetch}, "
+          f"{args.commit} units committed, clipping {args.clip}, {args.precision or 'fp32'}{cached}, host memory "
+          f"{host}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"medians of {args.rounds} interleaved rounds")
     for placement, got in placements.items():
         print(f"placement {placement!r}: " + "; ".join(got))

@@ -184,3 +184,20 @@ def test_auto_on_several_devices_keeps_the_steps_on_the_host_where_the_link_bind
         results = placed_training.train(tied_transformer(), token_batches(3), "auto", 4.0, devices=["cpu", "cpu"],
                                         shards=None)
     assert results[0].placement == "spilled" and results.lane_plan is None
+
+
+def test_auto_on_several_devices_plans_around_a_model_resident_on_one_of_them():
+    # The resident model is kept where it is in the lane model (it loads its device's compute), and the spilled one
+    # steps shards on the devices; both train as plain PyTorch.
+    data = token_batches(4)
+    small, large = tied_transformer(seed=1, blocks=1), tied_transformer()
+    tasks = [ht.ModelTask(model, optimizer=placed_training.adamw(), loss_fn=lm_loss, data=data, name=name)
+             for model, name in ((small, "small"), (large, "large"))]
+    with testing.emulated_link(1e10), testing.emulated_host(2e6):
+        torch.manual_seed(placed_training.SEED)
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(4.0 * model_bytes(large)), progress=False)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert results[0].resident and not results[1].resident and results[1].device_shards, \
+        [r.placement for r in results]
+    reference, _ = placed_training.plain_reference(data)
+    assert max_relative_error(large, reference) <= 1e-5

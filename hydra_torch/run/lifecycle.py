@@ -63,7 +63,8 @@ def place(runners, engines, devices, pin: bool, graph_bytes=(), kept_outside: in
     host (hydra_torch.run.lane_choice), and with "device" it steps all its other untied shards on the device
     (engine/placement.h); on several devices it keeps no shard resident, and steps shards on the device only where
     each of its backwards is followed by its step. The engines' budgets are memory_budget less `kept_outside`, which
-    a refusal says. The frozen bases the tasks share (ht.FrozenBase) are held and registered first (hydra_torch.run.bases).
+    a refusal says. The frozen bases the tasks share (ht.FrozenBase) are held and registered first
+    (hydra_torch.run.bases).
     Returns what the lane model was told and forecast (Results.lane_plan), or None where it was not asked."""
     held = bases.hold(runners, engines, pin)
     stores = [make_store(runner, pin) for runner in runners]
