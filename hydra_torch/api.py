@@ -184,8 +184,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
 
 def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement) -> list[ModelTask]:
     """The tasks as a list, once everything about the call that can be checked before any state exists is."""
-    if not isinstance(placement, str) or placement not in lifecycle.PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(map(repr, lifecycle.PLACEMENTS))}, got {placement!r}")
+    lifecycle.check_placement(placement)
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
     tasks = list(tasks)

@@ -33,9 +33,7 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
     shares a FrozenBase is placed beside its base and the base's other tasks, which one task does not show: its
     placement is None.
     """
-    if placement is not None and (not isinstance(placement, str) or placement not in lifecycle.PLACEMENTS):
-        raise ValueError(f"placement must be one of {', '.join(map(repr, lifecycle.PLACEMENTS))} or None, got "
-                         f"{placement!r}")
+    lifecycle.check_placement(placement, none_allowed=True)
     cut = planner.plan_shards(task, device, budget, sample_batch, max_shards=max_shards, repeats=repeats)
     if placement is not None and task.base is None:
         cut.placement, cut.lane_plan = placed_alone(task, cut, placement)

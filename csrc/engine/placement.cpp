@@ -176,13 +176,16 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         }
       }
       std::vector<int> stepped;
+      // As for the ends: beside other spilled models, wishes are granted only where every spilled shard's weights
+      // stay cached.
+      const std::optional<int64_t> cached = !wishes.empty() && wishes[i].keep_cached && !alone
+                                                ? std::optional<int64_t>(others_cached + base_cached)
+                                                : std::nullopt;
       if (!wishes.empty() && engines.size() > 1 && stores[i]->steps_after_each_backward()) {
         // On several devices: no home (the model runs on any device), and its device-stepped shards step on the
         // device that ran their backward, as many as every device holds (the choices differ only in how many of
         // the wanted shards they keep, first shards first). Only where each backward is followed by its step: a
         // step summing backwards would sum them in a buffer of one device, and they may run on several.
-        const std::optional<int64_t> cached =
-            wishes[i].keep_cached && !alone ? std::optional<int64_t>(others_cached + base_cached) : std::nullopt;
         for (size_t d = 0; d < engines.size() && !wishes[i].device.empty(); ++d) {
           std::vector<int> fits = device_step_choice(*stores[i], wishes[i].device, {}, base[i], may_spill, free[d],
                                                      cached);
@@ -195,9 +198,6 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         continue;
       }
       if (!wishes.empty() && engines.size() == 1) {
-        // As for the ends: beside other spilled models, only where every spilled shard's weights stay cached.
-        const std::optional<int64_t> cached =
-            wishes[i].keep_cached && !alone ? std::optional<int64_t>(others_cached + base_cached) : std::nullopt;
         homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device], cached);
         if (!wishes[i].device.empty())
           stepped = device_step_choice(*stores[i], wishes[i].device, homed, base[i], may_spill,

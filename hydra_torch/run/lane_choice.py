@@ -281,10 +281,15 @@ def _untied_trainable(store) -> list[int]:
 
 def _placed(runner) -> list[str]:
     """Where a training task's shards step: "resident", "device" or "host"."""
-    if runner.resident:
-        return ["resident"] * runner.n
-    return ["resident" if s in runner.resident_shards else "device" if s in runner.device_shards else "host"
-            for s in range(runner.n)]
+    return shard_places(runner.n, runner.resident, runner.resident_shards, runner.device_shards)
+
+
+def shard_places(shards: int, resident: bool, resident_shards, device_shards) -> list[str]:
+    """Per shard of a task placed so (resident whole, or these shards resident and these stepped on the device):
+    "resident", "device" or "host"."""
+    if resident:
+        return ["resident"] * shards
+    return ["resident" if s in resident_shards else "device" if s in device_shards else "host" for s in range(shards)]
 
 
 def _loses(rule, got) -> bool:

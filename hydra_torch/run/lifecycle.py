@@ -14,6 +14,14 @@ from hydra_torch.run import bases, lane_choice
 PLACEMENTS = ("auto", "host", "device")  # ht.train's and ht.plan's `placement`
 
 
+def check_placement(placement, none_allowed: bool = False) -> None:
+    """ValueError unless `placement` is one of PLACEMENTS (or None, where `none_allowed`)."""
+    if (placement is None and none_allowed) or (isinstance(placement, str) and placement in PLACEMENTS):
+        return
+    raise ValueError(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}{' or None' if none_allowed else ''}"
+                     f", got {placement!r}")
+
+
 def make_store(runner, pin: bool):
     """The task's host training state (fp32 master, optimizer state), with its parameter groups' options."""
     task = runner.task
@@ -91,9 +99,7 @@ def decide(runners, engines, devices, graph_bytes=(), kept_outside: int = 0, pla
     stores = [make_store(runner, pin=False) for runner in runners]
     placed, lane_plan = _placed(runners, stores, engines, devices, graph_bytes, kept_outside, placement,
                                 decide_only=True)
-    places = [["resident"] * store.num_shards if device >= 0 else
-              ["resident" if s in resident_shards else "device" if s in device_shards else "host"
-               for s in range(store.num_shards)]
+    places = [lane_choice.shard_places(store.num_shards, device >= 0, resident_shards, device_shards)
               for store, (device, _, resident_shards, _, device_shards) in zip(stores, placed)]
     return places, lane_plan
 
