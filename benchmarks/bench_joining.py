@@ -7,11 +7,11 @@ trials do), while it trains. The CPU device's copies take bytes / bandwidth seco
 (`emulated_host`). Side by side in one process, interleaved rounds, medians: the span (first unit's start to last
 unit's end) under each `--placements` (ht.train's placement: "host" steps every shard of a joining task on the
 host, "auto" lets the lane model step the shards it takes off the host on the device; "auto-start" is "auto" with the
-lane model asked only as the call starts, the joining tasks' shards all stepped on the host), and the span over
-host's.
+lane model asked only as the call starts, the joining tasks' shards all stepped on the host; "auto-stay" is "auto"
+with no task placed again when another leaves the run), and the span over host's.
 
     python benchmarks/bench_joining.py [--models 3] [--bandwidth 2e8] [--host-speed 0.5] [--rounds 3]
-                                       [--placements host auto-start auto]
+                                       [--placements host auto-start auto-stay auto]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import hydra_torch as ht
 from bench_emulated_link import make_tasks, parse_workload
 from hydra_torch import testing
 from hydra_torch.arrivals import Arrivals
-from hydra_torch.run import lane_choice
+from hydra_torch.run import lane_choice, replacement
 
 
 def train(args, data, budget, placement):
@@ -49,9 +49,11 @@ def train(args, data, budget, placement):
         stack.enter_context(testing.emulated_link(args.bandwidth))
         stack.enter_context(testing.emulated_host(args.host_speed * args.bandwidth))
         if placement == "auto-start":
-            stack.enter_context(mock.patch.object(lane_choice, "joining_device_shards", lambda *_: []))
+            stack.enter_context(mock.patch.object(lane_choice, "added_device_shards", lambda *_: []))
+        if placement == "auto-stay":
+            stack.enter_context(mock.patch.object(replacement, "movable", lambda *_: False))
         results = ht.train([first], devices="cpu", memory_budget=budget, progress=False,
-                           placement=placement.removesuffix("-start"), arrivals=arrivals)
+                           placement=placement.split("-")[0], arrivals=arrivals)
     thread.join()
     assert not failures and all(r.error is None for r in results), (failures, [r.error for r in results])
     span = max(e.end for e in results.trace) - min(e.start for e in results.trace)
@@ -66,7 +68,7 @@ def main():
     parser.add_argument("--host-speed", type=float, default=0.5, help="the host's memory over the link's bandwidth")
     parser.add_argument("--budget", type=float, default=3.0, help="the memory budget in one model's fp32 weights")
     parser.add_argument("--placements", nargs="+", default=["host", "auto-start", "auto"],
-                        choices=["host", "auto-start", "auto", "device"])
+                        choices=["host", "auto-start", "auto-stay", "auto", "device"])
     args, data, shard_bytes = parse_workload(parser)
     budget = int(args.budget * sum(shard_bytes))
     spans = {placement: [] for placement in args.placements}

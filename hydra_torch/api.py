@@ -158,10 +158,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         # before the workers start does.
         checkpoints = _checkpointer(runners, checkpoint_dir, checkpoint_every)
         with _closed_on_error(checkpoints):
-            workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints)
+            workers = _Workers(runners, resolved, engines, schedule, seed, checkpoints, placement, lane_plan)
             _share_budgets(workers, engines, budgets, tasks)
             open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run,
-                                 kept_outside, placement, lane_plan)
+                                 kept_outside)
             bars = Progress(runners, progress)
         start = open_run.start if open_run is not None else time.perf_counter()
         interrupted = workers.run()
@@ -276,7 +276,7 @@ class _Workers:
     fresh OpenMP pool, which on a busy CPU fights the pool this thread already has: measured, up to 1.5x slower
     kernels), the other devices' get threads."""
 
-    def __init__(self, runners, devices, engines, schedule, seed, checkpoints):
+    def __init__(self, runners, devices, engines, schedule, seed, checkpoints, placement: str, lane_plan):
         # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
         specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
         self.scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
@@ -285,7 +285,7 @@ class _Workers:
                                  loop=make_loop(self.scheduler, e, i))
                       for i, (d, e) in enumerate(zip(devices, engines))]
         for slot in self.slots:
-            slot.peers = self.slots
+            slot.peers, slot.placement, slot.lane_plan = self.slots, placement, lane_plan
         self.trace, self.lock = [], threading.Lock()
         self.threads_per_device = 1 if len(devices) > 1 and devices[0].type == "cpu" else None
         self.threads = [threading.Thread(target=device_worker, name=f"hydra-{slot.device}", daemon=True,
@@ -333,18 +333,15 @@ def _share_budgets(workers, engines, budgets, tasks):
                                          "saved_allowance_bytes": share}
 
 
-def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run, kept_outside, placement,
-              lane_plan):
-    """With arrivals, the running call's side of them, attached: tasks may join from now on, placed from the lane
-    rates the call measured (`lane_plan`, None where it asked no lane model)."""
+def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run, kept_outside):
+    """With arrivals, the running call's side of them, attached: tasks may join from now on (placed as the workers'
+    slots say: DeviceSlot.placement)."""
     if arrivals is None:
         return None
-    rates = tuple(lane_plan["rates"].values()) if lane_plan is not None else None
     open_run = OpenRun(slots=workers.slots, scheduler=workers.scheduler, runners=runners, devices=devices,
                        budgets=budgets, pin=pin, start_rng=start_rng, trace=workers.trace, trace_lock=workers.lock,
                        start=time.perf_counter(), stop=workers.stop, selection=selection_run,
-                       on_ended=arrivals.on_ended, kept_outside=kept_outside, placement=placement,
-                       lane_rates=rates)
+                       on_ended=arrivals.on_ended, kept_outside=kept_outside)
     for slot in workers.slots:
         slot.open_run = open_run
     workers.scheduler.set_open(True)

@@ -19,15 +19,16 @@ DATA = token_batches(4)
 LINK, HOST = 1e10, 2e6
 
 
-def task(name, seed, accumulate=1):
+def task(name, seed, accumulate=1, data=DATA):
     with task_rng.exclusive():  # building a model draws from the CPU generator the workers share
         return ht.ModelTask(tied_transformer(seed=seed), optimizer=ht.optim.AdamW(lr=3e-3, weight_decay=0.05),
-                            loss_fn=lm_loss, data=DATA, accumulate=accumulate, name=name)
+                            loss_fn=lm_loss, data=data, accumulate=accumulate, name=name)
 
 
-def train_with_a_late_task(placement, accumulate=1):
+def train_with_a_late_task(placement, accumulate=1, devices="cpu", late_data=DATA, first_data=DATA):
     """"first" trains, "late" joins as soon as the run is open (while "first" trains); the results and late's model."""
-    first, late = task("first", seed=0), task("late", seed=1, accumulate=accumulate)
+    first = task("first", seed=0, data=first_data)
+    late = task("late", seed=1, accumulate=accumulate, data=late_data)
     arrivals, outcome = Arrivals(on_ended=lambda result: None), queue.SimpleQueue()
 
     def driver():
@@ -40,7 +41,7 @@ def train_with_a_late_task(placement, accumulate=1):
     thread = threading.Thread(target=driver)
     thread.start()
     with testing.emulated_link(LINK), testing.emulated_host(HOST):
-        results = ht.train([first], devices="cpu", memory_budget=int(4 * model_bytes(first.model)), progress=False,
+        results = ht.train([first], devices=devices, memory_budget=int(4 * model_bytes(first.model)), progress=False,
                            placement=placement, arrivals=arrivals)
     thread.join(timeout=120)
     assert outcome.empty(), outcome.get()
@@ -48,17 +49,21 @@ def train_with_a_late_task(placement, accumulate=1):
     return results, late.model
 
 
-def test_a_task_joining_an_auto_run_steps_shards_on_the_device_and_trains_as_alone():
-    results, joined = train_with_a_late_task("auto")
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_a_task_joining_an_auto_run_steps_shards_on_the_device_and_trains_as_alone(devices):
+    # On two devices as on one: the host, a second a step, binds the run; each of "late"'s backwards is followed by
+    # its step, so its shards may step on whichever device ran the backward.
+    results, joined = train_with_a_late_task("auto", devices=devices)
     late = results["late"]
     untied = set(range(1, 7))  # shards 0 and 7 share the tied embedding and head
     assert late.device_shards and set(late.device_shards) <= untied, late.placement
     assert "stepped on the device" in late.placement
-    assert results.stats[0]["device_steps"] == sum(len(r.device_shards) * r.steps for r in results)
+    assert sum(stats["device_steps"] for stats in results.stats) == sum(len(r.device_shards) * r.steps
+                                                                         for r in results)
     # Alone, every shard stepped on the host, from where the generator stood as the run began (just after "late"'s
     # model was built): the same steps.
     alone = task("alone", seed=1)
-    reference = ht.train(alone, devices="cpu", progress=False, placement="host")[0]
+    reference = ht.train(alone, devices=devices, progress=False, placement="host")[0]
     assert late.losses == pytest.approx(reference.losses, rel=1e-5)
     for a, b in zip(joined.parameters(), alone.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -73,16 +78,89 @@ def test_a_task_joining_steps_every_shard_on_the_host_where_its_placement_or_its
     assert results["late"].placement == "spilled"
 
 
-def test_a_task_joining_a_device_run_steps_every_untied_shard_on_the_device():
-    results, _ = train_with_a_late_task("device")
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_a_task_joining_a_device_run_steps_every_untied_shard_on_the_device(devices):
+    results, _ = train_with_a_late_task("device", devices=devices)
     assert results["late"].device_shards == list(range(1, 7))
+
+
+def test_a_task_joining_two_devices_asks_the_lane_model_only_where_the_host_binds(monkeypatch):
+    # On several devices "auto" asks the lane model only where the host lane bounds the placement with the newcomer's
+    # steps all on the host (lane_choice._host_binds), as it does for the tasks it places as the call starts: here the
+    # host binds as the call starts, and the gate says it does not once "late" joins.
+    from hydra_torch.run import lane_choice
+    asked, host_binds = [], lane_choice._host_binds
+
+    def binds_at_the_start_only(shapes, rates, bytes_, devices, start):
+        asked.append((len(shapes), devices))
+        return host_binds(shapes, rates, bytes_, devices, start) if len(asked) == 1 else False
+    monkeypatch.setattr(lane_choice, "_host_binds", binds_at_the_start_only)
+    results, _ = train_with_a_late_task("auto", devices=["cpu", "cpu"])
+    assert asked == [(1, 2), (2, 2)]  # "first" alone as the call starts; then "first" and "late"
+    assert results["first"].device_shards and results["late"].device_shards == []
 
 
 def test_a_lane_model_that_fails_for_a_joining_task_warns_and_its_steps_stay_on_the_host(monkeypatch):
     def fails(*args, **kwargs):
         raise RuntimeError("no forecast")
     from hydra_torch.run import lane_choice
-    monkeypatch.setattr(lane_choice, "_placed", fails)  # where the running tasks step: asked for a newcomer alone
+    # Asked as "late" joins, and again once "first" has left.
+    monkeypatch.setattr(lane_choice, "added_device_shards", fails)
     with pytest.warns(RuntimeWarning, match="could not ask the lane model for 'late'.*no forecast"):
         results, _ = train_with_a_late_task("auto")
     assert results["late"].device_shards == []
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_a_task_joining_whose_steps_the_engine_refuses_steps_every_shard_on_the_host(devices, monkeypatch):
+    # The engine has the last word: asked for shards it cannot step on the device (here the tied embedding's), it
+    # refuses them, and the task is added with every step on the host on every device alike, and trains as alone.
+    from hydra_torch.run import lane_choice
+    monkeypatch.setattr(lane_choice, "added_device_shards", lambda *args: [0, 1])
+    results, joined = train_with_a_late_task("auto", devices=devices)
+    late = results["late"]
+    assert late.device_shards == [] and late.placement == "spilled"
+    assert sum(stats["device_steps"] for stats in results.stats) == len(results["first"].device_shards) * 4
+    alone = task("alone", seed=1)
+    reference = ht.train(alone, devices=devices, progress=False, placement="host")[0]
+    assert late.losses == pytest.approx(reference.losses, rel=1e-5)
+    for a, b in zip(joined.parameters(), alone.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_a_task_still_training_is_placed_again_once_another_leaves_and_trains_on_as_alone(devices, monkeypatch):
+    # "late" joins with every step on the host (the lane model asked as it joins is told to keep it there); once
+    # "first" has left, at late's next step boundary, the lane model is asked again, and it steps shards on the
+    # device from then on. Its state is home in the store between steps: it trains on as it would have alone.
+    from hydra_torch.run import lane_choice
+    choose, asked = lane_choice.added_device_shards, []
+
+    def on_the_host_as_it_joins(newcomer, store, running, *args):
+        asked.append([r.task.name for r in running])
+        return [] if len(asked) == 1 else choose(newcomer, store, running, *args)
+    monkeypatch.setattr(lane_choice, "added_device_shards", on_the_host_as_it_joins)
+    results, joined = train_with_a_late_task("auto", devices=devices, late_data=token_batches(10))
+    late = results["late"]
+    assert asked == [["first"], []], asked  # as it joined, beside "first"; then alone
+    assert late.device_shards and set(late.device_shards) <= set(range(1, 7)), late.placement
+    places = [(e.step, e.place) for e in results.steps if e.task_name == "late" and e.shard == late.device_shards[0]]
+    switched = next(step for step, place in places if place == "device")
+    assert switched > 1 and places == [(k, "host" if k < switched else "device") for k in range(1, 11)], places
+    alone = task("alone", seed=1, data=token_batches(10))
+    reference = ht.train(alone, devices=devices, progress=False, placement="host")[0]
+    assert late.losses == pytest.approx(reference.losses, rel=1e-5)
+    for a, b in zip(joined.parameters(), alone.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_task_placed_as_the_run_started_keeps_its_resident_ends_when_another_leaves():
+    # "first" keeps shards resident (homes, which a sized arena does not take again): it is not moved once "late"
+    # leaves (late's one step ends long before first's twelve).
+    results, _ = train_with_a_late_task("auto", late_data=token_batches(1), first_data=token_batches(12))
+    kept = results["first"]
+    assert not kept.resident and kept.resident_shards, kept.placement
+    assert max(e.end for e in results.trace if e.task_name == "late") < \
+        max(e.end for e in results.trace if e.task_name == "first")
+    places = {e.place for e in results.steps if e.task_name == "first" and e.shard == kept.resident_shards[0]}
+    assert places == {"resident"}

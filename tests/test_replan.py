@@ -2,11 +2,15 @@
 shards) and retried from its last step boundary while the others train on, ending as plain PyTorch training
 does. On CPU the failure is injected: a layer that raises torch.OutOfMemoryError as a device allocation in its
 shard would."""
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 import hydra_torch as ht
+from hydra_torch import testing
+from hydra_torch.run import lane_choice
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 
 SEED = 123
@@ -50,6 +54,12 @@ def reference(data, accumulate=1, blocks=4):
     model, _ = model_with(blocks=blocks)
     losses = train_plain(model, data, ADAMW[1], accumulate=accumulate, seed=SEED)
     return model, losses
+
+
+def untied_trainable(task, model) -> list[int]:
+    """The task's shards that hold neither end of the tied embedding and head, and have weights to train."""
+    return [s for s, group in enumerate(task.modules) if model[0] not in group and model[-1] not in group
+            and any(p.requires_grad for m in group for p in m.parameters())]
 
 
 def task_for(model, oom, data, **options):
@@ -370,7 +380,7 @@ def test_a_re_plan_that_cannot_be_made_fails_only_its_task(monkeypatch, where):
     ("auto", "spilled in 4 shards, shards 0, 3 resident"),
     ("device", "spilled in 4 shards, shards 0, 3 resident, shards 1, 2 stepped on the device"),
 ])
-def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_and_trains_on_spilled(placement, had):
+def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_and_trains_on(placement, had):
     data = token_batches(6)
     ref, ref_losses = reference(data)
     model, oom = model_with(lambda m: len(m.shard) > 1)
@@ -381,8 +391,42 @@ def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_an
                           placement=placement)[0]
     assert result.ok, result.error
     assert len(result.replans) == 1 and had in result.replans[0], result.replans
-    # A re-planned task is spilled whole.
-    assert result.placement == "spilled" and result.device_shards == [] and task.num_shards > 4
+    # A re-planned task keeps no shard resident (the arena is sized by then), and steps on the device what a task
+    # joining the run would: for "device" every untied shard with weights (the layer that fails has none); for
+    # "auto" none, as no lane model is asked on a CPU device without emulated lanes.
+    untied = untied_trainable(task, model)
+    assert task.num_shards > 4 and len(untied) == task.num_shards - 3
+    assert result.resident_shards == [] and result.device_shards == (untied if placement == "device" else [])
+    assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
+    assert max_relative_error(model, ref) <= TOLERANCE
+    assert model[0].weight is model[-1].weight
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_a_task_re_planned_under_auto_steps_shards_on_the_device_where_the_host_binds(devices, monkeypatch):
+    """Placed again as a task joining the run would be (lane_choice.added_device_shards): the host, a second a step,
+    binds, and the lane model takes steps off it in the new cut too."""
+    data = token_batches(6)
+    ref, ref_losses = reference(data)
+    armed = threading.Event()  # the layer fails only once the lane model's measurement of the task is done
+    model, oom = model_with(lambda m: armed.is_set() and len(m.shard) > 1)
+    measure = lane_choice.measure_tasks
+
+    def measured_then_armed(*args):
+        measure(*args)
+        armed.set()
+    monkeypatch.setattr(lane_choice, "measure_tasks", measured_then_armed)
+    torch.manual_seed(SEED)
+    task = task_for(model, oom, data, shards=4)
+    with testing.emulated_link(1e10), testing.emulated_host(2e6), pytest.warns(RuntimeWarning, match="re-planned"):
+        results = ht.train([task], devices=devices, memory_budget=4 * model_bytes(model), progress=False)
+    result = results[0]
+    assert result.ok, result.error
+    assert len(result.replans) == 1 and task.num_shards > 4 and oom.raised == 1, result.replans
+    assert result.device_shards and set(result.device_shards) <= set(untied_trainable(task, model)), result.placement
+    # It failed in its first step's forward: every step it took was in the new cut.
+    assert sum(stats["device_steps"] for stats in results.stats) == len(result.device_shards) * result.steps == \
+        len(result.device_shards) * 6
     assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
     assert max_relative_error(model, ref) <= TOLERANCE
     assert model[0].weight is model[-1].weight

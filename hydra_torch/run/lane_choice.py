@@ -23,8 +23,9 @@ generator left as it was. A one-shot iterator's batch cannot be drawn twice: suc
 at the seconds per element of the measured tasks, and where no task could be measured "auto" keeps the engine's
 rule. What the lane model was told and forecast is Results.lane_plan.
 
-A task that joins the running call is placed from the same rates, the tasks already training kept where they are
-(joining_device_shards): the arena is sized by then, so it only steps shards on the device.
+A task added to the running call (one joining it, one re-planned after running out of memory, or one placed again
+once another has left: hydra_torch.run.replacement) is placed from the same rates, the tasks still training kept
+where they are (added_device_shards): the arena is sized by then, so it only steps shards on the device.
 """
 from __future__ import annotations
 
@@ -131,17 +132,23 @@ def _generators_kept(data):
             numpy.random.set_state(numpy_state)
 
 
-def timed_seconds(runners, stores) -> list[list[float] | None]:
+def timed_seconds(runners, stores, per_element: float | None = None) -> list[list[float] | None]:
     """Each task's shard seconds: measured, else priced by its elements at the median seconds per element of the
-    measured tasks; None for every task where none was measured."""
+    measured tasks, or where none was measured at `per_element` (the call's, measured as it started); None for every
+    task where neither is known."""
     measured = [shard_seconds(runner.task) for runner in runners]
-    per_element = [sum(seconds) / sum(store.device_numel(s) for s in range(store.num_shards))
-                   for seconds, store in zip(measured, stores) if seconds is not None]
-    if not per_element:
+    rate = _seconds_per_element(measured, stores) or per_element
+    if rate is None:
         return [None] * len(runners)
-    rate = statistics.median(per_element)
     return [seconds if seconds is not None else [rate * store.device_numel(s) for s in range(store.num_shards)]
             for seconds, store in zip(measured, stores)]
+
+
+def _seconds_per_element(measured, stores) -> float | None:
+    """The median seconds per element of the tasks whose shard seconds were `measured` (None: not), or None."""
+    per_element = [sum(seconds) / sum(store.device_numel(s) for s in range(store.num_shards))
+                   for seconds, store in zip(measured, stores) if seconds is not None]
+    return statistics.median(per_element) if per_element else None
 
 
 def lanes_apart(device) -> bool:
@@ -174,7 +181,8 @@ def plan(runners, stores, devices, candidates: list[bool], decided, free_left: l
         return None
     forecast = _C.lane_forecast(shapes, rates, bytes_, len(devices), None, room, start, resident)
     places = [list(p) if candidate else ["host"] * len(p) for p, candidate in zip(forecast["placement"], candidates)]
-    return places, told_and_forecast(rates, forecast)
+    per_element = _seconds_per_element([shard_seconds(runner.task) for runner in runners], stores)
+    return places, told_and_forecast(rates, forecast, per_element)
 
 
 def _host_binds(shapes, rates, bytes_, devices: int, start) -> bool:
@@ -187,11 +195,13 @@ def _host_binds(shapes, rates, bytes_, devices: int, start) -> bool:
     return bound["host"] >= max(bound["compute"], bound["host_to_device"], bound["device_to_host"])
 
 
-def told_and_forecast(rates, forecast) -> dict:
-    """Results.lane_plan: the lanes' measured rates (bytes/s) and the forecast's busy share of each lane over its
-    run of STEPS_FORECAST steps of every task."""
+def told_and_forecast(rates, forecast, per_element: float | None) -> dict:
+    """Results.lane_plan: the lanes' measured rates (bytes/s), the measured tasks' compute in seconds per element
+    (their median: it prices a task added to the run later where no measured task still trains) and the forecast's
+    busy share of each lane over its run of STEPS_FORECAST steps of every task."""
     busy, makespan = forecast["busy_seconds"], forecast["makespan"]
     return {"rates": dict(zip(("copies_in", "copies_out", "host_steps", "device_steps"), rates)),
+            "seconds_per_element": per_element,
             "busy": {"compute": forecast["bound"]["compute"] / makespan,
                      "copies_in": busy["host_to_device"] / makespan, "copies_out": busy["device_to_host"] / makespan,
                      "host": busy["host"] / makespan}}
@@ -239,33 +249,54 @@ def wishes(runners, stores, engines, devices, placement: str, candidates: list[b
     return asked, told
 
 
-def joining_device_shards(newcomer, store, running, uncommitted: int, placement: str, rates) -> list[int]:
-    """The shards a task joining a running call (`newcomer`, its `store`) steps on the device: every one that may be
-    for "device", the lane model's choice for "auto" from the `rates` the call measured as it started, with the tasks
-    still training (`running`) kept as they are placed, in the device's `uncommitted` bytes (DeviceEngine's
-    uncommitted_bytes: what working sets and device steps share); none for "host" or where the
-    call measured no rates. The arena is sized by then, so a newcomer keeps no home and holds no gradient buffer: only
-    a task whose every backward is followed by its step (ShardStore.steps_after_each_backward) steps shards on the
-    device, and neither a tied shard nor one with nothing to train. The engine has the last word (add_model)."""
+def added_device_shards(newcomer, store, running, uncommitted: list[int], placement: str, lane_plan) -> list[int]:
+    """The shards a task added to the running call (`newcomer`, its `store`: a task joining it, one re-planned after
+    running out of memory, or one placed again once another has left) steps on the devices: every one that may be
+    for "device", the lane model's choice for "auto" from what the call measured as it started (`lane_plan`,
+    Results.lane_plan: the lanes' rates, and the compute per element that prices a task not measured), with the
+    tasks still training (`running`) kept as they are placed, in the room every device's `uncommitted` bytes leave
+    (DeviceEngine's uncommitted_bytes, per device: what working sets and device steps share); none for "host" or
+    where the call asked no lane model as it started. The arena is sized by then, so the task keeps no home and
+    holds no gradient buffer: only a task whose every backward is followed by its step
+    (ShardStore.steps_after_each_backward) steps shards on the device, and neither a tied shard nor one with nothing
+    to train. On several devices "auto" asks the lane model only where the host lane bounds the placement with
+    every one of the task's shards on the host (_host_binds), as at the call's start. The engine has the last word
+    (add_model)."""
     if placement not in ("auto", "device") or not store.steps_after_each_backward:
         return []
     eligible = _untied_trainable(store)
     if placement == "device" or not eligible:
         return eligible
-    if rates is None:
+    if lane_plan is None:
         return []
+    rates = tuple(lane_plan["rates"].values())
     runners, stores = running + [newcomer], [r.store for r in running] + [store]
-    seconds = timed_seconds(runners, stores)
+    seconds = timed_seconds(runners, stores, lane_plan["seconds_per_element"])
     if seconds[-1] is None:
         return []
     shapes = [task_shape(runner, s, sec) for runner, s, sec in zip(runners, stores, seconds)]
     start = [_placed(runner) for runner in running] + [["host"] * store.num_shards]
+    bytes_, devices = step_bytes(newcomer.task), len(uncommitted)
+    if devices > 1 and not _host_binds(shapes, rates, bytes_, devices, start):
+        return []
     spilled = [s for runner, s in zip(runners, stores) if not runner.resident]
-    room = max(0, uncommitted - max(_C.DeviceEngine.spilled_need(s) for s in spilled))
-    forecast = _C.lane_forecast(shapes, rates, step_bytes(newcomer.task), 1, None, room, start,
-                                [True] * len(running) + [False])
+    room = max(0, min(uncommitted) - max(_C.DeviceEngine.spilled_need(s) for s in spilled))
+    forecast = _C.lane_forecast(shapes, rates, bytes_, devices, None, room, start, [True] * len(running) + [False])
     # A shard the lane model would keep resident is off the host too: stepped on the device, in less room.
     return [s for s in eligible if forecast["placement"][-1][s] != "host"]
+
+
+def added_or_host(newcomer, store, running, uncommitted: list[int], placement: str, lane_plan,
+                  stacklevel: int = 2) -> list[int]:
+    """added_device_shards, or none where the lane model fails: a warning (at `stacklevel` above this function's
+    caller) says so and every shard of the task steps on the host, as at the call's start."""
+    try:
+        return added_device_shards(newcomer, store, running, uncommitted, placement, lane_plan)
+    except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
+        warnings.warn(f"placement={placement!r} could not ask the lane model for {newcomer.task.name!r} "
+                      f"({type(error).__name__}: {error}); it steps every shard on the host", RuntimeWarning,
+                      stacklevel=stacklevel + 1)
+        return []
 
 
 def _untied_trainable(store) -> list[int]:

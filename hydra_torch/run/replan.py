@@ -16,8 +16,7 @@ import torch
 
 from hydra_torch.models import memory, sharding
 from hydra_torch.report.results import shard_list
-from hydra_torch.run import lifecycle
-from hydra_torch.run.inbox import on_devices
+from hydra_torch.run import lifecycle, moving
 from hydra_torch.state import interrupts
 
 
@@ -80,22 +79,11 @@ def _unit_name(unit) -> str:
 
 def _move(slot, runner, groups) -> str | None:
     """Takes the task out of every engine, re-cuts it into `groups` with its state carried over and adds it back,
-    spilled, to every device. Returns why that failed, or None."""
-    slots = slot.peers
-    old_ids, home = runner.model_ids, lifecycle.home_slot(runner)
-
-    def leave(s):
-        model = old_ids[s.index]
-        if s.index == home:
-            s.engine.discard_grads(model)  # of the step that failed: it runs again
-            s.engine.finish(model)  # the weights back in the task's modules, resident state home
-        else:
-            s.engine.synchronize(model)
-        s.engine.release_model(model)
-    errors = on_devices([slots[d] for d in old_ids], leave, own=slot)
-    runner.model_ids = {}  # released, the weights home: until it is added again, nothing is left to bring home
-    if errors:
-        return f"its state could not be taken off the devices: {errors[0]}"
+    spilled, to every device, stepping on the device what a task joining the run would. Returns why that failed,
+    or None."""
+    why_not = moving.take_off(slot, runner)
+    if why_not is not None:
+        return why_not
     old = runner.store
     same_shards = groups is runner.task.modules
     runner.rewind_step()
@@ -106,34 +94,7 @@ def _move(slot, runner, groups) -> str | None:
         store = lifecycle.make_store(runner, old.pinned)
         _carry_state(old, store)
         del old
-    ids = {}
-    def add(s):
-        model = s.engine.add_model(store, allow_resident=False, task=runner.index,
-                                   base=runner.base.ids[s.index] if runner.base is not None else -1)
-        if runner.base is not None:
-            try:
-                runner.base.attach_model(runner, s.engine, s.index, model)
-            except Exception:
-                s.engine.release_model(model)
-                raise
-        ids[s.index] = model
-    errors = on_devices(slots, add, own=slot)
-    if not ids:
-        return f"no device can take it in {runner.n} shards: {errors[0]}"
-    # Some devices' arenas are taken (by resident tasks, say), or their workers have ended: it trains on one
-    # device that has room, this one if it can, pinned there, as a task may run on any device only when every
-    # device holds it and a worker serves it.
-    serving = [d for d in ids if d == slot.index or not slots[d].inbox.closed]
-    if not serving:
-        on_devices([slots[d] for d in ids], lambda s: s.engine.release_model(ids[s.index]), own=slot)
-        return f"no device still training can take it in {runner.n} shards"
-    if errors or len(serving) < len(slots):
-        keep = slot.index if slot.index in serving else min(serving)
-        on_devices([slots[d] for d in ids if d != keep], lambda s: s.engine.release_model(ids[s.index]), own=slot)
-        ids = {keep: ids[keep]}
-        runner.home = keep
-    runner.model_ids = ids
-    return None
+    return moving.put_back(slot, runner, store, moving.added_shards(slot, runner, store))
 
 
 def _carry_state(old, new):

@@ -50,6 +50,7 @@ class TaskRunner:
         self.resident = False                 # its whole training state lives on one device
         self.resident_shards: list[int] = []  # the shards whose whole state lives there (a spilled task's ends)
         self.device_shards: list[int] = []    # a spilled task's shards stepped on the device
+        self.placed_after = 0                 # how many tasks had left the run when its placement was last decided
         self.result = None                    # its TaskResult, once it has left the run
         self.home: int | None = None          # the slot it is pinned to: its resident state's, or after a re-plan
                                               # the only device with room for it; None: any device

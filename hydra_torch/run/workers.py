@@ -9,7 +9,7 @@ import torch
 
 from hydra_torch._loader import native as _C
 from hydra_torch.report.results import TraceEntry
-from hydra_torch.run import replan, unit_clock
+from hydra_torch.run import replacement, replan, unit_clock
 from hydra_torch.run.saved_bytes import SavedBytes
 
 # How many units ahead each device plans its shard visits (for eviction: keep what is needed soonest), how many
@@ -50,6 +50,11 @@ class DeviceSlot:
     loop: object = None         # _C.DeviceLoop (make_loop)
     saved: SavedBytes = field(default_factory=SavedBytes)  # what micro-batches in flight hold here
     budget_split: dict = None   # the budget's split between the arena, a unit's working set and saved activations
+    # ht.train's placement, and what the lane model was told and forecast as the call started (Results.lane_plan;
+    # None: not asked): a task added to the run (joining it, re-planned) or placed again steps shards on the device
+    # as they say (lane_choice.added_device_shards).
+    placement: str = "host"
+    lane_plan: dict = None
 
 
 def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
@@ -91,6 +96,8 @@ def _run_units(slot: DeviceSlot, trace: list, lock: threading.Lock):
             if _stop_asked(slot, slot.runners[unit.task]) and _cut_short(slot, unit):
                 continue
             _checkpoint_if_due(slot, slot.runners[unit.task])
+            if not _placed_anew(slot, unit, lock):
+                continue
             _run_unit(slot, unit, clock, trace, lock)
     finally:
         try:
@@ -123,6 +130,20 @@ def _end_without(slot: DeviceSlot, unit, runner):
     slot.scheduler.fail(unit.task)  # drops its remaining units; handing this one back ends the task
     slot.scheduler.complete(slot.index, unit, None)
     _leave_if_ended(slot, unit, runner)
+
+
+def _placed_anew(slot: DeviceSlot, unit, lock: threading.Lock) -> bool:
+    """Before the task's next unit: placed again if a task has left the run since it was placed (run/replacement.py).
+    If it could not be added back to any engine, it ends here with that error, without running `unit`; returns False
+    then."""
+    runner = slot.runners[unit.task]
+    why_not = replacement.replace_if_due(slot, runner)
+    if why_not is None:
+        return True
+    with lock:
+        runner.error = runner.error or RuntimeError(why_not)
+    _end_without(slot, unit, runner)
+    return False
 
 
 def _checkpoint_if_due(slot: DeviceSlot, runner):

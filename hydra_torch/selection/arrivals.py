@@ -78,15 +78,12 @@ class OpenRun:
     """The running call's side of Arrivals: admits tasks and lets ended ones leave (see the module's doc)."""
 
     def __init__(self, *, slots, scheduler, runners, devices, budgets, pin, start_rng, trace, trace_lock, start,
-                 stop, selection=None, on_ended=None, kept_outside=(0, 0), placement="host", lane_rates=None):
+                 stop, selection=None, on_ended=None, kept_outside=(0, 0)):
         self.slots, self.scheduler, self.runners = slots, scheduler, runners
         self.devices, self.budgets, self.pin, self.start_rng = devices, budgets, pin, start_rng
         # What each device's budget keeps beside the arena for a unit's working set and a micro-batch's saved
         # inputs (saved_bytes.kept_outside_arena of the first tasks): a newcomer's must fit in them.
         self.kept_outside = kept_outside
-        # ht.train's placement, and the lane rates it measured as it started (None: not measured): a newcomer's
-        # device-stepped shards are chosen from them (lane_choice.joining_device_shards).
-        self.placement, self.lane_rates = placement, lane_rates
         self.trace, self.trace_lock, self.start, self.stop = trace, trace_lock, start, stop
         self.selection = selection          # the run's selection (its per-run object), told of each newcomer
         self._callbacks = _Callbacks(on_ended) if on_ended is not None else None
@@ -94,6 +91,9 @@ class OpenRun:
         self._closed = False
         self._workers_gone = threading.Event()
         self._leaving: set[int] = set()
+        # How many tasks have left the engines: a task still training is placed again at its next step boundary
+        # once one has (hydra_torch.run.replacement).
+        self.departures = 0
         self._leaving_lock = threading.Lock()  # not _lock: an arrival holds that while the workers register it
 
     def add(self, task):
@@ -140,24 +140,29 @@ class OpenRun:
             store = lifecycle.make_store(runner, self.pin)
             device_shards = self._device_shards(runner, store) if held is None else []
 
-            def add(slot):
-                base = held.ids[slot.index] if held is not None else -1
-                try:
+            def add_everywhere(device_shards):
+                def add(slot):
+                    base = held.ids[slot.index] if held is not None else -1
                     model = slot.engine.add_model(store, allow_resident=False, task=runner.index, base=base,
                                                   device_shards=device_shards)
-                except RuntimeError:
-                    if not device_shards:
-                        raise
-                    # No room for the steps after all (the engine's count is the exact one): all on the host.
-                    model = slot.engine.add_model(store, allow_resident=False, task=runner.index, base=base)
-                runner.model_ids[slot.index] = model
-                runner.device_shards = list(slot.engine.device_shards(model))
-                if held is not None:
-                    held.attach_model(runner, slot.engine, slot.index, model)
-            errors = self._on_every_device(add)
-            if errors or self._workers_gone.is_set():
+                    runner.model_ids[slot.index] = model
+                    runner.device_shards = list(slot.engine.device_shards(model))
+                    if held is not None:
+                        held.attach_model(runner, slot.engine, slot.index, model)
+                return self._on_every_device(add)
+
+            def release_everywhere():
                 self._on_every_device(lambda slot: slot.index in runner.model_ids
                                       and slot.engine.release_model(runner.model_ids[slot.index]))
+                runner.model_ids.clear()
+            errors = add_everywhere(device_shards)
+            if errors and device_shards and not self._workers_gone.is_set():
+                # No room for the steps after all (the engine's count is the exact one): all on the host, on every
+                # device alike.
+                release_everywhere()
+                errors = add_everywhere([])
+            if errors or self._workers_gone.is_set():
+                release_everywhere()
                 if joined:
                     held.members.remove(runner)
                 if not errors:
@@ -170,24 +175,18 @@ class OpenRun:
             return runner
 
     def _device_shards(self, runner, store) -> list[int]:
-        """The newcomer's shards to step on the device (lane_choice.joining_device_shards), on one device only. Where
-        the lane model fails, a warning says so and every shard steps on the host, as at the call's start."""
+        """The newcomer's shards to step on the devices (lane_choice.added_or_host)."""
         from hydra_torch.run import lane_choice, lifecycle
 
-        if len(self.slots) != 1 or not lifecycle.may_keep_ends(runner.task):
+        if not lifecycle.may_keep_ends(runner.task):
             return []
-        uncommitted = []  # read on the device's worker thread, which alone changes the engine's models
-        if self._on_every_device(lambda slot: uncommitted.append(slot.engine.uncommitted_bytes())):
+        uncommitted = {}  # read on each device's worker thread, which alone changes its engine's models
+        if self._on_every_device(lambda slot: uncommitted.__setitem__(slot.index, slot.engine.uncommitted_bytes())):
             return []  # the workers are gone: adding it says so
         running = [r for r in self.runners if r.result is None and r.model_ids]
-        try:
-            return lane_choice.joining_device_shards(runner, store, running, uncommitted[0], self.placement,
-                                                     self.lane_rates)
-        except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
-            warnings.warn(f"placement={self.placement!r} could not ask the lane model for {runner.task.name!r} "
-                          f"({type(error).__name__}: {error}); it steps every shard on the host", RuntimeWarning,
-                          stacklevel=4)
-            return []
+        placing = self.slots[0]
+        return lane_choice.added_or_host(runner, store, running, [uncommitted[i] for i in sorted(uncommitted)],
+                                         placing.placement, placing.lane_plan, stacklevel=4)
 
     def close(self):
         with self._lock:
@@ -234,6 +233,8 @@ class OpenRun:
                 gone()
 
         def gone():
+            with self._leaving_lock:
+                self.departures += 1
             if runner.base is not None:
                 runner.base.point_home(runner)
             runner.restore_buffers()

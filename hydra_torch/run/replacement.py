@@ -1,0 +1,42 @@
+"""A task still training placed again once another has left the run (arrivals: the leaver's engines let it go as
+it ends): the room its homes and resident state held, and the lanes its steps loaded, are free. At the task's next
+step boundary, on the worker about to run its next unit, its shards are chosen as a task joining the run would have
+them (hydra_torch.run.moving.added_shards: the lane model for "auto", every untied shard for "device"), and where that
+differs from where they step now the task is taken off every engine and added back so (hydra_torch.run.moving): its
+state, home in the store between its steps, is not touched, so it trains on exactly as it would have. The cached
+weights go with the old registration: their next copies in cost one step's worth of the link.
+
+Only a task that keeps nothing on the devices between its steps moves: spilled, without resident shards (the sized
+arena takes no home) or a frozen base, every backward followed by its step, held by every device."""
+from __future__ import annotations
+
+from hydra_torch.run import moving
+from hydra_torch.state import interrupts
+
+
+def replace_if_due(slot, runner) -> str | None:
+    """Places the task again if a task has left since it was last placed and it sits at a step boundary (see the
+    module). Returns why it could not be added back, or None: then it trains on, moved or not."""
+    run = slot.open_run
+    if run is None or runner.placed_after >= run.departures or not runner.at_step_boundary():
+        return None
+    runner.placed_after = run.departures
+    if not movable(slot, runner):
+        return None
+    wanted = moving.added_shards(slot, runner, runner.store)
+    if sorted(wanted) == sorted(runner.device_shards):
+        return None
+    was = list(runner.device_shards)
+    with interrupts.deferred():  # a second Ctrl-C must not leave the task between two placements
+        why_not = moving.take_off(slot, runner)
+        if why_not is None:
+            why_not = moving.put_back(slot, runner, runner.store, wanted, fallback=was)
+    if why_not is not None:
+        return f"task {runner.task.name!r} could not be placed again after a task left the run: {why_not}"
+    return None
+
+
+def movable(slot, runner) -> bool:
+    """Whether the task keeps nothing on the devices between its steps and runs on every device (see the module)."""
+    return (not runner.resident and not runner.resident_shards and runner.base is None
+            and runner.store.steps_after_each_backward and len(runner.model_ids) == len(slot.peers))
