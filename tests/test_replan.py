@@ -376,11 +376,25 @@ def test_a_re_plan_that_cannot_be_made_fails_only_its_task(monkeypatch, where):
     assert results["other"].ok and results["other"].steps == 4
 
 
-@pytest.mark.parametrize("placement, had", [
-    ("auto", "spilled in 4 shards, shards 0, 3 resident"),
-    ("device", "spilled in 4 shards, shards 0, 3 resident, shards 1, 2 stepped on the device"),
-])
-def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_and_trains_on(placement, had):
+@pytest.mark.parametrize("placement, on_the_host_first, had", [
+    ("auto", False, "spilled in 4 shards, shards 0, 3 resident"),
+    ("device", False, "spilled in 4 shards, shards 0, 3 resident, shards 1, 2 stepped on the device"),
+    ("device", True, "spilled in 4 shards)"),
+], ids=["resident ends", "device steps", "every step on the host"])
+def test_a_spilled_task_out_of_memory_is_cut_finer_and_placed_by_what_it_kept_on_the_device(
+        placement, on_the_host_first, had, monkeypatch):
+    """A task that kept shards resident or stepped them on the device may have run short of that room: cut finer, it
+    steps every shard on the host. One that stepped every shard on the host ("device" here, with
+    lifecycle.may_keep_ends saying no as the call starts) is placed as a task joining the run would be: every untied
+    shard with weights on the device (the layer that fails has none)."""
+    from hydra_torch.run import lifecycle
+    asked = []
+
+    def not_as_the_call_starts(task):
+        asked.append(task.name)
+        return len(asked) > 1
+    if on_the_host_first:
+        monkeypatch.setattr(lifecycle, "may_keep_ends", not_as_the_call_starts)
     data = token_batches(6)
     ref, ref_losses = reference(data)
     model, oom = model_with(lambda m: len(m.shard) > 1)
@@ -391,42 +405,44 @@ def test_a_task_with_shards_placed_apart_that_runs_out_of_memory_is_cut_finer_an
                           placement=placement)[0]
     assert result.ok, result.error
     assert len(result.replans) == 1 and had in result.replans[0], result.replans
-    # A re-planned task keeps no shard resident (the arena is sized by then), and steps on the device what a task
-    # joining the run would: for "device" every untied shard with weights (the layer that fails has none); for
-    # "auto" none, as no lane model is asked on a CPU device without emulated lanes.
-    untied = untied_trainable(task, model)
-    assert task.num_shards > 4 and len(untied) == task.num_shards - 3
-    assert result.resident_shards == [] and result.device_shards == (untied if placement == "device" else [])
+    assert len(asked) == (2 if on_the_host_first else 0)
+    stepped = untied_trainable(task, model) if on_the_host_first else []
+    assert result.resident_shards == [] and result.device_shards == stepped and task.num_shards > 4
     assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
     assert max_relative_error(model, ref) <= TOLERANCE
     assert model[0].weight is model[-1].weight
 
 
-@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
-def test_a_task_re_planned_under_auto_steps_shards_on_the_device_where_the_host_binds(devices, monkeypatch):
-    """Placed again as a task joining the run would be (lane_choice.added_device_shards): the host, a second a step,
-    binds, and the lane model takes steps off it in the new cut too."""
+def test_a_resident_task_spilled_under_auto_steps_shards_on_the_device_where_the_host_binds(monkeypatch):
+    """Spilled, it is placed as a task joining the run would be (lane_choice.added_device_shards), from the lanes the
+    call measured for the task it spilled as it started: the host, a second a step, binds, and the lane model takes
+    steps off it; it trains on as plain PyTorch."""
     data = token_batches(6)
     ref, ref_losses = reference(data)
-    armed = threading.Event()  # the layer fails only once the lane model's measurement of the task is done
-    model, oom = model_with(lambda m: armed.is_set() and len(m.shard) > 1)
+    armed = threading.Event()  # the layer fails once, after the lane model's measurement of the task
+    model, oom = model_with(lambda m: armed.is_set() and m.raised == 0)
     measure = lane_choice.measure_tasks
 
     def measured_then_armed(*args):
         measure(*args)
         armed.set()
     monkeypatch.setattr(lane_choice, "measure_tasks", measured_then_armed)
+    other = tied_transformer(seed=3, blocks=10)  # built first: building seeds the CPU generator
     torch.manual_seed(SEED)
-    task = task_for(model, oom, data, shards=4)
+    tasks = [task_for(model, oom, data, shards=4, name="failing"),
+             ht.ModelTask(other, optimizer=ADAMW[0](), loss_fn=lm_loss, data=token_batches(2, seed=5), name="spilled")]
     with testing.emulated_link(1e10), testing.emulated_host(2e6), pytest.warns(RuntimeWarning, match="re-planned"):
-        results = ht.train([task], devices=devices, memory_budget=4 * model_bytes(model), progress=False)
-    result = results[0]
+        results = ht.train(tasks, devices="cpu", memory_budget=6 * model_bytes(model), progress=False)
+    assert results.lane_plan is not None and results["spilled"].device_shards, results["spilled"].placement
+    result = results["failing"]
     assert result.ok, result.error
-    assert len(result.replans) == 1 and task.num_shards > 4 and oom.raised == 1, result.replans
-    assert result.device_shards and set(result.device_shards) <= set(untied_trainable(task, model)), result.placement
-    # It failed in its first step's forward: every step it took was in the new cut.
-    assert sum(stats["device_steps"] for stats in results.stats) == len(result.device_shards) * result.steps == \
-        len(result.device_shards) * 6
+    assert len(result.replans) == 1 and "resident" in result.replans[0] and oom.raised == 1, result.replans
+    assert not result.resident and tasks[0].num_shards == 4
+    assert result.device_shards and set(result.device_shards) <= set(untied_trainable(tasks[0], model)), \
+        result.placement
+    # It failed in its first step's forward: every step it took was spilled.
+    stepped = [e for e in results.steps if e.task_name == "failing" and e.shard in result.device_shards]
+    assert [e.place for e in stepped] == ["device"] * len(result.device_shards) * 6
     assert result.losses == pytest.approx(ref_losses, rel=TOLERANCE)
     assert max_relative_error(model, ref) <= TOLERANCE
     assert model[0].weight is model[-1].weight

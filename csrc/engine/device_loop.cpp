@@ -49,6 +49,12 @@ void DeviceLoop::begin(const core::Unit& unit, bool step_follows) {
   if (prefetch) engine_.prefetch_step(own, unit.shard);
   try {
     engine_.acquire(own, unit.shard, /*with_grads=*/backward);
+  } catch (const c10::OutOfMemoryError&) {
+    if (!prefetch) throw;
+    // The prefetched state split the room the shard's weights and gradients need (the arena's free bytes in pieces):
+    // it goes, and the step brings its state in itself, or runs on the host where there is no room for it then.
+    engine_.forget_step_prefetch(own, unit.shard);
+    engine_.acquire(own, unit.shard, /*with_grads=*/backward);
   } catch (...) {
     if (prefetch) engine_.forget_step_prefetch(own, unit.shard);  // nothing held when begin throws
     throw;

@@ -247,8 +247,14 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
     if (gate && !gate->open()) return;
     if (homed_[shard]) {  // as a ResidentModel's shard: its step is queued on the compute stream
       homes_.step(store(), shard, 1.0, lr_scale);
-    } else {
+    } else if (holds_grads(shard) || bring_state(shard, /*must=*/false)) {
       device_step(shard, 1.0, lr_scale);
+    } else {
+      // No room for the step's regions now, even with every unpinned weight evicted: add_model's count is exact, but
+      // the arena's free bytes can lie in pieces around the unit's own regions and other models' in flight. Its state
+      // is home in the store between steps, so this step runs on the host from the unit's gradient region, as a
+      // host-stepped shard's does, instead of failing the task.
+      send_gradients(shard, /*step=*/true, lr_scale, /*keep=*/false);
     }
     return;
   }

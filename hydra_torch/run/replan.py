@@ -62,8 +62,12 @@ def _replan(slot, unit, runner) -> str | None:
     was = "resident" if runner.resident else f"spilled in {runner.n} shards" + (
         f", {shard_list(runner.resident_shards)} resident" if runner.resident_shards else "") + (
         f", {shard_list(runner.device_shards)} stepped on the device" if runner.device_shards else "")
+    # Where the task kept shards on the device between steps or stepped them there, that state may be what ran
+    # short: its new plan steps every shard on the host. A resident task spilled, or one stepped all on the host and
+    # cut finer, steps on the device what a task joining the run would.
+    off_host = runner.resident or not (runner.resident_shards or runner.device_shards)
     with interrupts.deferred():  # a second Ctrl-C must not leave the task between two plans
-        why_not = _move(slot, runner, groups)
+        why_not = _move(slot, runner, groups, off_host)
     if why_not is not None:
         return why_not
     where = f" on device {runner.home} only" if runner.home is not None and len(slot.peers) > 1 else ""
@@ -77,10 +81,10 @@ def _unit_name(unit) -> str:
     return f"{str(unit.phase).rsplit('.', 1)[-1]} of shard {unit.shard}"
 
 
-def _move(slot, runner, groups) -> str | None:
+def _move(slot, runner, groups, off_host: bool) -> str | None:
     """Takes the task out of every engine, re-cuts it into `groups` with its state carried over and adds it back,
-    spilled, to every device, stepping on the device what a task joining the run would. Returns why that failed,
-    or None."""
+    spilled, to every device, stepping on the device what a task joining the run would where `off_host`, else
+    every shard on the host. Returns why that failed, or None."""
     why_not = moving.take_off(slot, runner)
     if why_not is not None:
         return why_not
@@ -94,7 +98,7 @@ def _move(slot, runner, groups) -> str | None:
         store = lifecycle.make_store(runner, old.pinned)
         _carry_state(old, store)
         del old
-    return moving.put_back(slot, runner, store, moving.added_shards(slot, runner, store))
+    return moving.put_back(slot, runner, store, moving.added_shards(slot, runner, store) if off_host else [])
 
 
 def _carry_state(old, new):

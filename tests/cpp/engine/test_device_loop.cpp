@@ -7,6 +7,7 @@
 #include "core/scheduler.h"
 #include "device_engine_helpers.h"
 #include "engine/device_loop.h"
+#include "engine/spilled_model.h"
 #include "manual_fence.h"
 
 namespace {
@@ -213,6 +214,45 @@ TEST(DeviceLoop, AVisitEndsBeforeTheNextBegins) {
   EXPECT_NO_THROW(t.engine.acquire(t.model, t.first.shard, false)) << "...and the shard it held is released";
   t.engine.release(t.model, t.first.shard);
   EXPECT_EQ(t.loop.end(t.first, std::nullopt), 0) << "the visit is closed";
+}
+
+// Every shard of a spilled model stepped on the device after each backward, through the loop (the state prefetched
+// as each backward's unit begins, before its weights and gradients are placed), at a budget of exactly the working
+// set add_model counts for a unit and its step: where the prefetched state leaves the shard no room in one piece, it
+// goes and the acquire is tried again, and where the step then finds no room for its state, that step runs on the
+// host. The model ends as one stepped on the host throughout, and every step ran once.
+TEST(DeviceLoop, AtTheExactBudgetForDeviceStepsEveryStepRunsOnceOnTheDeviceOrTheHost) {
+  if (!op_registered("hydra::adam_step")) GTEST_SKIP() << "hydra::adam_step is not registered in this build";
+  const std::vector<int> device{0, 1, 2, 3};
+  auto run = [&](const std::vector<int>& stepped, int64_t budget) {
+    auto store = equal_shards(kShards);
+    store->set_steps_after_each_backward(true);
+    DeviceEngine engine(kCpu, budget > 0 ? budget : hydra::engine::SpilledModel::spilled_need(*store, {}, nullptr,
+                                                                                              stepped));
+    const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, /*task=*/0, {}, -1, stepped);
+    Scheduler scheduler({TaskSpec{kShards, /*micro_batches=*/3, std::nullopt}}, 1, PolicyKind::kLrtf);
+    DeviceLoop loop(scheduler, engine, 0, LoopOptions{});
+    while (std::optional<Unit> unit = scheduler.try_next(0)) {
+      loop.begin(*unit, /*step_follows=*/is_backward(*unit));
+      std::optional<BackwardDone> backward;
+      if (is_backward(*unit)) {
+        write_grads(*store, unit->shard);
+        backward = BackwardDone{/*step=*/true, /*lr_scale=*/1.0, /*keep=*/false, /*clip_follows=*/false};
+      }
+      loop.end(*unit, backward);
+      scheduler.complete(0, *unit, 0.01);
+    }
+    engine.finish(m);  // every step done and logged
+    int64_t on_host = 0;
+    for (const hydra::engine::StepRecord& r : engine.step_log()) on_host += r.place == hydra::engine::StepPlace::kHost;
+    EXPECT_EQ(engine.stats().device_steps + on_host, 3 * kShards) << "every step once";
+    return std::pair{store, on_host};
+  };
+  const auto [host, all_on_host] = run({}, 1 << 20);
+  EXPECT_EQ(all_on_host, 3 * kShards);
+  const auto [tight, fell_back] = run(device, 0);
+  EXPECT_GT(fell_back, 0) << "the exact budget fragments: some step fell back on the host";
+  for (int s = 0; s < kShards; ++s) EXPECT_TRUE(at::equal(tight->master(s), host->master(s))) << "shard " << s;
 }
 
 }  // namespace

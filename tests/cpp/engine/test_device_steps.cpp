@@ -193,6 +193,31 @@ TEST(DeviceSteps, OnTwoDevicesEachShardStepsWhereItsBackwardRanAndTheModelEndsAs
   }
 }
 
+// At a budget of exactly the working set add_model counts for a unit and its device step, the first-fit arena can be
+// fragmented by the unit's own weights where the step's regions come in: that step runs on the host instead (its
+// gradients go home as a host-stepped shard's do), and the model still ends as with every shard on the host.
+TEST(DeviceSteps, AStepWhoseRegionsDoNotFitRunsOnTheHostAndTheModelEndsAsOnTheHost) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    const Trained host = train_stepping_after_each_backward(bf16, true, {});
+    auto store = make_store(untied_shards(), bf16, adamw_spec());
+    store->set_steps_after_each_backward(true);
+    const std::vector<int> device{0, 1, 2, 3};
+    DeviceEngine engine(kCpu, SpilledModel::spilled_need(*store, {}, nullptr, device));
+    const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
+    for (int step = 0; step < 3; ++step)
+      run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 0.5, false, add_grads);
+    engine.synchronize(m);  // every step done and logged
+    const int64_t on_device = engine.stats().device_steps;
+    int64_t on_host = 0;
+    for (const hydra::engine::StepRecord& r : engine.step_log()) on_host += r.place == hydra::engine::StepPlace::kHost;
+    EXPECT_EQ(on_device + on_host, 3 * store->num_shards()) << "every step once, on the device or the host";
+    EXPECT_GT(on_host, 0) << "the exact budget fragments: some step fell back on the host";
+    EXPECT_GT(on_device, 0);
+    expect_same(finish_and_copy(engine, m, *store), host);
+  }
+}
+
 // A checkpoint taken on one device reads the store after that device's synchronize (DeviceEngine::snapshot): a step
 // another device queued sends its shard home on that device's lane, and must be home by then too.
 TEST(DeviceSteps, SynchronizingOneDeviceWaitsForTheStepsAnotherDeviceSendsHome) {
