@@ -25,14 +25,19 @@ def task(name, seed, accumulate=1, data=DATA):
                             loss_fn=lm_loss, data=data, accumulate=accumulate, name=name)
 
 
-def train_with_a_late_task(placement, accumulate=1, devices="cpu", late_data=DATA, first_data=DATA):
-    """"first" trains, "late" joins as soon as the run is open (while "first" trains); the results and late's model."""
+def train_with_a_late_task(placement, accumulate=1, devices="cpu", late_data=DATA, first_data=DATA,
+                           once_first_left=False):
+    """"first" trains, "late" joins as soon as the run is open (while "first" trains), or `once_first_left`; the
+    results and late's model."""
     first = task("first", seed=0, data=first_data)
     late = task("late", seed=1, accumulate=accumulate, data=late_data)
-    arrivals, outcome = Arrivals(on_ended=lambda result: None), queue.SimpleQueue()
+    left = threading.Event()
+    arrivals, outcome = Arrivals(on_ended=lambda result: left.set()), queue.SimpleQueue()
 
     def driver():
         try:
+            if once_first_left:
+                left.wait(timeout=60)
             arrivals.add(late)
         except BaseException as error:  # reported below, not lost on this thread
             outcome.put(error)
@@ -164,3 +169,47 @@ def test_a_task_placed_as_the_run_started_keeps_its_resident_ends_when_another_l
         max(e.end for e in results.trace if e.task_name == "first")
     places = {e.place for e in results.steps if e.task_name == "first" and e.shard == kept.resident_shards[0]}
     assert places == {"resident"}
+
+
+def test_a_task_that_cannot_be_added_back_once_moved_ends_with_the_reason_and_its_weights_home(monkeypatch):
+    # Placing "late" again once "first" has left takes it off the engine and adds it back; where no engine takes it
+    # back it ends there with that reason, its weights those of its last step (written back as it was taken off).
+    from hydra_torch.run import lane_choice, moving
+    choose, asked = lane_choice.added_device_shards, []
+
+    def on_the_host_as_it_joins(newcomer, store, running, *args):
+        asked.append(len(running))
+        return [] if len(asked) == 1 else choose(newcomer, store, running, *args)
+    monkeypatch.setattr(lane_choice, "added_device_shards", on_the_host_as_it_joins)
+    monkeypatch.setattr(moving, "put_back", lambda *args, **kwargs: "no device can take it (injected)")
+    first, late = task("first", seed=0), task("late", seed=1, data=token_batches(10))
+    arrivals = Arrivals(on_ended=lambda result: None)
+    thread = threading.Thread(target=lambda: (arrivals.add(late), arrivals.close()))
+    thread.start()
+    with testing.emulated_link(LINK), testing.emulated_host(HOST), pytest.warns(RuntimeWarning, match="late"):
+        results = ht.train([first], devices="cpu", memory_budget=int(4 * model_bytes(first.model)), progress=False,
+                           arrivals=arrivals)
+    thread.join(timeout=120)
+    moved = results["late"]
+    assert results["first"].ok and not moved.ok
+    assert "could not be placed again after a task left the run: no device can take it (injected)" in str(moved.error)
+    assert 0 < moved.steps < 10
+    # Its model holds the weights of its last step: a plain run of as many steps from the same start ends there.
+    alone = task("alone", seed=1, data=token_batches(10)[:moved.steps])
+    ht.train(alone, devices="cpu", progress=False, placement="host")
+    for a, b in zip(late.model.parameters(), alone.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_task_joining_after_another_left_is_placed_once(monkeypatch):
+    # "late" joins once "first" has left: it is placed beside the tasks training then, and not asked again at its
+    # first step boundary for a departure that came before it.
+    from hydra_torch.run import lane_choice
+    choose, asked = lane_choice.added_device_shards, []
+
+    def counted(newcomer, *args):
+        asked.append(newcomer.task.name)
+        return choose(newcomer, *args)
+    monkeypatch.setattr(lane_choice, "added_device_shards", counted)
+    results, _ = train_with_a_late_task("auto", first_data=token_batches(1), once_first_left=True)
+    assert results["late"].device_shards and asked == ["late"], (results["late"].placement, asked)

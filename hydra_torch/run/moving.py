@@ -69,6 +69,8 @@ def put_back(slot, runner, store, device_shards: list[int], fallback: list[int] 
         runner.home = keep
     runner.model_ids = ids
     runner.device_shards = stepped[next(iter(ids))]
+    if slot.open_run is not None:  # placed beside the tasks training now (run/replacement.py)
+        runner.placed_after = slot.open_run.departures
     return None
 
 

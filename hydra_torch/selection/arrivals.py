@@ -138,6 +138,7 @@ class OpenRun:
                 held = bases.HeldBase(task.base, [runner], self.pin)
                 self._on_every_device(lambda slot: held.ids.__setitem__(slot.index, slot.engine.add_base(held.store)))
             store = lifecycle.make_store(runner, self.pin)
+            runner.placed_after = self.departures  # placed beside the tasks training now
             device_shards = self._device_shards(runner, store) if held is None else []
 
             def add_everywhere(device_shards):
