@@ -1,5 +1,6 @@
-"""A task still training placed again once another has left the run (arrivals: the leaver's engines let it go as
-it ends): the room its homes and resident state held, and the lanes its steps loaded, are free. At the task's next
+"""A task still training placed again once another has left the run (in every call a task's engines let it go as
+it ends: hydra_torch.selection.arrivals.OpenRun.ended): the room its homes and resident state held, and the lanes its
+steps loaded, are free. At the task's next
 step boundary, on the worker about to run its next unit, its shards are chosen as a task joining the run would have
 them (hydra_torch.run.moving.added_shards: the lane model for "auto", every untied shard for "device"), and where that
 differs from where they step now the task is taken off every engine and added back so (hydra_torch.run.moving): its
@@ -27,6 +28,8 @@ def replace_if_due(slot, runner) -> str | None:
     if sorted(wanted) == sorted(runner.device_shards):
         return None
     was = list(runner.device_shards)
+    if slot.checkpoints is not None:
+        slot.checkpoints.wait(runner)  # the writer may be reading the store the engines are about to let go
     with interrupts.deferred():  # a second Ctrl-C must not leave the task between two placements
         why_not = moving.take_off(slot, runner)
         if why_not is None:
