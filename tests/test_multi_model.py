@@ -277,9 +277,11 @@ def test_a_failure_inside_a_backward_says_which_shards_took_the_step():
     assert any("applied to shards [2, 3, 4] only" in note for note in result.error.__notes__)
 
 
-def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
-    """Ctrl-C twice: the second arrives while the first model's weights are being written back. Every model
-    must still come home: parameters on host storage of their own, no gradients bound, ties intact."""
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["one device", "two devices"])
+def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch, devices):
+    """Ctrl-C twice: the second arrives while the first model's weights are being written back (on one device, as
+    the task leaves the engine on the main thread, its worker's). Every model must still come home: parameters on
+    host storage of their own, no gradients bound, ties intact."""
     from hydra_torch.run.runner import TaskRunner
     data = token_batches(40)
     restore = TaskRunner.restore_buffers
@@ -300,8 +302,7 @@ def test_a_second_ctrl_c_during_the_write_back_waits_for_it(monkeypatch):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(0.45 * model_bytes(models[0])),
-                     progress=False)
+            ht.train(tasks, devices=devices, memory_budget=int(0.45 * model_bytes(models[0])), progress=False)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert second, "the second Ctrl-C was sent during the write-back"

@@ -239,7 +239,8 @@ void DeviceEngine::discard_grads(int model) {
   model_at(model).discard_grads();
 }
 
-void DeviceEngine::synchronize(int model) { model_at(model).synchronize(); }
+// A released model's store is gone: waiting for it is an error, not a read of freed state.
+void DeviceEngine::synchronize(int model) { live(model).synchronize(); }
 
 void DeviceEngine::snapshot(int model) {
   synchronize(model);

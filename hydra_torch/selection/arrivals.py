@@ -19,6 +19,7 @@ import threading
 import warnings
 
 from hydra_torch.run.inbox import on_devices
+from hydra_torch.state import interrupts
 
 
 class RunClosedError(RuntimeError):
@@ -223,6 +224,13 @@ class OpenRun:
         checkpoints = self.slots[0].checkpoints
 
         def leave(slot):
+            # A Ctrl-C arriving meanwhile (on the main thread, device 0's worker) waits until the task is out of this
+            # engine and, once the last device has let it go, its result taken: else the call's end would bring home a
+            # task its engines have already released.
+            with interrupts.deferred():
+                leave_here(slot)
+
+        def leave_here(slot):
             model = runner.model_ids[slot.index]
             try:
                 if runner.error is not None:
@@ -256,7 +264,8 @@ class OpenRun:
             if self._callbacks is not None:
                 self._callbacks.put(runner.result)
         if not holding:  # no engine holds it (a re-plan that failed): its weights are home already
-            gone()
+            with interrupts.deferred():
+                gone()
         for slot in holding:  # where that device's worker has ended, its engine is this thread's
             slot.inbox.run_or_post(lambda slot=slot: leave(slot))
 

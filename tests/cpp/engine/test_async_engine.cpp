@@ -210,6 +210,10 @@ TEST(AsyncEngine, StagingBuffersAreAFewShardsOfHostMemory) {
   engine.finish(m);
   engine.release_model(m);
   EXPECT_EQ(engine.stats().staging_bytes, 0) << "a released model keeps no landing buffer";
+  // Its store is gone: waiting for it, or taking its state home, is refused, not a read of freed state.
+  EXPECT_THROW(engine.synchronize(m), c10::Error);
+  EXPECT_THROW(engine.snapshot(m), c10::Error);
+  EXPECT_THROW(engine.discard_grads(m), c10::Error);
 }
 
 TEST(AsyncEngine, AStoreGoesWithItsEngineAfterSteps) {
