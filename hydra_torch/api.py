@@ -163,7 +163,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
             open_run = _open_run(arrivals, workers, runners, resolved, budgets, pin, start_rng, selection_run,
                                  kept_outside)
             bars = Progress(runners, progress)
-        start = open_run.start if open_run is not None else time.perf_counter()
+        start = open_run.start
         interrupted = workers.run()
         # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
         with interrupts.deferred():
@@ -315,8 +315,7 @@ class _Workers:
             self.scheduler.cancel()
             for thread in self.threads:
                 thread.join()
-        if open_run is not None:
-            open_run.workers_gone()
+        open_run.workers_gone()  # what the workers left of tasks leaving runs here
         torch.set_num_threads(self.threads_before)
         for slot in self.slots:  # the slots' cycles would keep the engines, arenas and all, until a collection
             slot.peers = slot.open_run = None
@@ -334,16 +333,16 @@ def _share_budgets(workers, engines, budgets, tasks):
 
 
 def _open_run(arrivals, workers, runners, devices, budgets, pin, start_rng, selection_run, kept_outside):
-    """With arrivals, the running call's side of them, attached: tasks may join from now on (placed as the workers'
-    slots say: DeviceSlot.placement)."""
-    if arrivals is None:
-        return None
+    """The running call's side of its tasks' comings and goings: a task that ends leaves the engines at once (its
+    device memory freed for the others, which are placed again: run/replacement.py); with arrivals, tasks may join
+    from now on too (placed as the workers' slots say: DeviceSlot.placement)."""
     open_run = OpenRun(slots=workers.slots, scheduler=workers.scheduler, runners=runners, devices=devices,
                        budgets=budgets, pin=pin, start_rng=start_rng, trace=workers.trace, trace_lock=workers.lock,
                        start=time.perf_counter(), stop=workers.stop, selection=selection_run,
-                       on_ended=arrivals.on_ended, kept_outside=kept_outside)
+                       on_ended=arrivals.on_ended if arrivals is not None else None, kept_outside=kept_outside)
     for slot in workers.slots:
         slot.open_run = open_run
-    workers.scheduler.set_open(True)
-    arrivals.attach(open_run)
+    if arrivals is not None:
+        workers.scheduler.set_open(True)
+        arrivals.attach(open_run)
     return open_run

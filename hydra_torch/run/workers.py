@@ -45,7 +45,7 @@ class DeviceSlot:
     stop: object = None       # interrupts.StopRequest: once set, tasks end at their next step boundary
     checkpoints: object = None  # checkpoint_writer.Checkpointer, when the run keeps checkpoints
     inbox: object = None        # inbox.Inbox: engine work other threads ask of this one
-    open_run: object = None     # arrivals.OpenRun: told of every task that ends, when tasks may join the run
+    open_run: object = None     # arrivals.OpenRun: told of every task that ends (it leaves the engines at once)
     peers: list = None          # every device's slot, this one included
     loop: object = None         # _C.DeviceLoop (make_loop)
     saved: SavedBytes = field(default_factory=SavedBytes)  # what micro-batches in flight hold here

@@ -5,10 +5,12 @@ its own. Each device's worker registers a newcomer with its engine between two o
 to their worker's thread), then the scheduler hands out the newcomer's units. While arrivals are open the
 workers wait for work instead of ending; `close()` lets the run end once the tasks in it are done.
 
-A task that ends (finished, failed, stopped by a selection rule or cut short) leaves at once: each device's
-worker releases what its engine holds for it, the one holding its state writes the weights back into the
-model, and the driver's `on_ended(result)` hears of it, on a thread of the run's own (see Arrivals). A task that
-arrives is spilled: the device arenas were sized when training started.
+A task that ends (finished, failed, stopped by a selection rule or cut short) leaves at once, in every call
+(OpenRun runs without arrivals too): each device's worker releases what its engine holds for it, the one holding its
+state writes the weights back into the model (its final checkpoint taken then, where the call keeps checkpoints),
+the tasks still training are placed again in the room it left (hydra_torch.run.replacement), and with arrivals the
+driver's `on_ended(result)` hears of it, on a thread of the run's own (see Arrivals). A task that arrives is
+spilled: the device arenas were sized when training started.
 """
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ class Arrivals:
 
 
 class OpenRun:
-    """The running call's side of Arrivals: admits tasks and lets ended ones leave (see the module's doc)."""
+    """The running call's side of its tasks' comings and goings: lets ended tasks leave and, with Arrivals, admits
+    new ones (see the module's doc)."""
 
     def __init__(self, *, slots, scheduler, runners, devices, budgets, pin, start_rng, trace, trace_lock, start,
                  stop, selection=None, on_ended=None, kept_outside=(0, 0)):
@@ -218,6 +221,8 @@ class OpenRun:
         remaining, count = [len(holding)], threading.Lock()
         home = lifecycle.home_slot(runner) if holding else None
 
+        checkpoints = self.slots[0].checkpoints
+
         def leave(slot):
             # A Ctrl-C arriving meanwhile (on the main thread, device 0's worker) waits until the task is out of this
             # engine and, once the last device has let it go, its result taken: else the call's end would bring home a
@@ -231,6 +236,8 @@ class OpenRun:
                 if runner.error is not None:
                     slot.engine.discard_grads(model)
                 if slot.index == home:
+                    if checkpoints is not None:  # finish rewrites the store a resident task's checkpoint may read
+                        checkpoints.wait(runner)
                     slot.engine.finish(model)  # writes the weights back into the task's model
                 slot.engine.release_model(model)
             except Exception as error:
@@ -250,7 +257,10 @@ class OpenRun:
             with self.trace_lock:
                 trace = list(self.trace)
             runner.result = lifecycle.task_result(runner, [s.engine for s in self.slots], trace, self.start)
-            runner.store = None  # its host state: freed now, not when the run ends
+            if checkpoints is not None and runner.error is None and runner.at_step_boundary():
+                checkpoints.submit(runner, final=True)  # the writer reads its store: kept until the run ends
+            else:
+                runner.store = None  # its host state: freed now, not when the run ends
             if self._callbacks is not None:
                 self._callbacks.put(runner.result)
         if not holding:  # no engine holds it (a re-plan that failed): its weights are home already

@@ -1,0 +1,91 @@
+"""A task that ends leaves the engines at once, in every call (with arrivals or without): its weights written back,
+its device memory freed, and the tasks still training placed again in the room it left (run/replacement.py)."""
+import pytest
+import torch
+
+import hydra_torch as ht
+from hydra_torch import testing
+from models import lm_loss, model_bytes, tied_transformer, token_batches
+
+
+def adamw():
+    return ht.optim.AdamW(lr=3e-3, weight_decay=0.05)
+
+
+def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_the_room_it_left():
+    # Two spilled models on two devices, the host a second a step: beside "short", the arenas hold no device step of
+    # "long"; once "short" has ended (two steps), "long" is placed again at its next step boundary and steps shards
+    # on the devices from then on. Its state is in the store between steps: it ends as it trains alone.
+    devices = ["cpu", "cpu"]
+    short, long = tied_transformer(seed=1, blocks=8), tied_transformer(seed=2, blocks=8)
+    tasks = [ht.ModelTask(short, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2), name="short"),
+             ht.ModelTask(long, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="long")]
+    with testing.emulated_link(1e10), testing.emulated_host(2e6):
+        results = ht.train(tasks, devices=devices, memory_budget=int(1.0 * model_bytes(long)), progress=False)
+    assert all(r.ok for r in results), [r.error for r in results]
+    moved = results["long"]
+    assert results["short"].device_shards == [] and moved.device_shards, moved.placement
+    shard = moved.device_shards[0]
+    places = [e.place for e in sorted(results.steps, key=lambda e: e.step)
+              if e.task_name == "long" and e.shard == shard]
+    switched = places.index("device")
+    assert len(places) == 10 and switched >= 2 and places == ["host"] * switched + ["device"] * (10 - switched)
+    short_end = max(e.end for e in results.trace if e.task_name == "short")
+    first_device_step = min(e.start for e in results.steps if e.task_name == "long" and e.place == "device")
+    assert first_device_step > short_end, "placed again only once short had left"
+    alone = tied_transformer(seed=2, blocks=8)
+    reference = ht.train(ht.ModelTask(alone, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="a"),
+                         devices=devices, progress=False, placement="host")[0]
+    assert moved.losses == pytest.approx(reference.losses, rel=1e-5)
+    for a, b in zip(long.parameters(), alone.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_task_stopped_early_has_its_weights_home_and_its_result_as_it_ended():
+    # "short" ends after two steps while "long" trains on: its model holds its trained weights at once (written back
+    # as it left), and its result is the same as at the call's end.
+    short, long = tied_transformer(seed=1), tied_transformer(seed=2)
+    seen = {}
+
+    class Watch:
+        """Records short's weights the first time long's data is read after short has ended."""
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __len__(self):
+            return len(self.batches)
+
+        def __iter__(self):
+            for batch in self.batches:
+                if tasks[0].ended.is_set() and "short" not in seen:
+                    seen["short"] = [p.detach().clone() for p in short.parameters()]
+                yield batch
+    tasks = [ht.ModelTask(short, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2), name="short"),
+             ht.ModelTask(long, optimizer=adamw(), loss_fn=lm_loss, data=Watch(token_batches(12)), name="long")]
+    results = ht.train(tasks, devices="cpu", memory_budget=int(1.5 * model_bytes(long)), progress=False)
+    assert all(r.ok for r in results) and results["short"].steps == 2
+    assert "short" in seen, "long read a batch after short had ended"
+    for during, after in zip(seen["short"], short.parameters()):
+        assert torch.equal(during, after)
+
+
+def test_a_task_that_leaves_early_has_its_final_checkpoint_and_resumes_exactly(tmp_path):
+    # "short" leaves after two steps while "long" trains on: its final checkpoint is taken as it leaves, and a later
+    # call resumes it to four steps as one uninterrupted run of four.
+    def task(name, seed, steps, data):
+        model = tied_transformer(seed=seed, dropout=0.0, blocks=2)
+        return ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=1e-3), loss_fn=lm_loss, data=data, name=name,
+                            max_steps=steps), model
+    reference, reference_model = task("short", 0, 4, token_batches(4))
+    whole = ht.train(reference, devices="cpu", progress=False)
+    first, _ = task("short", 0, 2, token_batches(4))
+    other, _ = task("long", 1, 12, token_batches(12))
+    results = ht.train([first, other], devices="cpu", progress=False, checkpoint_dir=tmp_path, schedule="fifo")
+    assert [r.steps for r in results] == [2, 12]
+    assert max(e.end for e in results.trace if e.task_name == "short") < \
+        max(e.end for e in results.trace if e.task_name == "long")
+    resumed, model = task("short", 0, 4, token_batches(4))
+    again = ht.train(resumed, devices="cpu", progress=False, checkpoint_dir=tmp_path)
+    assert again[0].steps == 4 and 2 * len(again.trace) == len(whole.trace), "resumed at step 2"
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(a, b)
