@@ -17,7 +17,8 @@ class Inbox:
         self._jobs = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._ownerless = threading.Lock()  # once closed: one posting thread at a time drives the engine
+        # Once closed: one posting thread at a time drives the engine; a job run so may post the next (re-entrant).
+        self._ownerless = threading.RLock()
 
     @property
     def closed(self) -> bool:

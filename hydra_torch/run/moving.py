@@ -13,16 +13,19 @@ def take_off(slot, runner) -> str | None:
     None; either way no engine holds it after (runner.model_ids is empty)."""
     slots = slot.peers
     old_ids, home = runner.model_ids, lifecycle.home_slot(runner)
+    holding = [slots[d] for d in old_ids]
+    # Every device's own jobs first (they sum into the one store), then the one holding the state writes it back,
+    # then each lets it go.
+    errors = on_devices(holding, lambda s: s.engine.synchronize(old_ids[s.index]), own=slot)
 
-    def leave(s):
+    def write_back(s):
         model = old_ids[s.index]
-        if s.index == home:
+        try:
             s.engine.discard_grads(model)  # of a step that failed: it runs again
+        finally:
             s.engine.finish(model)  # the weights back in the task's modules, resident state home
-        else:
-            s.engine.synchronize(model)
-        s.engine.release_model(model)
-    errors = on_devices([slots[d] for d in old_ids], leave, own=slot)
+    errors += on_devices([slots[home]], write_back, own=slot)
+    errors += on_devices(holding, lambda s: s.engine.release_model(old_ids[s.index]), own=slot)
     runner.model_ids = {}  # released, the weights home: until it is added again, nothing is left to bring home
     return f"its state could not be taken off the devices: {errors[0]}" if errors else None
 
@@ -74,16 +77,24 @@ def put_back(slot, runner, store, device_shards: list[int], fallback: list[int] 
     return None
 
 
-def added_shards(slot, runner, store) -> list[int]:
-    """The shards the task, added back, steps on the devices: as for a task joining the run
-    (lane_choice.added_or_host), the other tasks still training kept as they are. None where it shares a frozen base
-    (placed beside the base's other tasks) or sums a bf16 step's micro-batches in its gradient buffers
-    (lifecycle.may_keep_ends)."""
+def added_shards(runner, store, slots, runners, on_every_device, stacklevel: int = 1) -> list[int]:
+    """The shards the task, added to the engines of `slots` (joining the run, or added back), steps on the devices:
+    lane_choice.added_or_host, the other tasks of `runners` still training kept as they are. None where it shares a
+    frozen base (placed beside the base's other tasks) or sums a bf16 step's micro-batches in its gradient buffers
+    (lifecycle.may_keep_ends). `on_every_device(job)` runs job(slot) on each device's worker thread, which alone
+    changes its engine's models, and returns the errors raised (its workers gone among them: then none either).
+    A warning from the lane model points `stacklevel` frames above this function's caller."""
     if runner.base is not None or not lifecycle.may_keep_ends(runner.task):
         return []
-    uncommitted = {}  # read on each device's worker thread, which alone changes its engine's models
-    if on_devices(slot.peers, lambda s: uncommitted.__setitem__(s.index, s.engine.uncommitted_bytes()), own=slot):
+    uncommitted = {}
+    if on_every_device(lambda s: uncommitted.__setitem__(s.index, s.engine.uncommitted_bytes())):
         return []
-    running = [r for r in slot.runners if r is not runner and r.result is None and r.model_ids]
+    running = [r for r in runners if r is not runner and r.result is None and r.model_ids]
     return lane_choice.added_or_host(runner, store, running, [uncommitted[i] for i in sorted(uncommitted)],
-                                     slot.placement, slot.lane_plan)
+                                     slots[0].placement, slots[0].lane_plan, stacklevel=stacklevel + 1)
+
+
+def added_back_shards(slot, runner, store) -> list[int]:
+    """added_shards for a task added back by the worker of `slot` (a re-plan, or placed again)."""
+    return added_shards(runner, store, slot.peers, slot.runners, lambda job: on_devices(slot.peers, job, own=slot),
+                        stacklevel=2)

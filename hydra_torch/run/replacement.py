@@ -24,7 +24,7 @@ def replace_if_due(slot, runner) -> str | None:
     runner.placed_after = run.departures
     if not movable(slot, runner):
         return None
-    wanted = moving.added_shards(slot, runner, runner.store)
+    wanted = moving.added_back_shards(slot, runner, runner.store)
     if sorted(wanted) == sorted(runner.device_shards):
         return None
     was = list(runner.device_shards)

@@ -98,7 +98,7 @@ def _move(slot, runner, groups, off_host: bool) -> str | None:
         store = lifecycle.make_store(runner, old.pinned)
         _carry_state(old, store)
         del old
-    return moving.put_back(slot, runner, store, moving.added_shards(slot, runner, store) if off_host else [])
+    return moving.put_back(slot, runner, store, moving.added_back_shards(slot, runner, store) if off_host else [])
 
 
 def _carry_state(old, new):

@@ -102,7 +102,7 @@ class OpenRun:
 
     def add(self, task):
         from hydra_torch.models import memory, planner, sharding
-        from hydra_torch.run import bases, lifecycle
+        from hydra_torch.run import bases, lifecycle, moving
         from hydra_torch.run.runner import TaskRunner
         from hydra_torch.task import ModelTask, check_own_models
 
@@ -143,7 +143,8 @@ class OpenRun:
                 self._on_every_device(lambda slot: held.ids.__setitem__(slot.index, slot.engine.add_base(held.store)))
             store = lifecycle.make_store(runner, self.pin)
             runner.placed_after = self.departures  # placed beside the tasks training now
-            device_shards = self._device_shards(runner, store) if held is None else []
+            device_shards = (moving.added_shards(runner, store, self.slots, self.runners, self._on_every_device,
+                                                   stacklevel=3) if held is None else [])
 
             def add_everywhere(device_shards):
                 def add(slot):
@@ -179,20 +180,6 @@ class OpenRun:
             self.scheduler.add_task(runner.scheduler_spec(sharding.shard_costs(task.modules)))
             return runner
 
-    def _device_shards(self, runner, store) -> list[int]:
-        """The newcomer's shards to step on the devices (lane_choice.added_or_host)."""
-        from hydra_torch.run import lane_choice, lifecycle
-
-        if not lifecycle.may_keep_ends(runner.task):
-            return []
-        uncommitted = {}  # read on each device's worker thread, which alone changes its engine's models
-        if self._on_every_device(lambda slot: uncommitted.__setitem__(slot.index, slot.engine.uncommitted_bytes())):
-            return []  # the workers are gone: adding it says so
-        running = [r for r in self.runners if r.result is None and r.model_ids]
-        placing = self.slots[0]
-        return lane_choice.added_or_host(runner, store, running, [uncommitted[i] for i in sorted(uncommitted)],
-                                         placing.placement, placing.lane_plan, stacklevel=4)
-
     def close(self):
         with self._lock:
             self._closed = True
@@ -210,7 +197,11 @@ class OpenRun:
 
     # -- called by the workers ---------------------------------------------------------------------------------
     def ended(self, runner):
-        """The task will run no more: each device holding it lets it go between its own units."""
+        """The task will run no more: each device holding it lets it go between its own units, in three rounds.
+        Every device first waits for the task's own work in flight there (its host jobs write the one store); then
+        the device holding its state drops a failed step's gradients and writes the weights back into the model;
+        then every device frees its memory. Dropping the gradients while another device's jobs still summed into
+        them was a data race (two devices, a task failing mid-run)."""
         from hydra_torch.run import lifecycle
 
         with self._leaving_lock:
@@ -218,35 +209,44 @@ class OpenRun:
                 return
             self._leaving.add(runner.index)
         holding = [self.slots[d] for d in runner.model_ids]
-        remaining, count = [len(holding)], threading.Lock()
-        home = lifecycle.home_slot(runner) if holding else None
-
+        home = self.slots[lifecycle.home_slot(runner)] if holding else None
         checkpoints = self.slots[0].checkpoints
 
-        def leave(slot):
-            # A Ctrl-C arriving meanwhile (on the main thread, device 0's worker) waits until the task is out of this
-            # engine and, once the last device has let it go, its result taken: else the call's end would bring home a
-            # task its engines have already released.
-            with interrupts.deferred():
-                leave_here(slot)
+        def on_each(slots, job, then):
+            """job(slot) on each slot's worker; then() on the thread that ran the last one. A Ctrl-C arriving meanwhile
+            (on the main thread, device 0's worker) waits until the job is done and, after the last round, the task's
+            result taken: else the call's end would bring home a task its engines have already released."""
+            remaining, count = [len(slots)], threading.Lock()
 
-        def leave_here(slot):
+            def run(slot):
+                with interrupts.deferred():
+                    try:
+                        job(slot)
+                    except Exception as error:
+                        runner.error = runner.error or error
+                    with count:
+                        remaining[0] -= 1
+                        last = remaining[0] == 0
+                    if last:
+                        then()
+            for slot in slots:  # where that device's worker has ended, its engine is this thread's
+                slot.inbox.run_or_post(lambda slot=slot: run(slot))
+
+        def wait_here(slot):
+            slot.engine.synchronize(runner.model_ids[slot.index])
+
+        def write_back(slot):
             model = runner.model_ids[slot.index]
             try:
                 if runner.error is not None:
                     slot.engine.discard_grads(model)
-                if slot.index == home:
-                    if checkpoints is not None:  # finish rewrites the store a resident task's checkpoint may read
-                        checkpoints.wait(runner)
-                    slot.engine.finish(model)  # writes the weights back into the task's model
-                slot.engine.release_model(model)
-            except Exception as error:
-                runner.error = runner.error or error
-            with count:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                gone()
+                if checkpoints is not None:  # finish rewrites the store a resident task's checkpoint may read
+                    checkpoints.wait(runner)
+            finally:
+                slot.engine.finish(model)  # writes the weights back into the task's model
+
+        def release(slot):
+            slot.engine.release_model(runner.model_ids[slot.index])
 
         def gone():
             with self._leaving_lock:
@@ -266,8 +266,9 @@ class OpenRun:
         if not holding:  # no engine holds it (a re-plan that failed): its weights are home already
             with interrupts.deferred():
                 gone()
-        for slot in holding:  # where that device's worker has ended, its engine is this thread's
-            slot.inbox.run_or_post(lambda slot=slot: leave(slot))
+            return
+        on_each(holding, wait_here,
+                lambda: on_each([home], write_back, lambda: on_each(holding, release, gone)))
 
     def workers_gone(self):
         """Called once every worker has stopped: what they left in their inboxes runs on this thread."""
