@@ -56,6 +56,33 @@ def parse_workload(parser, steps: int = 8):
     return args, data, [sum(p.numel() * 4 for p in shard) for shard in probe.shard_params]
 
 
+def placement_rounds(args, placements, train_once):
+    """`args.rounds` interleaved rounds of train_once(placement) -> (span, each task's placement, device steps):
+    each placement's spans, and the placements and device steps of its first run."""
+    spans = {placement: [] for placement in placements}
+    placed, device_steps = {}, {}
+    for _ in range(args.rounds):
+        for placement in placements:
+            span, got, steps = train_once(placement)
+            spans[placement].append(span)
+            placed.setdefault(placement, got)
+            device_steps.setdefault(placement, steps)
+    return spans, placed, device_steps
+
+
+def print_placement_spans(spans, placed, device_steps, against: str):
+    """Each placement's tasks and device steps, then a table of median spans and, round by round, against the
+    placement `against` (nan where it did not run)."""
+    for placement in spans:
+        print(f"placement {placement!r} ({device_steps[placement]} device steps): " + "; ".join(placed[placement]))
+    print(f"| placement | span s | span / {against}'s |")
+    print("|---|---|---|")
+    reference = spans.get(against)
+    for placement, measured in spans.items():
+        versus = statistics.median(s / r for s, r in zip(measured, reference)) if reference else float("nan")
+        print(f"| {placement} | {statistics.median(measured):.2f} | {versus:.2f} |")
+
+
 def run(args, data, budget, link, prefetch_bytes):
     tasks = make_tasks(args, data)
     beyond = workers.PREFETCH_BEYOND_NEXT_BYTES if prefetch_bytes is None else prefetch_bytes

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import threading
 from unittest import mock
 
 import torch
 
 import hydra_torch as ht
-from bench_emulated_link import make_tasks, parse_workload
+from bench_emulated_link import make_tasks, parse_workload, placement_rounds, print_placement_spans
 from hydra_torch import testing
 from hydra_torch.arrivals import Arrivals
 from hydra_torch.run import lane_choice, replacement
@@ -71,28 +70,14 @@ def main():
                         choices=["host", "auto-start", "auto-stay", "auto", "device"])
     args, data, shard_bytes = parse_workload(parser)
     budget = int(args.budget * sum(shard_bytes))
-    spans = {placement: [] for placement in args.placements}
-    placed, device_steps = {}, {}
-    for _ in range(args.rounds):
-        for placement in args.placements:
-            span, got, steps = train(args, data, budget, placement)
-            spans[placement].append(span)
-            placed.setdefault(placement, got)
-            device_steps.setdefault(placement, steps)
+    spans, placed, device_steps = placement_rounds(args, args.placements,
+                                                   lambda placement: train(args, data, budget, placement))
     print(f"{args.models} GPT-2 models of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} shards, the "
           f"first training alone, the others joining it at once; {args.steps} steps of {args.batch}x{args.seq} tokens, "
           f"budget {budget} bytes ({args.budget:g} models' fp32 weights), link {args.bandwidth:g} B/s, host "
           f"{args.host_speed:g}x the link; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of "
           f"{args.rounds} interleaved rounds")
-    for placement in args.placements:
-        print(f"placement {placement!r} ({device_steps[placement]} device steps): " + "; ".join(placed[placement]))
-    print("| placement | span s | span / host's |")
-    print("|---|---|---|")
-    host = spans.get("host")
-    for placement, measured in spans.items():
-        versus = statistics.median(s / h for s, h in zip(measured, host)) if host else float("nan")
-        print(f"| {placement} | {statistics.median(measured):.2f} | {versus:.2f} |")
-
+    print_placement_spans(spans, placed, device_steps, against="host")
 
 if __name__ == "__main__":
     main()

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from unittest import mock
 
 import torch
 
 import hydra_torch as ht
-from bench_emulated_link import make_tasks, parse_workload
+from bench_emulated_link import make_tasks, parse_workload, placement_rounds, print_placement_spans
 from hydra_torch import testing
 from hydra_torch.run import replacement
 
@@ -51,28 +50,14 @@ def main():
     parser.add_argument("--placements", nargs="+", default=["auto-stay", "auto"], choices=["auto-stay", "auto"])
     args, data, shard_bytes = parse_workload(parser)
     budget = int(args.budget * sum(shard_bytes))
-    spans = {placement: [] for placement in args.placements}
-    placed, device_steps = {}, {}
-    for _ in range(args.rounds):
-        for placement in args.placements:
-            span, got, steps = train(args, data, budget, placement)
-            spans[placement].append(span)
-            placed.setdefault(placement, got)
-            device_steps.setdefault(placement, steps)
+    spans, placed, device_steps = placement_rounds(args, args.placements,
+                                                   lambda placement: train(args, data, budget, placement))
     print(f"{args.models} GPT-2 models of {sum(shard_bytes) / 4e6:.2f}M params in {len(shard_bytes)} shards on two "
           f"virtual CPU devices, {args.models // 2} stopping after {args.short_steps} of {args.steps} steps of "
           f"{args.batch}x{args.seq} tokens; budget {budget} bytes a device ({args.budget:g} models' fp32 weights), link "
           f"{args.bandwidth:g} B/s, host {args.host_speed:g}x the link; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; medians of {args.rounds} interleaved rounds")
-    for placement in args.placements:
-        print(f"placement {placement!r} ({device_steps[placement]} device steps): " + "; ".join(placed[placement]))
-    print("| placement | span s | span / auto-stay's |")
-    print("|---|---|---|")
-    stay = spans.get("auto-stay")
-    for placement, measured in spans.items():
-        versus = statistics.median(s / h for s, h in zip(measured, stay)) if stay else float("nan")
-        print(f"| {placement} | {statistics.median(measured):.2f} | {versus:.2f} |")
-
+    print_placement_spans(spans, placed, device_steps, against="auto-stay")
 
 if __name__ == "__main__":
     main()
