@@ -5,6 +5,7 @@ import torch
 
 import hydra_torch as ht
 from hydra_torch import testing
+from hydra_torch.run import lane_choice
 from models import lm_loss, model_bytes, tied_transformer, token_batches
 
 
@@ -12,16 +13,22 @@ def adamw():
     return ht.optim.AdamW(lr=3e-3, weight_decay=0.05)
 
 
-def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_the_room_it_left():
-    # Two spilled models on two devices, the host a second a step: beside "short", the arenas hold no device step of
-    # "long"; once "short" has ended (two steps), "long" is placed again at its next step boundary and steps shards
-    # on the devices from then on. Its state is in the store between steps: it ends as it trains alone.
-    devices = ["cpu", "cpu"]
+def short_and_long_on_two_devices():
+    """Two spilled models on two devices, the host a second a step: "short" ends after two steps, "long" trains ten.
+    Returns the results and long's model."""
     short, long = tied_transformer(seed=1, blocks=8), tied_transformer(seed=2, blocks=8)
     tasks = [ht.ModelTask(short, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2), name="short"),
              ht.ModelTask(long, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="long")]
     with testing.emulated_link(1e10), testing.emulated_host(2e6):
-        results = ht.train(tasks, devices=devices, memory_budget=int(1.0 * model_bytes(long)), progress=False)
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(1.0 * model_bytes(long)), progress=False)
+    return results, long
+
+
+def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_the_room_it_left():
+    # Two spilled models on two devices, the host a second a step: beside "short", the arenas hold no device step of
+    # "long"; once "short" has ended (two steps), "long" is placed again at its next step boundary and steps shards
+    # on the devices from then on. Its state is in the store between steps: it ends as it trains alone.
+    results, long = short_and_long_on_two_devices()
     assert all(r.ok for r in results), [r.error for r in results]
     moved = results["long"]
     assert results["short"].device_shards == [] and moved.device_shards, moved.placement
@@ -35,7 +42,7 @@ def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_
     assert first_device_step > short_end, "placed again only once short had left"
     alone = tied_transformer(seed=2, blocks=8)
     reference = ht.train(ht.ModelTask(alone, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="a"),
-                         devices=devices, progress=False, placement="host")[0]
+                         devices=["cpu", "cpu"], progress=False, placement="host")[0]
     assert moved.losses == pytest.approx(reference.losses, rel=1e-5)
     for a, b in zip(long.parameters(), alone.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -89,3 +96,43 @@ def test_a_task_that_leaves_early_has_its_final_checkpoint_and_resumes_exactly(t
     assert again[0].steps == 4 and 2 * len(again.trace) == len(whole.trace), "resumed at step 2"
     for a, b in zip(model.parameters(), reference_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_move_is_weighed_against_the_weights_it_copies_in_again(monkeypatch):
+    # The first test's run: "long" moves once "short" has ended, the slow host making the device steps pay over its
+    # steps left. Asked again with no step left, the same move does not pay (its weights would be copied in again for
+    # nothing); with every step still ahead it does.
+    weighed = []
+    real = lane_choice.move_pays
+
+    def weigh(runner, running, devices, placement, lane_plan, wanted):
+        pays = real(runner, running, devices, placement, lane_plan, wanted)
+        steps = runner.steps
+        runner.steps = runner.task.total_steps
+        try:
+            none_left = real(runner, running, devices, placement, lane_plan, wanted)
+        finally:
+            runner.steps = steps
+        weighed.append((runner.task.name, wanted, pays, none_left))
+        return pays
+    monkeypatch.setattr(lane_choice, "move_pays", weigh)
+    results, _ = short_and_long_on_two_devices()
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [(name, pays, none_left) for name, _, pays, none_left in weighed] == [("long", True, False)]
+    assert results["long"].device_shards == weighed[0][1]
+
+
+def test_a_move_that_does_not_pay_leaves_the_task_where_it_is(monkeypatch):
+    monkeypatch.setattr(lane_choice, "move_pays", lambda *args: False)
+    results, _ = short_and_long_on_two_devices()
+    assert all(r.ok for r in results) and results["long"].device_shards == []
+    assert {e.place for e in results.steps if e.task_name == "long"} == {"host"}
+
+
+def test_a_lane_model_that_cannot_weigh_a_move_warns_and_leaves_the_task_where_it_is(monkeypatch):
+    def fails(*args):
+        raise RuntimeError("no rates")
+    monkeypatch.setattr(lane_choice, "move_pays", fails)
+    with pytest.warns(RuntimeWarning, match="could not weigh moving 'long'.*no rates"):
+        results, _ = short_and_long_on_two_devices()
+    assert all(r.ok for r in results) and results["long"].device_shards == []

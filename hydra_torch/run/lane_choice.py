@@ -286,6 +286,35 @@ def added_device_shards(newcomer, store, running, uncommitted: list[int], placem
     return [s for s in eligible if forecast["placement"][-1][s] != "host"]
 
 
+def move_pays(runner, running, devices: int, placement: str, lane_plan, wanted: list[int]) -> bool:
+    """Whether a task still training (`runner`) gains, over its steps left, more by stepping `wanted` on the devices
+    instead of where its shards step now (runner.device_shards) than the move costs: its weights copied in again
+    (the cached copies go with the old registration). The lane model forecasts the run both ways (STEPS_FORECAST
+    steps of every task, the tasks still training, `running`, kept where they are) from the call's rates; the gain
+    is the forecasts' difference for each step the task has left. Without that weighing a task placed again after
+    each departure could go to four shards on the devices and back to two, copying its weights in each time. Only
+    "auto" weighs it ("device" moves by its rule); where the lane model cannot price the tasks, it moves."""
+    if placement != "auto" or lane_plan is None:
+        return True
+    rates = tuple(lane_plan["rates"].values())
+    runners = running + [runner]
+    stores = [r.store for r in runners]
+    seconds = timed_seconds(runners, stores, lane_plan["seconds_per_element"])
+    if seconds[-1] is None:
+        return True
+    shapes = [task_shape(r, store, sec) for r, store, sec in zip(runners, stores, seconds)]
+    others = [_placed(r) for r in running]
+    bytes_ = step_bytes(runner.task)
+
+    def span(device_shards):
+        here = shard_places(runner.n, False, [], device_shards)
+        return _C.lane_forecast(shapes, rates, bytes_, devices, others + [here])["span"]
+    gain_per_step = (span(runner.device_shards) - span(wanted)) / STEPS_FORECAST
+    steps_left = max(0, runner.task.total_steps - runner.steps)  # as len(data) says (a lying one misweighs, never fails)
+    weights_in = bytes_[0] * sum(stores[-1].device_numel(s) for s in range(runner.n)) / rates[0]
+    return gain_per_step * steps_left > weights_in
+
+
 def added_or_host(newcomer, store, running, uncommitted: list[int], placement: str, lane_plan,
                   stacklevel: int = 2) -> list[int]:
     """added_device_shards, or none where the lane model fails: a warning (at `stacklevel` above this function's

@@ -3,15 +3,19 @@ it ends: hydra_torch.selection.arrivals.OpenRun.ended): the room its homes and r
 steps loaded, are free. At the task's next
 step boundary, on the worker about to run its next unit, its shards are chosen as a task joining the run would have
 them (hydra_torch.run.moving.added_shards: the lane model for "auto", every untied shard for "device"), and where that
-differs from where they step now the task is taken off every engine and added back so (hydra_torch.run.moving): its
-state, home in the store between its steps, is not touched, so it trains on exactly as it would have. The cached
-weights go with the old registration: their next copies in cost one step's worth of the link.
+differs from where they step now, and the lane model forecasts a gain over the task's steps left larger than the
+move's cost (hydra_torch.run.lane_choice.move_pays), the task is taken off every engine and added back so
+(hydra_torch.run.moving): its state, home in the store between its steps, is not touched, so it trains on exactly as
+it would have. The cached weights go with the old registration: their next copies in cost one step's worth of the
+link.
 
 Only a task that keeps nothing on the devices between its steps moves: spilled, without resident shards (the sized
 arena takes no home) or a frozen base, every backward followed by its step, held by every device."""
 from __future__ import annotations
 
-from hydra_torch.run import moving
+import warnings
+
+from hydra_torch.run import lane_choice, moving
 from hydra_torch.state import interrupts
 
 
@@ -25,7 +29,7 @@ def replace_if_due(slot, runner) -> str | None:
     if not movable(slot, runner):
         return None
     wanted = moving.added_back_shards(slot, runner, runner.store)
-    if sorted(wanted) == sorted(runner.device_shards):
+    if sorted(wanted) == sorted(runner.device_shards) or not _pays(slot, runner, wanted):
         return None
     was = list(runner.device_shards)
     if slot.checkpoints is not None:
@@ -43,3 +47,14 @@ def movable(slot, runner) -> bool:
     """Whether the task keeps nothing on the devices between its steps and runs on every device (see the module)."""
     return (not runner.resident and not runner.resident_shards and runner.base is None
             and runner.store.steps_after_each_backward and len(runner.model_ids) == len(slot.peers))
+
+
+def _pays(slot, runner, wanted) -> bool:
+    """lane_choice.move_pays for the task on this call's devices; a lane model that fails leaves the task as it is."""
+    running = [r for r in slot.runners if r is not runner and r.result is None and r.model_ids]
+    try:
+        return lane_choice.move_pays(runner, running, len(slot.peers), slot.placement, slot.lane_plan, wanted)
+    except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
+        warnings.warn(f"placement={slot.placement!r} could not weigh moving {runner.task.name!r}'s steps "
+                      f"({type(error).__name__}: {error}); it trains on where it is", RuntimeWarning, stacklevel=2)
+        return False
