@@ -1,10 +1,9 @@
 """A task still training placed again once another has left the run (in every call a task's engines let it go as
 it ends: hydra_torch.selection.arrivals.OpenRun.ended): the room its homes and resident state held, and the lanes its
-steps loaded, are free. At the task's next
-step boundary, on the worker about to run its next unit, its shards are chosen as a task joining the run would have
-them (hydra_torch.run.moving.added_shards: the lane model for "auto", every untied shard for "device"), and where that
-differs from where they step now, and the lane model forecasts a gain over the task's steps left larger than the
-move's cost (hydra_torch.run.lane_choice.move_pays), the task is taken off every engine and added back so
+steps loaded, are free. At the task's next step boundary, on the worker about to run its next unit, its shards are
+chosen as a task joining the run would have them (hydra_torch.run.moving.added_shards: the lane model for "auto",
+every untied shard for "device"), and where that differs from where they step now, and the lane model forecasts a
+gain over the task's steps left larger than the move's cost (hydra_torch.run.lane_choice.move_pays), the task is taken off every engine and added back so
 (hydra_torch.run.moving): its state, home in the store between its steps, is not touched, so it trains on exactly as
 it would have. The cached weights go with the old registration: their next copies in cost one step's worth of the
 link.

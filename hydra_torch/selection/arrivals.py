@@ -6,11 +6,11 @@ to their worker's thread), then the scheduler hands out the newcomer's units. Wh
 workers wait for work instead of ending; `close()` lets the run end once the tasks in it are done.
 
 A task that ends (finished, failed, stopped by a selection rule or cut short) leaves at once, in every call
-(OpenRun runs without arrivals too): each device's worker releases what its engine holds for it, the one holding its
-state writes the weights back into the model (its final checkpoint taken then, where the call keeps checkpoints),
-the tasks still training are placed again in the room it left (hydra_torch.run.replacement), and with arrivals the
-driver's `on_ended(result)` hears of it, on a thread of the run's own (see Arrivals). A task that arrives is
-spilled: the device arenas were sized when training started.
+(OpenRun runs without arrivals too): each device's worker waits for the task's work there, the one holding its state
+writes the weights back into the model (its final checkpoint taken then, where the call keeps checkpoints), each
+releases what its engine holds for it (OpenRun.ended), the tasks still training are placed again in the room it left
+(hydra_torch.run.replacement), and with arrivals the driver's `on_ended(result)` hears of it, on a thread of the
+run's own (see Arrivals). A task that arrives is spilled: the device arenas were sized when training started.
 """
 from __future__ import annotations
 
