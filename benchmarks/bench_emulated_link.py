@@ -56,6 +56,13 @@ def parse_workload(parser, steps: int = 8):
     return args, data, [sum(p.numel() * 4 for p in shard) for shard in probe.shard_params]
 
 
+def add_lane_args(parser, host_speed: float = 0.5):
+    """The emulated link's bandwidth and the emulated host's speed, for a benchmark of placements."""
+    parser.add_argument("--bandwidth", type=float, default=2e8, help="emulated link, bytes/s each way")
+    parser.add_argument("--host-speed", type=float, default=host_speed,
+                        help="the host's memory over the link's bandwidth")
+
+
 def placement_rounds(args, placements, train_once):
     """`args.rounds` interleaved rounds of train_once(placement) -> (span, each task's placement, device steps):
     each placement's spans, and the placements and device steps of its first run."""

@@ -23,7 +23,8 @@ from unittest import mock
 import torch
 
 import hydra_torch as ht
-from bench_emulated_link import make_tasks, parse_workload, placement_rounds, print_placement_spans
+from bench_emulated_link import (add_lane_args, make_tasks, parse_workload, placement_rounds,
+                                 print_placement_spans)
 from hydra_torch import testing
 from hydra_torch.arrivals import Arrivals
 from hydra_torch.run import lane_choice, replacement
@@ -63,8 +64,7 @@ def train(args, data, budget, placement):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=3, help="the first task and those that join it")
-    parser.add_argument("--bandwidth", type=float, default=2e8, help="emulated link, bytes/s each way")
-    parser.add_argument("--host-speed", type=float, default=0.5, help="the host's memory over the link's bandwidth")
+    add_lane_args(parser)
     parser.add_argument("--budget", type=float, default=3.0, help="the memory budget in one model's fp32 weights")
     parser.add_argument("--placements", nargs="+", default=["host", "auto-start", "auto"],
                         choices=["host", "auto-start", "auto-stay", "auto", "device"])
@@ -78,6 +78,7 @@ def main():
           f"{args.host_speed:g}x the link; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of "
           f"{args.rounds} interleaved rounds")
     print_placement_spans(spans, placed, device_steps, against="host")
+
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,8 @@ from unittest import mock
 import torch
 
 import hydra_torch as ht
-from bench_emulated_link import make_tasks, parse_workload, placement_rounds, print_placement_spans
+from bench_emulated_link import (add_lane_args, make_tasks, parse_workload, placement_rounds,
+                                 print_placement_spans)
 from hydra_torch import testing
 from hydra_torch.run import replacement
 
@@ -44,8 +45,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=4, help="half stop early, half run every step")
     parser.add_argument("--short-steps", type=int, default=2, help="steps of the tasks that stop early")
-    parser.add_argument("--bandwidth", type=float, default=2e8, help="emulated link, bytes/s each way")
-    parser.add_argument("--host-speed", type=float, default=0.5, help="the host's memory over the link's bandwidth")
+    add_lane_args(parser)
     parser.add_argument("--budget", type=float, default=1.0, help="each device's budget in one model's fp32 weights")
     parser.add_argument("--placements", nargs="+", default=["auto-stay", "auto"], choices=["auto-stay", "auto"])
     args, data, shard_bytes = parse_workload(parser)
@@ -58,6 +58,7 @@ def main():
           f"{args.bandwidth:g} B/s, host {args.host_speed:g}x the link; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; medians of {args.rounds} interleaved rounds")
     print_placement_spans(spans, placed, device_steps, against="auto-stay")
+
 
 if __name__ == "__main__":
     main()
