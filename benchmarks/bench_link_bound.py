@@ -99,8 +99,9 @@ def extra_by_kind(base, results, shards: int) -> dict[str, float]:
             for kind, times in on_link.items()}
 
 
-def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
-    """The lane model's span (its last unit's end) for `results`' run (see the module's docstring)."""
+def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> dict:
+    """The lane model's forecast of `results`' run (see the module's docstring): its "span" (the last unit's end)
+    and its four-lane "bound", whose "chain" is the longest task's own critical path at these rates."""
     shards = len(shard_bytes)
     times = {}
     for e in base.trace:
@@ -121,13 +122,13 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> float:
     placement = [["resident" if r.placement == "resident" or s in r.resident_shards else
                   "device" if s in r.device_shards else "host" for s in range(shards)] for r in results.tasks]
     fp32_adamw = (4.0, 8.0, 28.0, 8.0, 28.0)  # weight, state, host step, host accumulate, device step
+    step_bytes = None if args.precision == "bf16" else fp32_adamw  # None: the lane model's bf16 AdamW
     # A resident or device-stepped shard steps on the CPU device, which the emulated host does not pace: at the
     # rate the memory-speed run's host steps reached.
     memory_rate = stats["host_step_bytes"] / stats["host_step_seconds"]
     rates = (bandwidth, bandwidth, host_rate, memory_rate)
-    forecast = _C.lane_forecast([(shapes, args.steps, 1, False)] * len(results.tasks), rates, fp32_adamw,
-                                args.devices, placement)
-    return forecast["span"]  # as measured: the first unit's start to the last's end
+    return _C.lane_forecast([(shapes, args.steps, 1, args.clip is not None)] * len(results.tasks), rates, step_bytes,
+                            args.devices, placement)
 
 
 def main():
@@ -193,17 +194,20 @@ def main():
             # Each device's link is its own; the host's memory is one lane for them all.
             host_bytes = sum(s["host_step_bytes"] for s in results.stats)
             host_lane = host_bytes / (args.host_speed * bandwidth[ratio]) if args.host_speed else 0.0
-            bound = max(compute, max(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
+            lanes = max(compute, max(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
                         max(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio], host_lane)
+            forecast = lane_forecast(base, results, args, shard_bytes, bandwidth[ratio])
+            # The longest task's own chain at these rates: its units one after another, and at each step boundary
+            # what a host-stepped shard's round trip adds where the units between its backward and its next
+            # forward do not cover it.
+            bound = max(lanes, forecast["bound"]["chain"])
             took = span(results)
             extra[ratio, placement].append(extra_by_kind(base, results, len(shard_bytes)))
-            forecast = (lane_forecast(base, results, args, shard_bytes, bandwidth[ratio]) if args.forecast
-                        else float("nan"))
             waits = [sum(s[key] for s in results.stats) / args.devices
                      for key in ("acquire_wait_seconds", "grad_wait_seconds")]
             rows[ratio, placement].append((took / bound, waits[0] / took, waits[1] / took, compute,
                                            sum(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
-                                           took, forecast / took))
+                                           took, forecast["span"] / took, took / lanes))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
     host = f"at {args.host_speed:g}x the link" if args.host_speed else "unpaced"
@@ -215,17 +219,17 @@ def main():
           f"medians of {args.rounds} interleaved rounds")
     for placement, got in placements.items():
         print(f"placement {placement!r}: " + "; ".join(got))
-    print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | span s | span / bound | "
-          "span / host's | waiting for weights | waiting for gradient room |" +
+    print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | span s | span / lanes | "
+          "span / bound | span / host's | waiting for weights | waiting for gradient room |" +
           (" forecast / span |" if args.forecast else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
     for (ratio, placement), measured in rows.items():
-        med = [statistics.median(r[i] for r in measured) for i in range(7)]
+        med = [statistics.median(r[i] for r in measured) for i in range(8)]
         host = rows.get((ratio, "host"))
         # Per round, then the median: the rounds interleave, so each ratio compares runs made side by side.
         versus = (statistics.median(r[5] / h[5] for r, h in zip(measured, host)) if host else float("nan"))
         print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | "
-              f"{med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |" +
+              f"{med[7]:.2f} | {med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |" +
               (f" {med[6]:.2f} |" if args.forecast else ""))
     if args.by_unit:
         print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "

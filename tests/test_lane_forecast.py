@@ -25,13 +25,16 @@ def test_a_given_placement_is_simulated_above_its_bound():
 
 def test_without_a_placement_one_is_chosen_within_the_room():
     host = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=[["host"] * 3] * 2)
-    # Room for one device step's master, moments and new weights (100 * 14), no home (100 * 16): each backward is
-    # followed by its step, so a device-stepped shard's gradients need no buffer of their own beyond the unit's
-    # working set.
-    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14)
+    # Room for two device steps' master, moments and new weights (100 * 14 each: one step's state goes home as the
+    # next one's comes in), no home (100 * 16): each backward is followed by its step, so a device-stepped shard's
+    # gradients need no buffer of their own beyond the unit's working set.
+    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=2 * 100 * 14)
     assert {place for places in chosen["placement"] for place in places} <= {"host", "device"}
     assert "device" in chosen["placement"][0] + chosen["placement"][1]
     assert chosen["makespan"] < 0.7 * host["makespan"]
+    # Room for one step: one shard is stepped on the device, where its steps never overlap.
+    one = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14)["placement"]
+    assert (one[0] + one[1]).count("device") == 1
     assert _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=0)["placement"] == [["host"] * 3] * 2
     # Summed over micro-batches or clipped, a step needs each device-stepped shard's gradients held (100 * 2 each),
     # and leaves the unit's room for them to the step (100 * 12 beyond it).
@@ -43,7 +46,9 @@ def test_without_a_placement_one_is_chosen_within_the_room():
 
 def test_a_fixed_task_keeps_its_start_and_the_others_are_placed_around_it():
     start = [["device", "host", "host"], ["host"] * 3]
-    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14, start=start, fixed=[True, False])["placement"]
+    # Room for the fixed task's device step and one more (one step's state goes home as the next one's comes in).
+    chosen = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=2 * 100 * 14, start=start,
+                              fixed=[True, False])["placement"]
     assert chosen[0] == start[0] and "device" in chosen[1]
     free = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=1 << 30, start=start, fixed=[False, True])["placement"]
     assert free[1] == start[1] and free[0] != start[0]

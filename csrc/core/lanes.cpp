@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -77,6 +78,10 @@ TaskLanes task_lanes(const TaskShape& task, const std::vector<StepPlace>& places
   const int64_t steps = steps_of(task);
   const bool accumulates = task.accumulate > 1;
   double own_compute = 0.0, gap = 0.0, boundary = 0.0;
+  // The task's host steps of one boundary, the units before the last host-stepped shard (the first whose backward
+  // ends), and the fewest seconds a host-stepped shard's gradient takes to go out and its weights to come in.
+  constexpr double kNone = std::numeric_limits<double>::infinity();
+  double host_steps = 0.0, first_gap = 0.0, fewest_out = kNone, fewest_in = kNone;
   for (int s = 0; s < n; ++s) {
     const ShardShape& shard = task.shards[static_cast<size_t>(s)];
     const StepPlace place = places[static_cast<size_t>(s)];
@@ -98,10 +103,19 @@ TaskLanes task_lanes(const TaskShape& task, const std::vector<StepPlace>& places
     out.host += static_cast<double>(mb - steps) * lanes.host_accumulate + static_cast<double>(steps) * lanes.host_step;
     // Between B(s) of one step and F(s) of the next run B(s-1)..B(0) and F(0)..F(s-1) with their device steps;
     // a host-stepped shard's gradient out, host step and weights in must fit there or the chain waits.
-    if (place == StepPlace::kHost)
+    if (place == StepPlace::kHost) {
       boundary = std::max(boundary, lanes.gradient_out + lanes.host_step + lanes.weights_in - gap);
+      host_steps += lanes.host_step;
+      first_gap = gap;
+      fewest_out = std::min(fewest_out, lanes.gradient_out);
+      fewest_in = std::min(fewest_in, lanes.weights_in);
+    }
     gap += per_micro_batch + lanes.device_step;
   }
+  // And one after another on the host lane: none starts before the last host-stepped shard's backward ends and a
+  // gradient is out, the next step's forward of the shard stepped last waits for it and its weights in, and only
+  // the units below the last host-stepped shard can run meanwhile.
+  if (host_steps > 0.0) boundary = std::max(boundary, fewest_out + host_steps + fewest_in - first_gap);
   out.compute = own_compute;
   out.chain = own_compute + static_cast<double>(steps - 1) * boundary;
   return out;
@@ -239,21 +253,48 @@ Placement host_placement(const std::vector<TaskShape>& tasks) {
   return placement;
 }
 
+namespace {
+
+// The room device steps take at once: the two largest steps' regions, as one step's state goes home while the next
+// one's comes in (a shard's own steps never overlap). One step's room alone is not enough in practice: each step
+// then waits for the one before it to be home, or its state's prefetch evicts the weights the next units need.
+struct StepRooms {
+  int64_t largest = 0, second = 0;
+  void add(int64_t room) {
+    if (room > largest) {
+      second = largest;
+      largest = room;
+    } else {
+      second = std::max(second, room);
+    }
+  }
+  int64_t total() const { return largest + second; }
+};
+
+StepRooms step_rooms(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
+  StepRooms rooms;
+  for (size_t t = 0; t < tasks.size(); ++t)
+    for (size_t s = 0; s < tasks[t].shards.size(); ++s)
+      rooms.add(step_room(tasks[t].shards[s], placement[t][s], bytes, tasks[t].sums_backwards()));
+  return rooms;
+}
+
+}  // namespace
+
 int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes,
                         const Placement& start) {
   validate_placement(tasks, placement);
   if (!start.empty()) validate_placement(tasks, start);
-  int64_t held = 0, step = 0;
+  int64_t held = 0;
   for (size_t t = 0; t < tasks.size(); ++t) {
     const bool sums = tasks[t].sums_backwards();
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
       const ShardShape& shard = tasks[t].shards[s];
       held += held_bytes(shard, placement[t][s], bytes, sums) -
               (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes, sums));
-      step = std::max(step, step_room(shard, placement[t][s], bytes, sums));
     }
   }
-  return held + step;
+  return held + step_rooms(tasks, placement, bytes).total();
 }
 
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
@@ -288,14 +329,16 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
       if (group.front() == s) groups[t].push_back(std::move(group));
     }
   int64_t held = 0;  // beyond the start's
-  int64_t step = placement_bytes(tasks, placement, bytes, placement);  // its largest device step's room
+  // Its device steps' rooms; a shard moved on to kResident keeps its step's room counted (moves only add rooms).
+  StepRooms steps = step_rooms(tasks, placement, bytes);
   Ranking current = ranking(combine(per_task, num_devices), headroom);
   for (;;) {
     struct Move {
       size_t task;
       std::vector<int> group;
       StepPlace place;
-      int64_t held, step;
+      int64_t held;
+      StepRooms steps;
       TaskLanes lanes;  // the task's with the move made
     };
     std::optional<Move> best;
@@ -307,14 +350,16 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
         const StepPlace now = placement[t][static_cast<size_t>(group.front())];
         for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
           if (to <= now || (to == StepPlace::kResident && (!one_device || !homes))) continue;
-          int64_t group_held = held, group_step = step;
+          int64_t group_held = held;
+          StepRooms group_steps = steps;
           for (int g : group) {
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];
             const bool sums = task.sums_backwards();
             group_held += held_bytes(shard, to, bytes, sums) - held_bytes(shard, now, bytes, sums);
-            group_step = std::max(group_step, step_room(shard, to, bytes, sums));
+            group_steps.add(step_room(shard, to, bytes, sums));
           }
-          const int64_t asked = group_held + (reserve <= room ? std::max(group_step, reserve) : group_step);
+          const int64_t asked =
+              group_held + (reserve <= room ? std::max(group_steps.total(), reserve) : group_steps.total());
           if (asked > room) continue;
           std::vector<StepPlace> places = placement[t];
           for (int g : group) places[static_cast<size_t>(g)] = to;
@@ -324,7 +369,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
           std::swap(per_task[t], lanes);  // `lanes` is the task's with the move made again
           if (better(rank, best_rank)) {
             best_rank = rank;
-            best = Move{t, group, to, group_held, group_step, lanes};
+            best = Move{t, group, to, group_held, group_steps, lanes};
           }
         }
       }
@@ -333,7 +378,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
     for (int g : best->group) placement[best->task][static_cast<size_t>(g)] = best->place;
     per_task[best->task] = best->lanes;
     held = best->held;
-    step = best->step;
+    steps = best->steps;
     current = best_rank;
   }
 }

@@ -115,8 +115,8 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
 
 // A placement with the smallest bound found: from `start` (empty: every shard on kHost), one move at a time (a
 // shard, with the shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within
-// `room` bytes a device for homes, kept gradients and the largest device step beyond what the start's shards hold
-// (homes leave room for one). kResident only with one device, where a task's home is. `headroom` < 1 counts the
+// `room` bytes a device for homes, kept gradients and the two largest device steps (one step's state goes home as
+// the next one's comes in) beyond what the start's shards hold (homes leave room for one step). kResident only with one device, where a task's home is. `headroom` < 1 counts the
 // copy and host lanes that much busier, so that they keep slack: a lane near full queues, and a step late off the
 // host stalls the shard's next visit (see lane_plan.h, which picks it by simulation). Without `homes` no shard
 // moves to kResident: one home takes the room of several device steps' gradient buffers, so moves that each pay
@@ -129,8 +129,8 @@ Placement host_placement(const std::vector<TaskShape>& tasks);
 // The shards that step in one place with `shard`: those tied to it, and to them, in order.
 std::vector<int> tie_group(const TaskShape& task, int shard);
 
-// Device memory a placement asks: held bytes (beyond what `start`'s shards hold, where given) plus the largest
-// step's room.
+// Device memory a placement asks: held bytes (beyond what `start`'s shards hold, where given) plus the two largest
+// steps' rooms (one step's state on its way home while the next one's comes in).
 int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes,
                         const Placement& start = {});
 
