@@ -1,17 +1,20 @@
 """Training time against its bound on an emulated link (CPU): how much of the copying the engine hides.
 
 K spilled GPT-2 models train on one CPU device whose copies take bytes / bandwidth seconds each way
-(`hydra_torch.testing.emulated_link`), the bandwidth set so that copying a block's weights takes `ratio` times
-the block's forward. Bound = max(compute, host-to-device bytes / bandwidth, device-to-host bytes / bandwidth):
-compute is the sum of the units' times in the same training at memory speed, the bytes are the engine's own
-counts. Reported, medians of interleaved rounds: the span (first unit's start to last unit's end) over the
-bound, and the shares of the span the compute waited for weights to land (`acquire_wait_seconds`, the exposed
-copies) and for room for gradients (`grad_wait_seconds`, held up by earlier gradients still copying out).
-With several `--placements` (ht.train's `placement`: "auto" keeps each model's first and last shards resident
-and, on the emulated lanes, lets the lane model make more shards resident or step them on the device from the
-rates it measures, "device" steps every other untied shard on the device, "host" spills every shard), each runs in
-every round under one budget, which then also holds every model's resident ends and, with "device", its other shards' gradient buffers
-and the largest device step's regions. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
+(`hydra_torch.testing.emulated_link`), the bandwidth set so that copying a block's weights takes `ratio` times the
+block's forward. Lanes = max(compute, host-to-device bytes / bandwidth, device-to-host bytes / bandwidth): compute
+is the sum of the units' times in the same training at memory speed, the bytes are the engine's own counts. Bound =
+max(lanes, the longest chain): a task's units one after another and, at each step boundary, what its host steps'
+round trips add beyond the units that can run meanwhile (the lane model's `chain`, `_C.lane_forecast`, for the
+placement the run got, from the memory-speed run's unit times). Reported, medians of interleaved rounds: the span
+(first unit's start to last unit's end) over the lanes and over the bound, and the shares of the span the compute
+waited for weights to land (`acquire_wait_seconds`, the exposed copies) and for room for gradients
+(`grad_wait_seconds`, held up by earlier gradients still copying out). With several `--placements` (ht.train's
+`placement`: "auto" keeps each model's first and last shards resident and, on the emulated lanes, lets the lane
+model make more shards resident or step them on the device from the rates it measures, "device" steps every other
+untied shard on the device, "host" spills every shard), each runs in every round under one budget, which then also
+holds every model's resident ends and, with "device", its other shards' gradient buffers and the largest device
+step's regions. With `--host-speed S` the host steps run on an emulated host memory bandwidth of S times the link's
 (`hydra_torch.testing.emulated_host`), and the bound also counts the host lane: the bytes the host steps touched
 over that bandwidth. With `--forecast`, each run is also forecast by the lane model (`_C.lane_forecast`, the
 simulator over the real scheduler) from what the memory-speed run of the same round measured: each shard's median
@@ -19,8 +22,8 @@ unit times, the host steps' bytes per second (the emulated host's where there is
 placement the run got; reported as the forecast over the measured span. With `--precision bf16` the models compute
 in bf16 (fp32 masters on the host, as in the GPU suite's P2; the copy / forward ratio then counts a block's bf16
 weights), and with `--cache-all` the budget also has room to keep every model's weights cached, as P2's budget on
-the GPU box does: the engine then grants "auto" its resident ends beside the other spilled models (bf16 keeps
-the models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the models train on N
+the GPU box does: the engine then grants "auto" its resident ends beside the other spilled models (bf16 keeps the
+models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the models train on N
 virtual CPU devices, each with its own emulated link and a share of the cores: the bound then counts the compute
 spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a device's share, "copies
 in s" all devices' together.
