@@ -113,15 +113,15 @@ struct LaneBound {
 LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& placement, const LaneRates& rates,
                      const StepBytes& bytes, int num_devices);
 
-// A placement with the smallest bound found: from `start` (empty: every shard on kHost), one move at a time (a
-// shard, with the shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within
-// `room` bytes a device for homes, kept gradients and the two largest device steps (one step's state goes home as
-// the next one's comes in) beyond what the start's shards hold (homes leave room for one step). kResident only with one device, where a task's home is. `headroom` < 1 counts the
-// copy and host lanes that much busier, so that they keep slack: a lane near full queues, and a step late off the
-// host stalls the shard's next visit (see lane_plan.h, which picks it by simulation). Without `homes` no shard
-// moves to kResident: one home takes the room of several device steps' gradient buffers, so moves that each pay
-// most can together pay less. A `fixed` task's shards stay where the start has them. Throws std::invalid_argument
-// for malformed shapes, rates or start.
+// A placement with the smallest bound found: from `start` (empty: every shard on kHost), one move at a time (a shard,
+// with the shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within `room` bytes a
+// device for homes, kept gradients and the two largest device steps (one step's state goes home as the next one's comes
+// in) beyond what the start's shards hold (homes leave room for one step). kResident only with one device, where a
+// task's home is. `headroom` < 1 counts the copy and host lanes that much busier, so that they keep slack: a lane near
+// full queues, and a step late off the host stalls the shard's next visit (see lane_plan.h, which picks it by
+// simulation). Without `homes` no shard moves to kResident: one home takes the room of several device steps' gradient
+// buffers, so moves that each pay most can together pay less. A `fixed` task's shards stay where the start has them.
+// Throws std::invalid_argument for malformed shapes, rates or start.
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
                            int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {},
                            bool homes = true);
