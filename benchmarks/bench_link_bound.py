@@ -118,17 +118,19 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> dict:
         read = shard_bytes[s] // 4  # fp32 elements, the tied weight included in the head's shard
         shapes.append((forward, backward, read, read, read - tied if last else read, 0 if last else -1))
     stats = base.stats[0]
+    # At the rate the memory-speed run's host steps reached; a run whose every model is resident stepped nothing on
+    # the host, and the link's rate stands in (the lane model asks a rate > 0).
+    stepped = stats["host_step_seconds"] > 0
+    memory_rate = stats["host_step_bytes"] / stats["host_step_seconds"] if stepped else bandwidth
     # The emulated host's pace where there is one: the steps' own work runs within it (measured at memory speed
     # beside the compute on these cores, the steps' rate is lower than when they mostly wait on the pace).
-    host_rate = (args.host_speed * bandwidth if args.host_speed
-                 else stats["host_step_bytes"] / stats["host_step_seconds"])
+    host_rate = args.host_speed * bandwidth if args.host_speed else memory_rate
     placement = [["resident" if r.placement == "resident" or s in r.resident_shards else
                   "device" if s in r.device_shards else "host" for s in range(shards)] for r in results.tasks]
     fp32_adamw = (4.0, 8.0, 28.0, 8.0, 28.0)  # weight, state, host step, host accumulate, device step
     step_bytes = None if args.precision == "bf16" else fp32_adamw  # None: the lane model's bf16 AdamW
     # A resident or device-stepped shard steps on the CPU device, which the emulated host does not pace: at the
     # rate the memory-speed run's host steps reached.
-    memory_rate = stats["host_step_bytes"] / stats["host_step_seconds"]
     rates = (bandwidth, bandwidth, host_rate, memory_rate)
     return _C.lane_forecast([(shapes, args.steps, 1, args.clip is not None)] * len(results.tasks), rates, step_bytes,
                             args.devices, placement)

@@ -1,5 +1,5 @@
-"""The lane model through its binding (_C.lane_forecast, used by benchmarks/bench_link_bound.py --forecast): a given
-placement is simulated, none given is chosen within the room, and bad input is refused by name."""
+"""The lane model through its binding (_C.lane_forecast, used by benchmarks/bench_link_bound.py for its bound and
+forecast): a given placement is simulated, none given is chosen within the room, and bad input is refused by name."""
 import pytest
 
 from hydra_torch._loader import native as _C
