@@ -203,8 +203,8 @@ def main():
                         max(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio], host_lane)
             forecast = lane_forecast(base, results, args, shard_bytes, bandwidth[ratio])
             # The longest task's own chain at these rates: its units one after another, and at each step boundary
-            # what a host-stepped shard's round trip adds where the units between its backward and its next
-            # forward do not cover it.
+            # what its host steps' round trips (one after another on the host lane) add beyond the units that can
+            # run meanwhile.
             bound = max(lanes, forecast["bound"]["chain"])
             took = span(results)
             extra[ratio, placement].append(extra_by_kind(base, results, len(shard_bytes)))
