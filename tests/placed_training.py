@@ -12,13 +12,13 @@ def adamw():
     return ht.optim.AdamW(lr=3e-3, weight_decay=0.05)
 
 
-def train(model, data, placement, budget_fraction, devices="cpu", checkpoint_dir=None, **options):
+def train(model, data, placement, budget_fraction, devices="cpu", checkpoint_dir=None, host_threads=None, **options):
     """ht.train of one task of `model` under a budget of `budget_fraction` times its fp32 weights; it must end ok."""
     torch.manual_seed(SEED)
     task = ht.ModelTask(model, optimizer=options.pop("optimizer", None) or adamw(), loss_fn=lm_loss, data=data,
                         **options)
     results = ht.train([task], devices=devices, memory_budget=int(budget_fraction * model_bytes(model)),
-                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir)
+                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir, host_threads=host_threads)
     assert results[0].ok, results[0].error
     return results
 

@@ -80,9 +80,20 @@ struct ShardSteps {
   double ready = 0.0;
 };
 
+// A job on the host lane (an accumulation or a step of a kHost shard's gradient).
+struct HostJob {
+  int task;
+  int shard;
+  double landed;  // its gradient on the host
+  double seconds;
+  bool step;
+  double start = 0.0;
+};
+
 struct StepState {
   std::vector<std::vector<ShardSteps>> shards;
   double host_free = 0.0;  // the host lane, all devices'
+  std::vector<HostJob> host_jobs;  // the lane's jobs not yet ended when the latest one's gradient landed
 
   explicit StepState(const SimulationConfig& config) {
     for (const StepSchedule& schedule : config.steps) shards.emplace_back(schedule.places.size());
@@ -211,6 +222,29 @@ double state_in(const SimulationConfig& config, CopyLane& lane, const Unit& unit
   return lane.copy(now, lanes_of(config, unit).state_in, result);
 }
 
+// Puts a host job on the lane as the engine's host-step threads take them: one of a task at a time, and of a task's
+// jobs whose gradients have landed, the lowest shard's first (the next forward needs it first). The job goes ahead
+// of the task's jobs of higher shards just before it on the lane that had not started when its gradient landed;
+// they start again, in turn, after it, and their steps' weights are ready later.
+void queue_host_job(StepState& steps, HostJob job) {
+  std::vector<HostJob>& lane = steps.host_jobs;
+  std::erase_if(lane, [&](const HostJob& queued) { return queued.start + queued.seconds <= job.landed; });
+  size_t at = lane.size();
+  auto passes = [&](const HostJob& queued) {
+    return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
+  };
+  while (at > 0 && passes(lane[at - 1])) --at;
+  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : (at < lane.size() ? 0.0 : steps.host_free);
+  lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(at), job);
+  for (size_t i = at; i < lane.size(); ++i) {
+    HostJob& queued = lane[i];
+    queued.start = std::max(queued.landed, free);
+    free = queued.start + queued.seconds;
+    if (queued.step) steps.shards[static_cast<size_t>(queued.task)][static_cast<size_t>(queued.shard)].ready = free;
+  }
+  steps.host_free = free;
+}
+
 // What follows a unit that computed until `end`: its gradient out and, where it ends a step, the step. Returns
 // when the device is free: after a device step, where one runs.
 double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
@@ -233,9 +267,9 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
     case StepPlace::kHost: {
       const double landed = out(end, lanes.gradient_out);
       const double seconds = step ? lanes.host_step : lanes.host_accumulate;
-      steps.host_free = std::max(landed, steps.host_free) + seconds;
       result.host_seconds += seconds;
-      if (step) shard = ShardSteps{shard.issued + 1, steps.host_free};
+      if (step) ++shard.issued;
+      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step});
       return end;
     }
     case StepPlace::kDevice: {

@@ -80,19 +80,22 @@ std::vector<int64_t> DeviceModel::shard_loads() const {
   return loads;
 }
 
-Fence DeviceModel::submit(std::function<DeviceEvent()> job, std::function<bool()> startable) {
-  static std::mutex order;  // one global submission order across devices (see ShardStore::exchange_last_job)
+Fence DeviceModel::submit(std::function<DeviceEvent()> job, std::function<bool()> startable,
+                          const std::vector<int>& shards) {
+  static std::mutex order;  // one global submission order across devices (see ShardStore::exchange_last_jobs)
   auto done = std::make_shared<std::promise<void>>();
   Fence fence;
   {
     std::lock_guard<std::mutex> lock(order);
-    std::shared_future<void> previous = store_->exchange_last_job(done->get_future().share());
+    std::vector<std::shared_future<void>> previous = store_->exchange_last_jobs(shards, done->get_future().share());
     auto can_start = [previous, startable = std::move(startable)] {
-      return (!previous.valid() || previous.wait_for(std::chrono::seconds(0)) == std::future_status::ready) &&
+      return std::all_of(previous.begin(), previous.end(), [](const std::shared_future<void>& job) {
+               return job.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+             }) &&
              (!startable || startable());
     };
     fence = engine_.host_steps_->submit_chained([previous, done, store = store_, job = std::move(job)]() -> DeviceEvent {
-      if (previous.valid()) previous.wait();
+      for (const std::shared_future<void>& before : previous) before.wait();
       struct Signal {  // completes the chain however the job ends; its error travels in its own Fence
         std::shared_ptr<std::promise<void>> promise;
         ~Signal() { promise->set_value(); }
@@ -103,7 +106,8 @@ Fence DeviceModel::submit(std::function<DeviceEvent()> job, std::function<bool()
         store->note_failed_job(std::current_exception());  // before the chain goes on (signal's destructor)
         throw;
       }
-    }, store_->host_chain(), std::move(can_start));
+    }, store_->host_chain(), std::move(can_start), /*only_once_startable=*/false,
+       shards.empty() ? 0 : *std::min_element(shards.begin(), shards.end()));
   }
   return track(fence);
 }

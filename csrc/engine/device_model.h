@@ -52,9 +52,13 @@ class DeviceModel {
   // everything issued on the compute stream so far.
   virtual void free_device_memory(const Fence& issued) = 0;
 
-  // Queues a host job after the model's previous one (on any device: the store keeps one chain). `startable` says,
-  // without blocking, whether whatever else the job waits for (copies) is done; none: nothing else.
-  Fence submit(std::function<DeviceEvent()> job, std::function<bool()> startable = {});
+  // Queues a host job of `shards` (a shard and the owners of what it borrows: ShardStore::sources; none: of every
+  // shard) after the model's jobs of those shards queued before it, on any device (the store keeps the chain).
+  // `startable` says, without blocking, whether whatever else the job waits for (copies) is done; none: nothing else.
+  // Of the model's jobs that can start, the one of the lowest shard runs first: the next forward needs it first (a
+  // tied head's job ranks as the embedding it sums into, whose step waits for it).
+  Fence submit(std::function<DeviceEvent()> job, std::function<bool()> startable = {},
+               const std::vector<int>& shards = {});
   // A copy or job of the model's, whose error synchronize() must report.
   Fence track(Fence fence);
   // Waits for every queued host job and copy of the model's, rethrowing the first error among them.

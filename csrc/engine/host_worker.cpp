@@ -46,15 +46,16 @@ Fence HostWorker::submit(std::function<DeviceEvent()> job, bool urgent) {
 }
 
 Fence HostWorker::submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable,
-                                 bool only_once_startable) {
+                                 bool only_once_startable, int64_t rank) {
   if (chain < 0) throw std::invalid_argument("HostWorker: a chain is >= 0, got " + std::to_string(chain));
   if (!startable) throw std::invalid_argument("HostWorker: a chained job needs its startable");
   Job queued;
   queued.run = std::move(job);
+  queued.chain = chain;
   if (!in_submission_order_ || only_once_startable) {
-    queued.chain = chain;
     queued.startable = std::move(startable);
     queued.only_once_startable = only_once_startable;
+    queued.rank = rank;
   }
   return enqueue(std::move(queued));
 }
@@ -75,19 +76,34 @@ void HostWorker::drain() {
   idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
 }
 
+bool HostWorker::can_take(const Job& job) const {
+  return job.startable && !running_.count(job.chain) && job.startable();
+}
+
 std::deque<HostWorker::Job>::iterator HostWorker::next_job() {
   // A plain job at the front is taken in its turn (an urgent one was put there), as is every job where none is
-  // chained. Else the first chained job that can start, one of a wanted chain first; where none can, the front,
-  // unless it may only be taken once it can start: then none.
-  if (!queue_.front().startable) return queue_.begin();
+  // chained (in submission order, once no job of its chain runs). Else the first chained job that can start, one of
+  // a wanted chain first, and then its chain's job of lowest rank that can; where none can, the front, unless it may
+  // only be taken once it can start or a job of its chain runs (it may not wait for that one: the running job's end
+  // wakes the threads): then none.
+  if (!queue_.front().startable) return running_.count(queue_.front().chain) ? queue_.end() : queue_.begin();
   auto first = queue_.end();
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-    if (!it->startable || !it->startable()) continue;
-    if (wanted_.count(it->chain)) return it;
+    if (!can_take(*it)) continue;
+    if (wanted_.count(it->chain)) {
+      first = it;
+      break;
+    }
     if (first == queue_.end()) first = it;
   }
-  if (first != queue_.end()) return first;
-  return queue_.front().only_once_startable ? queue_.end() : queue_.begin();
+  if (first == queue_.end()) {
+    const Job& front = queue_.front();
+    return front.only_once_startable || running_.count(front.chain) ? queue_.end() : queue_.begin();
+  }
+  auto best = first;
+  for (auto it = std::next(first); it != queue_.end(); ++it)
+    if (it->chain == first->chain && it->rank < best->rank && can_take(*it)) best = it;
+  return best;
 }
 
 void HostWorker::run() {
@@ -106,6 +122,7 @@ void HostWorker::run() {
         std::none_of(queue_.begin(), queue_.end(), [&job](const Job& other) { return other.chain == job.chain; }))
       wanted_.erase(job.chain);
     ++busy_;
+    if (job.chain >= 0) running_.insert(job.chain);
     lock.unlock();
     try {
       DeviceEvent event = job.run();
@@ -119,6 +136,10 @@ void HostWorker::run() {
     }
     lock.lock();
     --busy_;
+    if (job.chain >= 0) {
+      running_.erase(job.chain);
+      if (!queue_.empty()) wake_.notify_all();  // the chain's next job may be taken now, by any free thread
+    }
     if (queue_.empty() && busy_ == 0) idle_.notify_all();
   }
 }

@@ -3,14 +3,15 @@
 //
 // A device's copy lanes are one-thread workers of plain jobs (their copies are issued in order). The host
 // optimizer steps of every device share one worker with several threads, whose jobs come in *chains* (one model's
-// host jobs, ordered among themselves by fences) and say whether they can start without waiting: a free thread
-// takes the first job that can, one of a chain something waits for (`want`) first, so that a thread does not sit
-// in one job's wait while another job could run; where none can start, the first queued job, which may wait. A job
-// may wait for work submitted before it, never after. A job taken out of turn waits for nothing; one that may wait
-// is the first queued, taken after every job submitted before it: every wait stays acyclic, as in submission order.
-// A chained job may instead be one that never waits (`only_once_startable`, a copy lane's gradient copy that needs a
-// free landing buffer): where it is the first queued and none can start, the threads wait until poke() says that
-// something may have become startable.
+// host jobs, ordered among themselves by fences, one at a time) and say whether they can start without waiting: a
+// free thread takes the first job that can, one of a chain something waits for (`want`) first, so that a thread does
+// not sit in one job's wait while another job could run, and then, of that job's chain, the one of lowest rank that
+// can start (the shard the model's next forward needs first); where none can start, the first queued job, which may
+// wait, unless a job of its chain runs. A job may wait for work submitted before it, never after. A job taken out
+// of turn waits for nothing; one that may wait is the first queued, taken after every job submitted before it:
+// every wait stays acyclic, as in submission order. A chained job may instead be one that never waits
+// (`only_once_startable`, a copy lane's gradient copy that needs a free landing buffer): where it is the first
+// queued and none can start, the threads wait until poke() says that something may have become startable.
 #pragma once
 
 #include <condition_variable>
@@ -39,10 +40,12 @@ class HostWorker {
   // before every job still queued (something waits for it now); it must not wait for any of them.
   Fence submit(std::function<DeviceEvent()> job, bool urgent = false);
   // A job of `chain` (>= 0): `startable` says, without blocking and under the worker's lock, whether everything the
-  // job waits for is done. A worker `in_submission_order` runs it as a plain job. With `only_once_startable` no
-  // thread takes it before `startable` says so; then whatever makes it startable must poke() the worker.
+  // job waits for is done. No thread takes it out of turn while another job of its chain runs; of a chain's jobs
+  // that can start, the lowest `rank` goes first (ties: in submission order). A worker `in_submission_order` runs it
+  // as a plain job, in turn, still one of its chain at a time. With `only_once_startable` no thread takes it before
+  // `startable` says so; then whatever makes it startable must poke() the worker.
   Fence submit_chained(std::function<DeviceEvent()> job, int64_t chain, std::function<bool()> startable,
-                       bool only_once_startable = false);
+                       bool only_once_startable = false, int64_t rank = 0);
   // Something a queued job's `startable` reads may have changed: the idle threads look again. Never call it
   // holding a lock that `startable` takes.
   void poke();
@@ -59,10 +62,13 @@ class HostWorker {
     std::function<DeviceEvent()> run;
     std::promise<DeviceEvent> done;
     bool urgent = false;
-    int64_t chain = -1;               // -1: a plain job
+    int64_t chain = -1;               // -1: a plain job of none
     std::function<bool()> startable;  // a chained job's
     bool only_once_startable = false;
+    int64_t rank = 0;                 // among its chain's jobs that can start, the lowest goes first
   };
+  // Whether a free thread may take `job` now, out of turn: chained, none of its chain running, and startable.
+  bool can_take(const Job& job) const;
   Fence enqueue(Job job);
   void run();
   // The queued job a free thread takes now (the queue is not empty), or end() where it must wait for a poke().
@@ -75,6 +81,7 @@ class HostWorker {
   // remembering its last step) would keep that alive forever. A promise's future holds only the result.
   std::deque<Job> queue_;
   std::set<int64_t> wanted_;  // chains with a queued job that something waits for
+  std::set<int64_t> running_;  // chains with a job running
   int busy_ = 0;
   bool stopping_ = false;
   bool in_submission_order_;

@@ -31,6 +31,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
   versions_ = std::vector<std::atomic<int64_t>>(n);
   last_steps_.resize(n);
   readers_.resize(n);
+  last_jobs_.resize(n);
 
   // Owner = first shard listing the parameter; identity is the TensorImpl, as for Python's `is`.
   struct Home {
@@ -200,6 +201,22 @@ int64_t ShardStore::host_bytes() const {
 void ShardStore::forget_gradients() {
   for (std::vector<uint8_t>& received : received_) std::fill(received.begin(), received.end(), 0);
   for (std::vector<uint8_t>& waiting : borrowed_waiting_) std::fill(waiting.begin(), waiting.end(), 0);
+}
+
+std::vector<std::shared_future<void>> ShardStore::exchange_last_jobs(const std::vector<int>& shards,
+                                                                   const std::shared_future<void>& next) {
+  std::vector<std::shared_future<void>> waits;
+  auto take = [&](int shard) {
+    std::shared_future<void>& last = last_jobs_.at(shard);
+    if (last.valid()) waits.push_back(std::move(last));
+    last = next;
+  };
+  if (shards.empty()) {
+    for (int s = 0; s < num_shards(); ++s) take(s);
+  } else {
+    for (int s : shards) take(s);
+  }
+  return waits;
 }
 
 std::vector<std::pair<int64_t, int64_t>> ShardStore::take_borrowed_spans(int shard) {

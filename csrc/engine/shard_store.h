@@ -172,14 +172,15 @@ class ShardStore {
     return readers_.at(shard);
   }
 
-  // The model's host jobs (gradient accumulation and optimizer steps, submitted by any of its devices) run
-  // in submission order on the shared host-step threads: the previous job's completion is exchanged for the
-  // new one's. Callers hold a lock that also covers the enqueue, so the order is one global order and every
-  // job waits only for jobs queued before it.
-  std::shared_future<void> exchange_last_job(std::shared_future<void> next) {
-    std::swap(last_job_, next);
-    return next;
-  }
+  // The model's host jobs (gradient accumulation and optimizer steps, submitted by any of its devices) wait for the
+  // jobs queued before them that touch the same shards: a job of `shards` (a shard and the owners of the parameters
+  // it borrows, see sources) for the last job of each of them, a job of every shard (`shards` empty: a clipped
+  // step's norm, synchronize) for the last job of all. Returns what the new job (`next`) waits for and records it.
+  // Callers hold a lock that also covers the enqueue, so the order is one global order and every job waits only
+  // for jobs queued before it. Jobs of different shards may then run out of submission order (the host-step
+  // threads take the one the next forward needs first, see HostWorker), never two of one model at once.
+  std::vector<std::shared_future<void>> exchange_last_jobs(const std::vector<int>& shards,
+                                                          const std::shared_future<void>& next);
   // The chain those jobs make on the host-step worker (HostWorker::submit_chained): one number per store.
   int64_t host_chain() const { return host_chain_; }
   // The first error among the model's host jobs, kept for the jobs after it: a clipped step's norm must not be
@@ -253,7 +254,7 @@ class ShardStore {
   std::pair<int, size_t> owned_entry(const at::Tensor& param, const char* what) const;
   std::vector<std::atomic<int64_t>> versions_;
   std::shared_ptr<const LossGate> loss_gate_;
-  std::shared_future<void> last_job_;
+  std::vector<std::shared_future<void>> last_jobs_;  // per shard: its last host job (exchange_last_jobs)
   static inline std::atomic<int64_t> chains_{0};
   const int64_t host_chain_ = chains_++;
   std::exception_ptr failed_job_;

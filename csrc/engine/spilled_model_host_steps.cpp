@@ -117,7 +117,7 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
     if (step) engine.step_log_.add({model, shard, step_number, StepPlace::kHost, step_start, steady_ns()});
     landing->reset();
     return nullptr;
-  }, [landed, readers] { return landed.ready() && all_ready(readers); });
+  }, [landed, readers] { return landed.ready() && all_ready(readers); }, store().sources(shard));
   // Free again once copied out: the next shard's gradients need not wait for this one's step.
   engine_.pool_.release(w.grads, landed);
   w.grads = Region{};
@@ -131,7 +131,7 @@ std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr
   if (!resident_shards_.empty() || !device_shards_.empty()) return clip_and_step_here(max_norm, lr_scale);
   auto norm = std::make_shared<ClipNorm>(max_norm);
   std::shared_ptr<ShardStore> owner = store_ptr();
-  // After every gradient job of the step (the model's jobs run in their order), on a host-step thread.
+  // After every gradient job of the step (a job of every shard waits for all before it), on a host-step thread.
   submit([owner, norm]() -> DeviceEvent {
     try {
       // A failed job may have left a gradient out: no step is taken over what is left.
@@ -216,7 +216,7 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
     engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
     engine.step_log_.add({model, shard, step_number, StepPlace::kHost, start, steady_ns()});
     return nullptr;
-  }, [readers, norm] { return norm->ready() && all_ready(readers); });
+  }, [readers, norm] { return norm->ready() && all_ready(readers); }, owner->sources(shard));
   owner->set_last_step(shard, done);
   owner->bump_version(shard);
   if (cached(shard) && !pinned(shard)) evict(shard);

@@ -208,6 +208,24 @@ TEST(Lanes, TheChainCountsOneTasksHostStepsOneAfterAnother) {
   EXPECT_GE(simulate(lane_simulation(tasks, placement, rates, bytes, 1)).makespan, bound.bound() * (1 - 1e-9));
 }
 
+// The host lane takes a task's jobs as the engine's host-step threads do: of those whose gradients have landed, the
+// lowest shard's first. Shard 3's step runs 0.5 s from its backward's end; shards 2 and 1 land meanwhile, 1 steps
+// next, then 0 (landed by then), then 2: the next step's forward of shard 0 waits for three steps, not four.
+TEST(Lanes, ATasksHostStepsGoLowestShardFirstOnceLanded) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks{task(std::vector<ShardShape>(4, shard(0.1, 0.2, 100)), 2)};
+  const LaneRates rates{1e6, 1e6, 100 * 28 / 0.5, 1e6};  // a shard's host step 0.5 s, its copies 0.2 ms
+  const SimulationResult r = simulate(lane_simulation(tasks, host_placement(tasks), rates, bytes, 1));
+  auto end_of = [&](int64_t index) {
+    return std::find_if(r.trace.begin(), r.trace.end(), [&](const TraceEntry& e) { return e.index == index; })->end;
+  };
+  // Units of a micro-batch: F0 F1 F2 FB3 B2 B1 B0; the second's F0 is unit 7. Its weights come in after shard 0's
+  // step (0.2 ms), it computes 0.1 s.
+  const double waited = end_of(7) - end_of(3);
+  EXPECT_NEAR(waited, 3 * 0.5 + 0.1, 0.005) << "in landing order it would be 4 * 0.5 + 0.1";
+  EXPECT_GE(r.makespan, lane_bound(tasks, host_placement(tasks), rates, bytes, 1).bound() * (1 - 1e-9));
+}
+
 // Two tasks on one device, the host slow: a task whose first shard was just stepped on the host is held back, as
 // the engine's device loop holds it, and the other task's units run meanwhile instead of the device waiting.
 TEST(Lanes, ATaskWaitingForItsFirstShardsHostStepIsHeldBack) {

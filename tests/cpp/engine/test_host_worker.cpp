@@ -23,6 +23,18 @@ using hydra::engine::HostWorker;
 using hydra::engine::testing::ManualFence;
 using hydra::engine::testing::ready_within;
 
+// Occupies one of the worker's threads with a job of `chain` until `hold` finishes; returns once it runs, so that
+// the jobs queued next wait for a free thread together.
+void hold_a_thread(HostWorker& worker, ManualFence& hold, int64_t chain) {
+  std::promise<void> started;
+  worker.submit_chained([&]() -> DeviceEvent {
+    started.set_value();
+    hold.fence.wait();
+    return nullptr;
+  }, chain, [] { return true; });
+  started.get_future().wait();
+}
+
 TEST(Fence, DefaultAndNullEventFencesAreReady) {
   Fence done;
   EXPECT_TRUE(done.ready());
@@ -191,19 +203,13 @@ TEST(HostWorker, AnUrgentJobGoesBeforeTheQueuedOnes) {
 TEST(HostWorker, AChainedJobThatCanStartGoesBeforeOneThatWouldWait) {
   HostWorker worker;
   ManualFence hold, landed;
-  std::promise<void> started;
   std::mutex mutex;
   std::vector<char> order;
   auto note = [&](char c) {
     std::lock_guard<std::mutex> lock(mutex);
     order.push_back(c);
   };
-  worker.submit_chained([&]() -> DeviceEvent {  // holds the thread until both are queued
-    started.set_value();
-    hold.fence.wait();
-    return nullptr;
-  }, 2, [] { return true; });
-  started.get_future().wait();
+  hold_a_thread(worker, hold, 2);  // until both are queued
   worker.submit_chained([&]() -> DeviceEvent {
     landed.fence.wait();
     note('a');
@@ -225,13 +231,7 @@ TEST(HostWorker, AChainedJobThatCanStartGoesBeforeOneThatWouldWait) {
 TEST(HostWorker, AWantedChainsJobsGoFirst) {
   HostWorker worker;
   ManualFence hold;
-  std::promise<void> started;
-  worker.submit_chained([&]() -> DeviceEvent {
-    started.set_value();
-    hold.fence.wait();
-    return nullptr;
-  }, 9, [] { return true; });
-  started.get_future().wait();
+  hold_a_thread(worker, hold, 9);
   std::vector<int> order;
   for (int chain : {0, 1, 0, 1})
     worker.submit_chained([&order, chain]() -> DeviceEvent {
@@ -255,6 +255,43 @@ TEST(HostWorker, AWantedChainsJobsGoFirst) {
     }, chain, [] { return true; });
   worker.drain();
   EXPECT_EQ(order, (std::vector<int>{0, 1}));
+}
+
+// Of a chain's jobs that can start, the lowest rank goes first (a model's next forward needs its lowest shard's
+// step first, though that shard's gradient came last); the chain whose job was queued first keeps its turn.
+TEST(HostWorker, AChainsJobOfLowestRankThatCanStartGoesFirst) {
+  HostWorker worker;
+  ManualFence hold;
+  hold_a_thread(worker, hold, 9);
+  std::vector<std::pair<int, int>> order;  // (chain, rank)
+  for (auto [chain, rank] : std::vector<std::pair<int, int>>{{0, 4}, {1, 0}, {0, 3}, {0, 2}, {0, 3}})
+    worker.submit_chained([&order, chain, rank]() -> DeviceEvent {
+      order.emplace_back(chain, rank);
+      return nullptr;
+    }, chain, [] { return true; }, false, rank);
+  hold.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<std::pair<int, int>>{{0, 2}, {0, 3}, {0, 3}, {0, 4}, {1, 0}}));
+}
+
+// One job of a chain runs at a time: a second thread takes another chain's job meanwhile, not the same chain's (in
+// submission order too, where it waits for its turn instead).
+TEST(HostWorker, OneJobOfAChainRunsAtATime) {
+  for (bool in_submission_order : {false, true}) {
+    HostWorker worker(2, {}, in_submission_order);
+    ManualFence hold;
+    hold_a_thread(worker, hold, 0);
+    Fence same = worker.submit_chained([]() -> DeviceEvent { return nullptr; }, 0, [] { return true; });
+    if (!in_submission_order) {
+      Fence other = worker.submit_chained([]() -> DeviceEvent { return nullptr; }, 1, [] { return true; });
+      EXPECT_TRUE(ready_within(other, std::chrono::seconds(10))) << "the free thread sat idle";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(same.ready()) << "two jobs of one chain ran at once, in submission order: " << in_submission_order;
+    hold.finish();
+    EXPECT_TRUE(ready_within(same, std::chrono::seconds(10))) << "the chain's next job was not taken once it could be";
+    worker.drain();
+  }
 }
 
 // Where no job can start, a thread takes the first queued one and waits in it, as in submission order; the queue
