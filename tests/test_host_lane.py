@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import hydra_torch as ht
+import placed_training
 from hydra_torch import testing
+from models import max_relative_error, tied_transformer, token_batches
 
 
 def mlp_task(**options):
@@ -118,14 +120,11 @@ def test_results_show_the_busy_share_of_each_lane():
     assert "host steps" not in resident.summary()
 
 
-
 def test_a_models_host_steps_run_one_at_a_time_the_lowest_shard_that_can_first():
     # Gradients come home highest shard first, but the next forward needs the lowest first. On a slow host, the
     # shards whose gradients landed while a step ran are stepped lowest first, never two of one model at once (with
     # two host-step threads), and the model still trains as plain PyTorch does (the tied head's gradient is summed
     # into the embedding's step, which must wait for it).
-    import placed_training
-    from models import max_relative_error, tied_transformer, token_batches
     data = token_batches(2)
     plain = placed_training.train(tied_transformer(), data, "host", 2.0)
     rate = plain.stats[0]["host_step_bytes"] / len(plain.steps) / 0.3  # a block's step: at least 0.3 s or so

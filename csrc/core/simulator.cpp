@@ -234,7 +234,8 @@ void queue_host_job(StepState& steps, HostJob job) {
     return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
   };
   while (at > 0 && passes(lane[at - 1])) --at;
-  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : (at < lane.size() ? 0.0 : steps.host_free);
+  // Every job before it on the lane that is not there any more ended by the time its gradient landed.
+  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : 0.0;
   lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(at), job);
   for (size_t i = at; i < lane.size(); ++i) {
     HostJob& queued = lane[i];
