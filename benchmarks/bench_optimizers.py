@@ -16,7 +16,11 @@ every byte it writes, AdamW only on the shadow (its other outputs were just read
 AdamW. A second baseline without that handicap rewrites 14 B/param in place (`x.neg_()`: every line is
 read, then written back), again counted as 28 B/param; "% of in-place" is the stricter figure.
 
-    python benchmarks/bench_optimizers.py [--sizes 10e6 100e6] [--rounds 21]
+With --threads, the table is repeated for each count of threads the kernels may use (0: every core, as
+torch.get_num_threads() is at start): how many cores the host step needs to reach the memory's bandwidth, which
+the host-step pool is sized by (each job's OpenMP team; `run/devices.py: host_step_threads`).
+
+    python benchmarks/bench_optimizers.py [--sizes 10e6 100e6] [--rounds 21] [--threads 1 2 0]
 """
 import argparse
 import statistics
@@ -120,16 +124,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6])
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--threads", type=int, nargs="+", default=[0],
+                        help="thread counts to run the table with, 0 for every core (default: 0)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds\n")
-    print("| params | variant | ms/step | GB/s (read+written) | torch/hydra | % of copy GB/s | % of in-place GB/s |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for size in args.sizes:
-        for numel, name, ms, gbs, vs_torch, vs_copy, vs_in_place in bench(int(size), args.rounds):
-            ratio = f"{vs_torch:.2f}x" if vs_torch is not None else ""
-            print(f"| {numel / 1e6:.0f}M | {name} | {ms:.2f} | {gbs:.1f} | {ratio} | {vs_copy * 100:.0f}% "
-                  f"| {vs_in_place * 100:.0f}% |")
-
+    if any(t < 0 for t in args.threads):
+        parser.error("--threads takes counts >= 0")
+    cores = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {cores} threads at start, median of {args.rounds} interleaved rounds\n")
+    print("| threads | params | variant | ms/step | GB/s (read+written) | torch/hydra | % of copy GB/s "
+          "| % of in-place GB/s |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for threads in args.threads:
+        torch.set_num_threads(threads or cores)
+        for size in args.sizes:
+            for numel, name, ms, gbs, vs_torch, vs_copy, vs_in_place in bench(int(size), args.rounds):
+                ratio = f"{vs_torch:.2f}x" if vs_torch is not None else ""
+                print(f"| {threads or cores} | {numel / 1e6:.0f}M | {name} | {ms:.2f} | {gbs:.1f} | {ratio} "
+                      f"| {vs_copy * 100:.0f}% | {vs_in_place * 100:.0f}% |", flush=True)
+    torch.set_num_threads(cores)
 
 if __name__ == "__main__":
     main()

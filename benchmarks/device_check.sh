@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's one script: a preflight (versions, ninja, a build forced to include CUDA, the CUDA kernel
 # registered), the GPU tests, then the GPU suite (P2, P1 with its profile, the stream stress), leaving logs and
-# JSON under the folder given as $1 (default: benchmarks/out): setup.log, build.log, pytest.log,
+# JSON under the folder given as $1 (default: benchmarks/out): setup.log, build.log, pytest.log, host_adamw.log,
 # gpu_suite.log, suite/gpu_suite.json, suite/gpu_suite.md and suite/runs.jsonl (a line per suite run, as it
-# ends, so a run cut short keeps what it measured). About 8 minutes in all: build ~1.5 min, tests ~1 min,
-# suite SUITE_BUDGET_S (default 270 s; the suite ends within it), so the whole script stays under 8 minutes.
+# ends, so a run cut short keeps what it measured). About 8 minutes in all: build ~1.5 min, tests ~1 min, the
+# host AdamW under 1 min, suite SUITE_BUDGET_S (default 270 s; the suite ends within it).
 #   bash benchmarks/device_check.sh "$OUT"              # SUITE_ARGS="--p3" adds P3 (give it more time)
 #   SUITE_ARGS="--phases p2" bash benchmarks/device_check.sh "$OUT"   # one phase
 # DeepSpeed is not installed on the GPU box: benchmarks/fetch_gpu_wheels.sh puts it and its dependencies in
@@ -96,6 +96,11 @@ if grep -q "^hydra-segv" "$log"; then
   head -n 60 /tmp/frames.txt
 fi
 if [ -n "$ds_build" ]; then wait "$ds_build"; tail -n 3 /tmp/deepspeed_cpu_adam_build.log | tee -a "$setup"; fi
+
+# The host AdamW's bytes/s against the host's copy bandwidth with 1, 2, 4 threads and every core (under a minute):
+# the host lane's rate, and how many cores the host-step pool needs to reach it.
+timeout 90 python3 benchmarks/bench_optimizers.py --sizes 50e6 --rounds 5 --threads 1 2 4 0 > "$out/host_adamw.log" 2>&1
+echo "host AdamW: exit $? ($out/host_adamw.log)"; grep -E "hydra adam_step \||copy_" "$out/host_adamw.log"
 
 # The suite ends within its time box; the outer limit only covers its own start and a wedged process.
 timeout $(( ${SUITE_BUDGET_S:-270} + 30 )) python3 benchmarks/gpu_suite.py --out "$out/suite" \

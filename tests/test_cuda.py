@@ -130,3 +130,20 @@ def test_cuda_device_stepped_shards_keep_their_master_and_moments_pinned():
     for param, master, states, _ in store.param_states():
         stepped = shard_of[id(param)] in (2, 3)
         assert master.is_pinned() == stepped and all(state.is_pinned() == stepped for state in states)
+    # One block for the device-stepped shards' masters and moments together.
+    blocks = {tensor.untyped_storage().data_ptr() for param, master, states, _ in store.param_states()
+              if shard_of[id(param)] in (2, 3) for tensor in (master, *states)}
+    assert len(blocks) == 1
+
+
+def test_cuda_a_models_pinned_transfer_sources_are_one_block_of_the_bytes_they_hold():
+    # Not a block per shard rounded up to a power of two, as the caching host allocator would: one block per model
+    # at its exact size, each shard's piece starting on a 64-byte line.
+    model = tied_transformer()
+    task = ht.ModelTask(model, optimizer=ht.optim.AdamW(lr=1e-3), loss_fn=lm_loss, data=cuda_batches(1))
+    store = ht._C.ShardStore(task.shard_params, task.optimizer.spec(), False, True)
+    assert store.pinned
+    masters = [store.master(s) for s in range(store.num_shards)]
+    block = masters[0].untyped_storage()
+    assert all(m.is_pinned() and m.untyped_storage().data_ptr() == block.data_ptr() for m in masters)
+    assert block.nbytes() == sum(-(-store.owned_numel(s) * 4 // 64) * 64 for s in range(store.num_shards))

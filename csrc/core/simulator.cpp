@@ -7,15 +7,25 @@
 #include <utility>
 
 #include "core/scheduler.h"
+#include "core/simulator_steps.h"
 #include "core/simulator_units.h"
 
 namespace hydra::core {
 
 namespace {
 
+using simulated::after_host_step;
+using simulated::after_unit;
 using simulated::checked;
-using simulated::has_backward;
+using simulated::copies_weights;
+using simulated::lanes_of;
+using simulated::next_forward_ready;
+using simulated::ready_at;
+using simulated::StepState;
+using simulated::steps_on_device;
 using simulated::unit_compute;
+using simulated::weights_ready;
+using simulated::weights_seconds;
 
 struct DeviceState {
   bool busy = false;
@@ -73,72 +83,6 @@ struct CopyLane {
   }
 };
 
-// Per (task, shard) under SimulationConfig::steps: steps issued so far, and when the latest step's weights are on
-// the host to copy in.
-struct ShardSteps {
-  int64_t issued = 0;
-  double ready = 0.0;
-};
-
-// A job on the host lane (an accumulation or a step of a kHost shard's gradient).
-struct HostJob {
-  int task;
-  int shard;
-  double landed;  // its gradient on the host
-  double seconds;
-  bool step;
-  double start = 0.0;
-};
-
-struct StepState {
-  std::vector<std::vector<ShardSteps>> shards;
-  double host_free = 0.0;  // the host lane, all devices'
-  std::vector<HostJob> host_jobs;  // the lane's jobs not yet ended when the latest one's gradient landed
-
-  explicit StepState(const SimulationConfig& config) {
-    for (const StepSchedule& schedule : config.steps) shards.emplace_back(schedule.places.size());
-  }
-  ShardSteps& of(const Unit& unit) { return shards[static_cast<size_t>(unit.task)][static_cast<size_t>(unit.shard)]; }
-};
-
-StepPlace place_of(const SimulationConfig& config, const Unit& unit) {
-  return config.steps.empty() ? StepPlace::kHost
-                              : config.steps[static_cast<size_t>(unit.task)].places[static_cast<size_t>(unit.shard)];
-}
-
-const ShardLanes& lanes_of(const SimulationConfig& config, const Unit& unit) {
-  return config.steps[static_cast<size_t>(unit.task)].lanes[static_cast<size_t>(unit.shard)];
-}
-
-bool copies_weights(const SimulationConfig& config, const Unit& unit) {
-  return place_of(config, unit) != StepPlace::kResident;
-}
-
-double weights_seconds(const SimulationConfig& config, const Unit& unit) {
-  if (!config.steps.empty()) return lanes_of(config, unit).weights_in;
-  return checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer");
-}
-
-// The unit starts a step after a host step of its shard: a copy the device holds from before is stale.
-bool after_host_step(const SimulationConfig& config, const Unit& unit) {
-  if (config.steps.empty() || place_of(config, unit) != StepPlace::kHost || unit.phase == Phase::kBackward)
-    return false;
-  return unit.micro_batch > 0 && unit.micro_batch % config.steps[static_cast<size_t>(unit.task)].accumulate == 0;
-}
-
-double ready_at(const SimulationConfig& config, StepState& steps, const Unit& unit) {
-  return config.steps.empty() ? 0.0 : steps.of(unit).ready;
-}
-
-// Every step before the unit's has been issued and is done by `now`: the weights it reads are there to copy. A
-// prefetch waits for that, so that a copy lane never stands still behind a step while other copies could run.
-bool weights_ready(const SimulationConfig& config, StepState& steps, const Unit& unit, double now) {
-  if (config.steps.empty()) return true;
-  const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
-  const bool issued = steps.of(unit).issued >= unit.micro_batch / accumulate;
-  return issued && ready_at(config, steps, unit) <= now;
-}
-
 // When `unit`, dispatched to `device` at `now`, may start: once its shard has landed.
 double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLane& lane, StepState& steps,
                 const Unit& unit, double now, SimulationResult& result) {
@@ -154,36 +98,6 @@ double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLa
   if (same_shard || !copies_weights(config, unit)) return now;
   const double seconds = weights_seconds(config, unit) + base_copy(config, unit, lane.base_shard, result);
   return lane.copy(now, seconds, result, ready_at(config, steps, unit));
-}
-
-bool ends_step(const SimulationConfig& config, const Unit& unit);
-
-bool ends_step(const SimulationConfig& config, const Unit& unit) {
-  const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
-  return (unit.micro_batch + 1) % accumulate == 0 ||
-         unit.micro_batch + 1 == config.tasks[static_cast<size_t>(unit.task)].micro_batches;
-}
-
-// The unit's backward ends a step of a shard stepped on the device: its master and moments come in for it.
-bool steps_on_device(const SimulationConfig& config, const Unit& unit) {
-  return !config.steps.empty() && has_backward(unit.phase) && place_of(config, unit) == StepPlace::kDevice &&
-         ends_step(config, unit);
-}
-
-// The unit (shard 0's backward) ends a step: when the task's next forward can run without waiting for a step, as
-// the engine's SpilledModel::next_step_waits reads it. That forward waits for the steps of the shards it copies
-// in, up to the first one stepped on the host (the last of its host steps to finish); a resident shard's weights
-// are always there. 0 where none is to wait for.
-double next_forward_ready(const SimulationConfig& config, StepState& steps, const Unit& unit) {
-  if (config.steps.empty() || unit.shard != 0 || !has_backward(unit.phase) || !ends_step(config, unit)) return 0.0;
-  const std::vector<StepPlace>& places = config.steps[static_cast<size_t>(unit.task)].places;
-  double ready = 0.0;
-  for (size_t shard = 0; shard < places.size(); ++shard) {
-    if (places[shard] == StepPlace::kResident) continue;
-    ready = std::max(ready, steps.shards[static_cast<size_t>(unit.task)][shard].ready);
-    if (places[shard] == StepPlace::kHost) break;
-  }
-  return ready;
 }
 
 // The lane copies the shards of the units the scheduler plans next for the device (a plan it commits to), as far
@@ -220,74 +134,6 @@ double state_in(const SimulationConfig& config, CopyLane& lane, const Unit& unit
     return landed;
   }
   return lane.copy(now, lanes_of(config, unit).state_in, result);
-}
-
-// Puts a host job on the lane as the engine's host-step threads take them: one of a task at a time, and of a task's
-// jobs whose gradients have landed, the lowest shard's first (the next forward needs it first). The job goes ahead
-// of the task's jobs of higher shards just before it on the lane that had not started when its gradient landed;
-// they start again, in turn, after it, and their steps' weights are ready later.
-void queue_host_job(StepState& steps, HostJob job) {
-  std::vector<HostJob>& lane = steps.host_jobs;
-  std::erase_if(lane, [&](const HostJob& queued) { return queued.start + queued.seconds <= job.landed; });
-  size_t at = lane.size();
-  auto passes = [&](const HostJob& queued) {
-    return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
-  };
-  while (at > 0 && passes(lane[at - 1])) --at;
-  // Every job before it on the lane that is not there any more ended by the time its gradient landed.
-  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : 0.0;
-  lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(at), job);
-  for (size_t i = at; i < lane.size(); ++i) {
-    HostJob& queued = lane[i];
-    queued.start = std::max(queued.landed, free);
-    free = queued.start + queued.seconds;
-    if (queued.step) steps.shards[static_cast<size_t>(queued.task)][static_cast<size_t>(queued.shard)].ready = free;
-  }
-  steps.host_free = free;
-}
-
-// What follows a unit that computed until `end`: its gradient out and, where it ends a step, the step. Returns
-// when the device is free: after a device step, where one runs.
-double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
-                  double& gradient_lane, StepState& steps, SimulationResult& result) {
-  if (!has_backward(unit.phase)) return end;
-  auto out = [&](double after, double seconds) {
-    gradient_lane = std::max(after, gradient_lane) + seconds;
-    result.gradient_transfer_seconds += seconds;
-    return gradient_lane;
-  };
-  if (config.steps.empty()) {
-    if (config.gradient_transfer)
-      out(end, checked(config.gradient_transfer(unit.task, unit.shard, unit.phase), "transfer"));
-    return end;
-  }
-  const ShardLanes& lanes = lanes_of(config, unit);
-  const bool step = ends_step(config, unit);
-  ShardSteps& shard = steps.of(unit);
-  switch (place_of(config, unit)) {
-    case StepPlace::kHost: {
-      const double landed = out(end, lanes.gradient_out);
-      const double seconds = step ? lanes.host_step : lanes.host_accumulate;
-      result.host_seconds += seconds;
-      if (step) ++shard.issued;
-      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step});
-      return end;
-    }
-    case StepPlace::kDevice: {
-      if (!step) return end;
-      result.exposed_transfer_seconds += std::max(0.0, state_landed - end);
-      const double stepped = std::max(end, state_landed) + lanes.device_step;
-      result.device_step_seconds += lanes.device_step;
-      shard = ShardSteps{shard.issued + 1, out(stepped, lanes.state_out)};
-      return stepped;
-    }
-    case StepPlace::kResident:
-      if (!step) return end;
-      result.device_step_seconds += lanes.device_step;
-      shard.issued += 1;
-      return end + lanes.device_step;
-  }
-  return end;
 }
 
 SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<TaskSpec> tasks) {

@@ -1,5 +1,7 @@
 #include "engine/shard_store.h"
 
+#include "engine/host_memory.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -104,9 +106,12 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
   keeps_borrowed_as_landed_ =
       bf16 && std::all_of(borrowers.begin(), borrowers.end(), [](const auto& b) { return b.second == 1; });
 
+  // Only what crosses to the device is pinned, a DMA needs it, the host-only buffers do not: the transfer sources of
+  // all shards as one block.
+  const std::vector<at::Tensor> sources = host_buffers(owned_numel_, compute_dtype(), pinned_);
+  state_pinned_.assign(n, 0);
   for (int s = 0; s < n; ++s) {
-    // Only what crosses to the device is pinned: a DMA needs it, the host-only buffers do not.
-    at::Tensor master = host_buffer(owned_numel_[s], at::kFloat, pin_memory && !bf16);
+    at::Tensor master = bf16 ? at::empty({owned_numel_[s]}, at::kFloat) : sources[s];
     master.zero_();
     for (const ParamEntry& e : layouts_[s]) {
       if (e.owner != s) continue;
@@ -120,37 +125,33 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
     for (int k = 0; k < optimizer.num_states(); ++k) states.push_back(at::zeros({trainable_numel_[s]}, at::kFloat));
     state_.push_back(std::move(states));
     if (bf16) {
-      at::Tensor shadow = host_buffer(owned_numel_[s], at::kBFloat16, pin_memory);
+      at::Tensor shadow = sources[s];
       shadow.copy_(master);
       shadow_.push_back(shadow);
     }
   }
 }
 
-at::Tensor ShardStore::host_buffer(int64_t numel, at::ScalarType dtype, bool pin) {
-  auto options = at::TensorOptions().dtype(dtype);
-  if (pin) {
-    try {
-      return at::empty({numel}, options.pinned_memory(true));
-    } catch (const c10::Error&) {
-      // No pinning without an accelerator runtime: copies still work, just staged and synchronous.
-      pinned_ = false;
-    }
+void ShardStore::pin_states(const std::vector<int>& shards) {
+  if (!pinned_) return;
+  // In fp32 the master is pinned already: it crosses as the weights.
+  std::vector<at::Tensor*> buffers;
+  for (int s : shards) {
+    if (state_pinned_.at(s)) continue;  // a model added again, say
+    state_pinned_[s] = 1;
+    if (bf16_) buffers.push_back(&master_[s]);
+    for (at::Tensor& state : state_[s]) buffers.push_back(&state);
   }
-  return at::empty({numel}, options);
-}
-
-void ShardStore::pin_state(int shard) {
-  auto pin = [&](at::Tensor& buffer) {
-    // Pinned already: in fp32 the master, which crosses as the weights; or a model added again.
-    if (!pinned_ || !buffer.defined() || buffer.is_pinned()) return;
-    at::Tensor pinned = host_buffer(buffer.numel(), buffer.scalar_type(), /*pin=*/true);
-    if (!pinned_) return;  // host_buffer could not pin after all: the pageable buffer stays
-    pinned.copy_(buffer);
-    buffer = std::move(pinned);
-  };
-  pin(master_.at(shard));
-  for (at::Tensor& state : state_.at(shard)) pin(state);
+  if (buffers.empty()) return;
+  std::vector<int64_t> numels;
+  for (const at::Tensor* b : buffers) numels.push_back(b->numel());
+  const std::vector<at::Tensor> pinned = host_buffers(numels, at::kFloat, pinned_);
+  if (!pinned_) return;  // the block could not be had after all: the pageable buffers stay
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    at::Tensor copy = pinned[i];
+    copy.copy_(*buffers[i]);
+    *buffers[i] = std::move(copy);
+  }
 }
 
 int64_t ShardStore::device_bytes(const std::vector<int64_t>& numels, bool bf16) {

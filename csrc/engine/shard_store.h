@@ -103,11 +103,12 @@ class ShardStore {
   // shadow.
   int64_t host_bytes() const;
   at::Tensor& state(int shard, int k) { return state_.at(shard).at(k); }
-  // Moves the shard's fp32 master and optimizer states into pinned memory, values kept, where the store pins what
-  // crosses to the device: a device-stepped shard's state crosses both ways every step, and a copy from pageable
-  // memory is staged through a bounce buffer and holds its lane's thread until it is done. Before the shard's
-  // first step (nothing may be reading the buffers it replaces); a no-op where pinning turns out impossible.
-  void pin_state(int shard);
+  // Moves the shards' fp32 masters and optimizer states into pinned memory, one block for all of them, values kept,
+  // where the store pins what crosses to the device: a device-stepped shard's state crosses both ways every step,
+  // and a copy from pageable memory is staged through a bounce buffer and holds its lane's thread until it is done.
+  // Before the shards' first step (nothing may be reading the buffers it replaces); a shard moved already is left
+  // as it is; a no-op where pinning turns out impossible.
+  void pin_states(const std::vector<int>& shards);
   // What is copied to the device: the bf16 shadow when training in bf16, else the master.
   at::Tensor& transfer_source(int shard) { return bf16_ ? shadow_.at(shard) : master_.at(shard); }
   at::Tensor& shadow(int shard) { return shadow_.at(shard); }
@@ -228,8 +229,6 @@ class ShardStore {
   void write_back();
 
  private:
-  at::Tensor host_buffer(int64_t numel, at::ScalarType dtype, bool pin);
-
   OptimizerSpec optimizer_;
   bool bf16_;
   bool pinned_;
@@ -261,7 +260,9 @@ class ShardStore {
   mutable std::mutex step_mutex_;
   std::vector<Fence> last_steps_;
   std::vector<std::vector<Fence>> readers_;
+  // The transfer sources of all shards are one block when pinned (host_buffers), and pin_states's shards another.
   std::vector<at::Tensor> master_, grad_, kept_, shadow_;
+  std::vector<uint8_t> state_pinned_;  // per shard: pin_states moved its master and states
   std::vector<std::vector<at::Tensor>> state_;
 };
 

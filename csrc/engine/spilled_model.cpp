@@ -39,10 +39,8 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
                                this->store().total_trainable_numel() == 0),
               "a frozen base has no trainable weights, no resident shards and no device-stepped ones");
   for (int s : resident_shards_) homed_[s] = true;
-  for (int s : device_shards_) {
-    device_stepped_[s] = true;
-    this->store().pin_state(s);
-  }
+  for (int s : device_shards_) device_stepped_[s] = true;
+  this->store().pin_states(device_shards_);
 }
 
 bool SpilledModel::homed(int shard) const { return homed_.at(shard); }

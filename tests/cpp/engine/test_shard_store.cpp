@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "engine/host_memory.h"
 #include "engine/shard_store.h"
 
 namespace {
@@ -376,7 +377,7 @@ TEST(ShardStore, PinStateKeepsTheValuesOfTheShardsMasterAndStates) {
       for (int k = 0; k < 2; ++k) store.state(s, k).copy_(values({store.state(s, k).numel()}, 3.0 + s + k));
     const at::Tensor master = store.master(1).clone(), first = store.state(1, 0).clone(),
                      second = store.state(1, 1).clone(), other = store.state(0, 0);
-    store.pin_state(1);
+    store.pin_states({1});
     EXPECT_TRUE(at::equal(store.master(1), master));
     EXPECT_TRUE(at::equal(store.state(1, 0), first));
     EXPECT_TRUE(at::equal(store.state(1, 1), second));
@@ -385,9 +386,62 @@ TEST(ShardStore, PinStateKeepsTheValuesOfTheShardsMasterAndStates) {
       EXPECT_TRUE(store.master(1).is_pinned());
       EXPECT_TRUE(store.state(1, 0).is_pinned() && store.state(1, 1).is_pinned());
       const at::Tensor pinned = store.state(1, 0);
-      store.pin_state(1);  // the model added again, say
+      store.pin_states({1});  // the model added again, say
       EXPECT_TRUE(store.state(1, 0).is_same(pinned)) << "pinned once";
     }
+  }
+}
+
+// Stands in for the accelerator's pinned allocator, counting what is asked of it.
+struct CountingPinnedAllocator {
+  static inline std::vector<int64_t> blocks;
+  static at::Tensor allocate(int64_t bytes) {
+    blocks.push_back(bytes);
+    return at::empty({bytes}, at::kByte);
+  }
+  CountingPinnedAllocator() : replaced(hydra::engine::set_pinned_allocator(&allocate)) { blocks.clear(); }
+  ~CountingPinnedAllocator() { hydra::engine::set_pinned_allocator(replaced); }
+  hydra::engine::PinnedAllocator replaced;
+};
+
+// Pinned memory is one block per model, of the bytes it holds (each piece on a cache line): the transfer sources of
+// all shards, then the device-stepped shards' masters and states; not a block per buffer rounded up to a power of
+// two as the caching host allocator would.
+TEST(ShardStore, PinsOneBlockOfTheTransferSourcesAndOneOfTheDeviceSteppedStates) {
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    CountingPinnedAllocator counting;
+    const at::Tensor tied = param({40}, 1.0);
+    ShardStore store({{tied, param({33}, 2.0)}, {param({70}, 3.0)}, {param({5}, 4.0), tied}}, OptimizerSpec{}, bf16,
+                     /*pin_memory=*/true);
+    ASSERT_TRUE(store.pinned());
+    const int64_t element = bf16 ? 2 : 4;
+    auto piece = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    int64_t sources = 0;
+    for (int s = 0; s < 3; ++s) sources += piece(store.owned_numel(s) * element);
+    ASSERT_EQ(CountingPinnedAllocator::blocks, std::vector<int64_t>{sources});
+    const void* block = store.transfer_source(0).storage().data();
+    for (int s = 0; s < 3; ++s) {
+      EXPECT_EQ(store.transfer_source(s).storage().data(), block) << "shard " << s;
+      EXPECT_EQ(store.transfer_source(s).numel(), store.owned_numel(s));
+      EXPECT_EQ(store.transfer_source(s).storage_offset() * element % 64, 0);
+      EXPECT_TRUE(at::equal(store.transfer_source(s), store.master(s).to(store.compute_dtype())));
+    }
+    EXPECT_TRUE(same_values(store.master(0).narrow(0, 0, 40), flat(tied)));
+
+    for (int s = 0; s < 3; ++s)
+      for (int k = 0; k < 2; ++k) store.state(s, k).copy_(values({store.state(s, k).numel()}, 5.0 + s + k));
+    const at::Tensor master = store.master(2).clone(), moment = store.state(2, 1).clone();
+    store.pin_states({0, 2});
+    int64_t states = 0;
+    for (int s : {0, 2}) states += (bf16 ? piece(store.owned_numel(s) * 4) : 0) + 2 * piece(store.trainable_numel(s) * 4);
+    ASSERT_EQ(CountingPinnedAllocator::blocks, (std::vector<int64_t>{sources, states}));
+    EXPECT_EQ(store.state(0, 0).storage().data(), store.state(2, 1).storage().data());
+    EXPECT_NE(store.state(1, 0).storage().data(), store.state(2, 1).storage().data()) << "shard 1 is not moved";
+    EXPECT_TRUE(at::equal(store.master(2), master));
+    EXPECT_TRUE(at::equal(store.state(2, 1), moment));
+    store.pin_states({2});  // the model added again
+    EXPECT_EQ(CountingPinnedAllocator::blocks.size(), 2u) << "a shard is moved once";
   }
 }
 

@@ -1,0 +1,60 @@
+#include "core/lane_checks.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace hydra::core::lane_checks {
+
+namespace {
+
+bool finite_nonnegative(double x) { return std::isfinite(x) && x >= 0.0; }
+bool finite_positive(double x) { return std::isfinite(x) && x > 0.0; }
+
+}  // namespace
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("lanes: " + what);
+}
+
+void validate(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
+              int num_devices) {
+  require(num_devices >= 1, "num_devices must be >= 1");
+  require(finite_positive(rates.host_to_device) && finite_positive(rates.device_to_host) &&
+              finite_positive(rates.host) && finite_positive(rates.device_memory),
+          "every lane rate must be finite and > 0");
+  require(finite_nonnegative(bytes.weight) && finite_nonnegative(bytes.state) && finite_nonnegative(bytes.host_step) &&
+              finite_nonnegative(bytes.host_accumulate) && finite_nonnegative(bytes.device_step),
+          "bytes per element must be finite and >= 0");
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const TaskShape& task = tasks[t];
+    const std::string name = "task " + std::to_string(t);
+    require(!task.shards.empty(), name + " has no shard");
+    require(task.micro_batches >= 1 && task.accumulate >= 1, name + " needs micro_batches >= 1 and accumulate >= 1");
+    for (size_t s = 0; s < task.shards.size(); ++s) {
+      const ShardShape& shard = task.shards[s];
+      const std::string where = name + " shard " + std::to_string(s);
+      require(finite_nonnegative(shard.forward_seconds) && finite_nonnegative(shard.backward_seconds),
+              where + ": seconds must be finite and >= 0");
+      require(shard.weights >= 0 && shard.grads >= 0 && shard.params >= 0, where + ": element counts must be >= 0");
+      require(shard.tied_to < static_cast<int>(task.shards.size()) && shard.tied_to != static_cast<int>(s),
+              where + ": tied_to names no other shard of the task");
+    }
+  }
+}
+
+void validate_placement(const std::vector<TaskShape>& tasks, const Placement& placement) {
+  require(placement.size() == tasks.size(), "the placement names " + std::to_string(placement.size()) +
+                                                " tasks, the shapes " + std::to_string(tasks.size()));
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    require(placement[t].size() == tasks[t].shards.size(),
+            "task " + std::to_string(t) + ": the placement's shard count differs from the shape's");
+    for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
+      const int tied = tasks[t].shards[s].tied_to;
+      require(tied < 0 || placement[t][s] == placement[t][static_cast<size_t>(tied)],
+              "task " + std::to_string(t) + ": tied shards " + std::to_string(s) + " and " + std::to_string(tied) +
+                  " step in different places");
+    }
+  }
+}
+
+}  // namespace hydra::core::lane_checks

@@ -1,0 +1,129 @@
+#include "core/simulator_steps.h"
+
+#include <algorithm>
+
+#include "core/simulator_units.h"
+
+namespace hydra::core::simulated {
+
+StepPlace place_of(const SimulationConfig& config, const Unit& unit) {
+  return config.steps.empty() ? StepPlace::kHost
+                              : config.steps[static_cast<size_t>(unit.task)].places[static_cast<size_t>(unit.shard)];
+}
+
+const ShardLanes& lanes_of(const SimulationConfig& config, const Unit& unit) {
+  return config.steps[static_cast<size_t>(unit.task)].lanes[static_cast<size_t>(unit.shard)];
+}
+
+bool copies_weights(const SimulationConfig& config, const Unit& unit) {
+  return place_of(config, unit) != StepPlace::kResident;
+}
+
+double weights_seconds(const SimulationConfig& config, const Unit& unit) {
+  if (!config.steps.empty()) return lanes_of(config, unit).weights_in;
+  return checked(config.transfer(unit.task, unit.shard, unit.phase), "transfer");
+}
+
+bool after_host_step(const SimulationConfig& config, const Unit& unit) {
+  if (config.steps.empty() || place_of(config, unit) != StepPlace::kHost || unit.phase == Phase::kBackward)
+    return false;
+  return unit.micro_batch > 0 && unit.micro_batch % config.steps[static_cast<size_t>(unit.task)].accumulate == 0;
+}
+
+double ready_at(const SimulationConfig& config, StepState& steps, const Unit& unit) {
+  return config.steps.empty() ? 0.0 : steps.of(unit).ready;
+}
+
+bool weights_ready(const SimulationConfig& config, StepState& steps, const Unit& unit, double now) {
+  if (config.steps.empty()) return true;
+  const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
+  const bool issued = steps.of(unit).issued >= unit.micro_batch / accumulate;
+  return issued && ready_at(config, steps, unit) <= now;
+}
+
+bool ends_step(const SimulationConfig& config, const Unit& unit) {
+  const int64_t accumulate = config.steps[static_cast<size_t>(unit.task)].accumulate;
+  return (unit.micro_batch + 1) % accumulate == 0 ||
+         unit.micro_batch + 1 == config.tasks[static_cast<size_t>(unit.task)].micro_batches;
+}
+
+bool steps_on_device(const SimulationConfig& config, const Unit& unit) {
+  return !config.steps.empty() && has_backward(unit.phase) && place_of(config, unit) == StepPlace::kDevice &&
+         ends_step(config, unit);
+}
+
+double next_forward_ready(const SimulationConfig& config, StepState& steps, const Unit& unit) {
+  if (config.steps.empty() || unit.shard != 0 || !has_backward(unit.phase) || !ends_step(config, unit)) return 0.0;
+  const std::vector<StepPlace>& places = config.steps[static_cast<size_t>(unit.task)].places;
+  double ready = 0.0;
+  for (size_t shard = 0; shard < places.size(); ++shard) {
+    if (places[shard] == StepPlace::kResident) continue;
+    ready = std::max(ready, steps.shards[static_cast<size_t>(unit.task)][shard].ready);
+    if (places[shard] == StepPlace::kHost) break;
+  }
+  return ready;
+}
+
+void queue_host_job(StepState& steps, HostJob job) {
+  std::vector<HostJob>& lane = steps.host_jobs;
+  std::erase_if(lane, [&](const HostJob& queued) { return queued.start + queued.seconds <= job.landed; });
+  size_t at = lane.size();
+  auto passes = [&](const HostJob& queued) {
+    return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
+  };
+  while (at > 0 && passes(lane[at - 1])) --at;
+  // Every job before it on the lane that is not there any more ended by the time its gradient landed.
+  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : 0.0;
+  lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(at), job);
+  for (size_t i = at; i < lane.size(); ++i) {
+    HostJob& queued = lane[i];
+    queued.start = std::max(queued.landed, free);
+    free = queued.start + queued.seconds;
+    if (queued.step) steps.shards[static_cast<size_t>(queued.task)][static_cast<size_t>(queued.shard)].ready = free;
+  }
+  steps.host_free = free;
+}
+
+double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
+                  double& gradient_lane, StepState& steps, SimulationResult& result) {
+  if (!has_backward(unit.phase)) return end;
+  auto out = [&](double after, double seconds) {
+    gradient_lane = std::max(after, gradient_lane) + seconds;
+    result.gradient_transfer_seconds += seconds;
+    return gradient_lane;
+  };
+  if (config.steps.empty()) {
+    if (config.gradient_transfer)
+      out(end, checked(config.gradient_transfer(unit.task, unit.shard, unit.phase), "transfer"));
+    return end;
+  }
+  const ShardLanes& lanes = lanes_of(config, unit);
+  const bool step = ends_step(config, unit);
+  ShardSteps& shard = steps.of(unit);
+  switch (place_of(config, unit)) {
+    case StepPlace::kHost: {
+      const double landed = out(end, lanes.gradient_out);
+      const double seconds = step ? lanes.host_step : lanes.host_accumulate;
+      result.host_seconds += seconds;
+      if (step) ++shard.issued;
+      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step});
+      return end;
+    }
+    case StepPlace::kDevice: {
+      if (!step) return end;
+      result.exposed_transfer_seconds += std::max(0.0, state_landed - end);
+      const double stepped = std::max(end, state_landed) + lanes.device_step;
+      result.device_step_seconds += lanes.device_step;
+      shard = ShardSteps{shard.issued + 1, out(stepped, lanes.state_out)};
+      return stepped;
+    }
+    case StepPlace::kResident:
+      if (!step) return end;
+      result.device_step_seconds += lanes.device_step;
+      shard.issued += 1;
+      return end + lanes.device_step;
+  }
+  return end;
+}
+
+}  // namespace hydra::core::simulated
