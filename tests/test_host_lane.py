@@ -144,3 +144,59 @@ def test_a_models_host_steps_run_one_at_a_time_the_lowest_shard_that_can_first()
     reference, reference_losses = placed_training.plain_reference(data)
     assert slow[0].losses == pytest.approx(reference_losses, rel=1e-5)
     assert max_relative_error(model, reference) <= 1e-5
+
+
+def test_a_lower_shards_step_runs_between_the_parts_of_a_higher_one_that_began_first():
+    # Shard 1's step begins as its gradient lands; shard 0's lands while it runs, and the next forward needs it first.
+    # Between shard 1's parts (a shard of 262k parameters is three, with a team of one thread), shard 0 steps, and
+    # shard 1's step ends after it (it holds one of the model's three landing buffers, shard 0's gradient another:
+    # one is still free). Without the parts, shard 0's step would wait for shard 1's to end. The model still trains
+    # as plain PyTorch does.
+    width, layers = 512, 2
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+    torch.manual_seed(1)
+    data = [(torch.randn(4, width), torch.randn(4, width)) for _ in range(3)]
+
+    def loss_fn(out, batch):
+        return torch.nn.functional.mse_loss(out, batch[1])
+
+    def train(model):
+        task = ht.ModelTask(model, data=data, loss_fn=loss_fn, shards=layers,
+                            optimizer=ht.optim.AdamW(lr=1e-3, weight_decay=0.01))
+        return ht.train([task], devices="cpu", memory_budget=3 * width * (width + 1) * 4 + 65536, progress=False,
+                        placement="host", host_threads=1)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host-step thread's team: a part is at least 128k elements a thread
+    try:
+        plain = train(build())
+        model = build()
+        with testing.emulated_host(plain.stats[0]["host_step_bytes"] / len(plain.steps) / 0.2):  # a step: ~0.2 s
+            slow = train(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert slow[0].ok and slow[0].placement == "spilled", slow[0]
+    steps = {(e.step, e.shard): e for e in slow.steps}
+    assert sorted(steps) == [(k, s) for k in (1, 2, 3) for s in range(layers)]
+    nested = 0
+    for k in (1, 2, 3):
+        inner, outer = steps[k, 0], steps[k, 1]
+        if outer.start < inner.start:  # shard 1's step began first (shard 0's may begin first where 1's waits)
+            assert inner.end <= outer.end, ("shard 0's step waited for shard 1's", k, inner, outer)
+            nested += 1
+        else:
+            assert inner.end <= outer.start, ("two steps of the model at once", k, inner, outer)
+    assert nested, "shard 1's step never began first"
+
+    torch.manual_seed(0)
+    reference = build()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    for batch in data:
+        optimizer.zero_grad()
+        loss_fn(reference(batch[0]), batch).backward()
+        optimizer.step()
+    assert max_relative_error(model, reference) <= 1e-5

@@ -68,10 +68,26 @@ void queue_host_job(StepState& steps, HostJob job) {
   std::vector<HostJob>& lane = steps.host_jobs;
   std::erase_if(lane, [&](const HostJob& queued) { return queued.start + queued.seconds <= job.landed; });
   size_t at = lane.size();
-  auto passes = [&](const HostJob& queued) {
-    return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
-  };
-  while (at > 0 && passes(lane[at - 1])) --at;
+  const auto holding = std::count_if(lane.begin(), lane.end(), [&](const HostJob& queued) {
+    return queued.task == job.task;
+  });
+  if (!lane.empty() && lane[0].yields && lane[0].start < job.landed && lane[0].task == job.task &&
+      lane[0].shard > job.shard && holding + 1 < kLandingBuffers) {
+    // The task's job running as it lands, of a higher shard, lets it run between its parts (taken as at once), while
+    // a landing buffer of the task's is left free: that job's rest goes after it, ahead of what was queued.
+    HostJob rest = lane[0];
+    rest.landed = job.landed;
+    rest.seconds -= job.landed - lane[0].start;
+    lane[0].seconds = job.landed - lane[0].start;
+    lane[0].step = false;  // its step ends with its rest
+    lane.insert(lane.begin() + 1, rest);
+    at = 1;
+  } else {
+    auto passes = [&](const HostJob& queued) {
+      return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
+    };
+    while (at > 0 && passes(lane[at - 1])) --at;
+  }
   // Every job before it on the lane that is not there any more ended by the time its gradient landed.
   double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : 0.0;
   lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(at), job);
@@ -106,7 +122,7 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
       const double seconds = step ? lanes.host_step : lanes.host_accumulate;
       result.host_seconds += seconds;
       if (step) ++shard.issued;
-      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step});
+      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step, 0.0, /*yields=*/step});
       return end;
     }
     case StepPlace::kDevice: {

@@ -16,6 +16,11 @@ struct ShardSteps {
   double ready = 0.0;
 };
 
+// Each task's gradients land in this many buffers, as a model's do in the engine (kLandingBuffers in
+// spilled_model.cpp): a step that holds one lets lower shards' steps run between its parts only while another is
+// free. The lane does not model the buffers otherwise (a gradient here lands whether or not one is free).
+constexpr int kLandingBuffers = 3;
+
 // A job on the host lane (an accumulation or a step of a kHost shard's gradient).
 struct HostJob {
   int task;
@@ -24,6 +29,7 @@ struct HostJob {
   double seconds;
   bool step;
   double start = 0.0;
+  bool yields = false;  // a host step: the engine lets its task's lower shards' jobs run between its parts
 };
 
 struct StepState {
@@ -74,7 +80,9 @@ double next_forward_ready(const SimulationConfig& config, StepState& steps, cons
 // Puts a host job on the lane as the engine's host-step threads take them: one of a task at a time, and of a task's
 // jobs whose gradients have landed, the lowest shard's first (the next forward needs it first). The job goes ahead
 // of the task's jobs of higher shards just before it on the lane that had not started when its gradient landed;
-// they start again, in turn, after it, and their steps' weights are ready later.
+// they start again, in turn, after it, and their steps' weights are ready later. Where the job running as it lands
+// is one of its task's of a higher shard, it runs at once, between that job's parts (HostWorker::let_lower_ranks_run),
+// and the rest of that job after it, where the task's jobs on the lane leave a landing buffer free.
 void queue_host_job(StepState& steps, HostJob job);
 
 // What follows a unit that computed until `end`: its gradient out and, where it ends a step, the step. Returns

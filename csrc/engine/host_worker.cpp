@@ -71,6 +71,68 @@ void HostWorker::want(int64_t chain) {
     wanted_.insert(chain);
 }
 
+namespace {
+
+// The chained job this thread runs now, if any: what let_lower_ranks_run() yields from.
+struct RunningJob {
+  HostWorker* worker = nullptr;
+  int64_t chain = -1;
+  int64_t rank = 0;
+};
+thread_local RunningJob running_job;
+
+}  // namespace
+
+void HostWorker::let_lower_ranks_run(const std::function<bool()>& go_on) {
+  const RunningJob current = running_job;
+  if (current.worker == nullptr || current.chain < 0 || current.worker->in_submission_order_) return;
+  HostWorker& worker = *current.worker;
+  while (!go_on || go_on()) {
+    Job job;
+    {
+      std::lock_guard<std::mutex> lock(worker.mutex_);
+      const auto next = worker.lower_rank_job(current.chain, current.rank);
+      if (next == worker.queue_.end()) return;
+      job = std::move(*next);
+      worker.queue_.erase(next);
+      worker.taken(job);
+    }
+    // The chain stays running meanwhile (the job that yields is still in it): no other thread takes its jobs.
+    worker.run_job(job);
+  }
+}
+
+std::deque<HostWorker::Job>::iterator HostWorker::lower_rank_job(int64_t chain, int64_t rank) {
+  auto best = queue_.end();
+  for (auto it = queue_.begin(); it != queue_.end(); ++it)
+    if (it->chain == chain && it->startable && it->rank < rank &&
+        (best == queue_.end() || it->rank < best->rank) && it->startable())
+      best = it;
+  return best;
+}
+
+void HostWorker::taken(const Job& job) {
+  if (job.chain >= 0 && wanted_.count(job.chain) &&
+      std::none_of(queue_.begin(), queue_.end(), [&job](const Job& other) { return other.chain == job.chain; }))
+    wanted_.erase(job.chain);
+}
+
+void HostWorker::run_job(Job& job) {
+  const RunningJob outer = running_job;
+  running_job = RunningJob{this, job.chain, job.rank};
+  try {
+    DeviceEvent event = job.run();
+    job.run = nullptr;  // what the job captured goes now, before anyone learns it is done
+    job.startable = nullptr;
+    job.done.set_value(std::move(event));
+  } catch (...) {
+    job.run = nullptr;
+    job.startable = nullptr;
+    job.done.set_exception(std::current_exception());  // reported through the job's Fence
+  }
+  running_job = outer;
+}
+
 void HostWorker::drain() {
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
@@ -118,22 +180,11 @@ void HostWorker::run() {
     if (queue_.empty()) return;  // stopping, with nothing left to do
     Job job = std::move(*next);
     queue_.erase(next);
-    if (job.chain >= 0 && wanted_.count(job.chain) &&
-        std::none_of(queue_.begin(), queue_.end(), [&job](const Job& other) { return other.chain == job.chain; }))
-      wanted_.erase(job.chain);
+    taken(job);
     ++busy_;
     if (job.chain >= 0) running_.insert(job.chain);
     lock.unlock();
-    try {
-      DeviceEvent event = job.run();
-      job.run = nullptr;  // what the job captured goes now, before anyone learns it is done
-      job.startable = nullptr;
-      job.done.set_value(std::move(event));
-    } catch (...) {
-      job.run = nullptr;
-      job.startable = nullptr;
-      job.done.set_exception(std::current_exception());  // reported through the job's Fence
-    }
+    run_job(job);
     lock.lock();
     --busy_;
     if (job.chain >= 0) {

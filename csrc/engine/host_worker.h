@@ -52,6 +52,12 @@ class HostWorker {
   // Something waits for `chain`'s queued jobs now (a copy of the weights its steps rewrite): they go first among
   // those that can start, until none of the chain is queued.
   void want(int64_t chain);
+  // Called by a running job between parts of its work (a host step, chunk by chunk): the jobs of its chain of lower
+  // rank that can start now run first, on this thread, lowest rank first, while the job waits where it stands; so a
+  // model's step that its next forward needs first is not held behind a longer one of a later shard that began
+  // before its gradient landed. Each only while `go_on` says so (where given). A no-op outside a chained job, and in
+  // a worker `in_submission_order`.
+  static void let_lower_ranks_run(const std::function<bool()>& go_on = {});
   // Blocks until every job submitted so far has run; rethrows nothing (each job's Fence carries its error).
   void drain();
   int threads() const { return static_cast<int>(threads_.size()); }
@@ -67,6 +73,12 @@ class HostWorker {
     bool only_once_startable = false;
     int64_t rank = 0;                 // among its chain's jobs that can start, the lowest goes first
   };
+  // Runs `job`, taken off the queue, on this thread, and fulfils its Fence with its event or its error.
+  void run_job(Job& job);
+  // The queued job of `chain` below `rank` that can start now, lowest rank first, or end().
+  std::deque<Job>::iterator lower_rank_job(int64_t chain, int64_t rank);
+  // A job taken off the queue: its chain stops being wanted once none of it is queued.
+  void taken(const Job& job);
   // Whether a free thread may take `job` now, out of turn: chained, none of its chain running, and startable.
   bool can_take(const Job& job) const;
   Fence enqueue(Job job);

@@ -1,5 +1,6 @@
 #include "engine/optimizer_step.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
@@ -53,6 +54,33 @@ void step_range(const OptimizerSpec& spec, const at::Tensor& param, const at::Te
 }
 
 }  // namespace
+
+int64_t range_elements(const std::vector<StepRange>& ranges) {
+  int64_t elements = 0;
+  for (const StepRange& r : ranges) elements += r.end - r.begin;
+  return elements;
+}
+
+std::vector<std::vector<StepRange>> step_parts(const std::vector<StepRange>& ranges) {
+  const int64_t total = range_elements(ranges);
+  const int64_t least = kPartElementsPerThread * at::get_num_threads();
+  const int64_t part = (std::max(least, (total + 7) / 8) + 63) / 64 * 64;
+  std::vector<std::vector<StepRange>> parts;
+  int64_t room = 0;  // elements the last part may still take
+  for (const StepRange& r : ranges) {
+    for (int64_t begin = r.begin; begin < r.end;) {
+      if (room == 0) {
+        parts.emplace_back();
+        room = part;
+      }
+      const int64_t end = std::min(r.end, begin + room);
+      parts.back().push_back(StepRange{begin, end, r.step, r.lr, r.weight_decay});
+      room -= end - begin;
+      begin = end;
+    }
+  }
+  return parts;
+}
 
 void step_ranges(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
                  const std::vector<at::Tensor>& states, const at::Tensor& shadow,

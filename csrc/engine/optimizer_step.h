@@ -23,6 +23,14 @@ struct StepRange {
   double weight_decay;
 };
 
+// The ranges cut into consecutive parts, for a step taken part by part (a host step that lets a more urgent one of
+// its model run between parts): about an eighth of their elements each, and at least kPartElementsPerThread for
+// each thread of the caller's team (the CPU op's grain: fewer would leave its threads idle), in multiples of 64
+// elements. Each part steps exactly what its elements would in one call: the update is elementwise.
+constexpr int64_t kPartElementsPerThread = int64_t{1} << 17;
+std::vector<std::vector<StepRange>> step_parts(const std::vector<StepRange>& ranges);
+int64_t range_elements(const std::vector<StepRange>& ranges);
+
 // `shadow` (undefined when not training in bf16) receives the updated weights in bf16. `step` counts from 1.
 void step_flat(const OptimizerSpec& spec, const at::Tensor& param, const at::Tensor& grad,
                const std::vector<at::Tensor>& states, const at::Tensor& shadow, int64_t step, double grad_scale);

@@ -4,9 +4,11 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <functional>
 #include <future>
 
 #include "engine/gradient_norm.h"
+#include "engine/host_worker.h"
 #include "engine/optimizer_step.h"
 #include "engine/spilled_model.h"
 
@@ -18,25 +20,70 @@ namespace {
 // runs on a host-step thread. `landed`: the shard's own gradient of this step, in device layout and compute
 // dtype, read in the step's single pass, summed with a borrower's where one waits in the kept buffer;
 // undefined: the accumulator, zeroed for the next step, or where the shard has none, its kept gradient.
+// Part by part (step_parts): after each, `after_part(elements, last)`.
 void step_host(ShardStore& store, int shard, const std::vector<StepRange>& ranges, double grad_scale,
-               double lr_scale, const at::Tensor& landed) {
+               double lr_scale, const at::Tensor& landed, const std::function<void(int64_t, bool)>& after_part) {
   std::vector<at::Tensor> states;
   for (int k = 0; k < store.optimizer().num_states(); ++k) states.push_back(store.state(shard, k));
   const at::Tensor shadow = store.bf16() ? store.shadow(shard) : at::Tensor();
   const OptimizerSpec& spec = store.optimizer();
-  if (landed.defined()) {
-    const auto waiting = store.take_borrowed_spans(shard);
+  const std::vector<std::pair<int64_t, int64_t>> waiting =
+      landed.defined() ? store.take_borrowed_spans(shard) : std::vector<std::pair<int64_t, int64_t>>{};
+  const at::Tensor grad = landed.defined() ? landed : store.pending_grad(shard);
+  const bool zeroes_accumulator = !landed.defined() && store.has_grad(shard);
+  // Summing a borrower's gradient decides per range whether to sum (0 + first + grad): a range cut in parts could
+  // decide otherwise for a part (the sign of a zero gradient). Such a step is the embedding's, which no step of its
+  // model's outranks: it runs whole.
+  const std::vector<std::vector<StepRange>> parts = waiting.empty() ? step_parts(ranges)
+                                                                    : std::vector<std::vector<StepRange>>{ranges};
+  for (size_t i = 0; i < parts.size(); ++i) {
     if (waiting.empty()) {
-      step_ranges(spec, store.master(shard), landed, states, shadow, ranges, grad_scale, lr_scale);
+      step_ranges(spec, store.master(shard), grad, states, shadow, parts[i], grad_scale, lr_scale);
     } else {
-      step_ranges_summing(spec, store.master(shard), landed, store.kept(shard), waiting, states, shadow, ranges,
+      step_ranges_summing(spec, store.master(shard), grad, store.kept(shard), waiting, states, shadow, parts[i],
                           grad_scale, lr_scale);
     }
-    return;
+    const bool last = i + 1 == parts.size();
+    if (last && zeroes_accumulator) store.grad(shard).zero_();  // counted in the step's bytes: before the last count
+    after_part(range_elements(parts[i]), last);
   }
-  step_ranges(spec, store.master(shard), store.pending_grad(shard), states, shadow, ranges, grad_scale, lr_scale);
-  if (store.has_grad(shard)) store.grad(shard).zero_();
+  if (parts.empty() && zeroes_accumulator) store.grad(shard).zero_();
 }
+
+// Counts a host step's `bytes` (step_bytes) on the host lane part by part, each part's share from when it began, and
+// between parts lets the model's steps of lower shards that can start run first (HostWorker::let_lower_ranks_run):
+// the next forward needs them before this one. Where the step holds a landing buffer (it reads its gradient there),
+// only while the model has another free: a step waiting with its buffer held would otherwise keep the next
+// gradients from landing, and each step let in would then wait for its gradient's copy.
+class PartPacer {
+ public:
+  using Count = std::function<void(int64_t bytes, int64_t start_ns)>;  // DeviceEngine::count_host_job
+  PartPacer(Count count, int64_t bytes, int64_t elements, int64_t start, std::function<bool()> may_yield = {})
+      : count_(std::move(count)), may_yield_(std::move(may_yield)), bytes_(bytes), elements_(elements),
+        start_(start) {}
+
+  void operator()(int64_t part, bool last) {
+    stepped_ += part;
+    // In double: bytes times elements overflows int64 for a shard of a billion parameters.
+    const int64_t upto = stepped_ >= elements_ ? bytes_
+                                               : static_cast<int64_t>(static_cast<double>(bytes_) * stepped_ / elements_);
+    const int64_t share = upto - counted_;
+    counted_ += share;
+    count_(share, start_);
+    if (!last) HostWorker::let_lower_ranks_run(may_yield_);
+    start_ = steady_ns();
+  }
+  // A step of no elements (no parameter of the shard had a gradient) still counts its bytes, as it always did.
+  void finish() {
+    if (counted_ < bytes_) count_(bytes_ - counted_, start_);
+  }
+
+ private:
+  const Count count_;
+  const std::function<bool()> may_yield_;
+  const int64_t bytes_, elements_;
+  int64_t start_, stepped_ = 0, counted_ = 0;
+};
 
 // The host memory a step of the shard touches: the gradient read (`grad_bytes` an element), the fp32 master and
 // the optimizer states read and written, the bf16 shadow written.
@@ -103,18 +150,21 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
       owner->accumulate_grads(shard, gradient);
       touched += landed_bytes + owner->trainable_numel(shard) * 8;
     }
+    if (touched > 0) engine.count_host_job(touched, start);
+    if (!single_pass) landing->reset();  // summed or kept: the buffer may take the next gradient during the step
     if (step) {
       const bool zeroes_accumulator = !single_pass && owner->has_grad(shard);
-      const int64_t waiting = steady_ns();
       for (const Fence& copy : readers) copy.wait_done();
-      step_start = steady_ns();
-      start += step_start - waiting;  // waiting for copies to finish reading is not host memory traffic
-      step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor());
+      step_start = steady_ns();  // waiting for copies to finish reading is not host memory traffic
+      const int64_t grad_bytes = single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2;
+      PartPacer pace([&engine](int64_t bytes, int64_t at) { engine.count_host_job(bytes, at); },
+                     step_bytes(*owner, shard, grad_bytes), range_elements(ranges), step_start,
+                     single_pass ? std::function<bool()>([&ring] { return ring->has_free(); }) : nullptr);
+      step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor(), std::ref(pace));
+      pace.finish();
       ++engine.host_steps_done_;
-      touched += step_bytes(*owner, shard, single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2);
+      engine.step_log_.add({model, shard, step_number, StepPlace::kHost, step_start, steady_ns()});
     }
-    engine.count_host_job(touched, start);
-    if (step) engine.step_log_.add({model, shard, step_number, StepPlace::kHost, step_start, steady_ns()});
     landing->reset();
     return nullptr;
   }, [landed, readers] { return landed.ready() && all_ready(readers); }, store().sources(shard));
@@ -211,9 +261,11 @@ void SpilledModel::step(int shard, std::shared_ptr<const ClipNorm> norm, double 
     for (const Fence& copy : readers) copy.wait_done();
     const int64_t start = steady_ns();
     const bool zeroes_accumulator = owner->has_grad(shard);
-    step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor());
+    PartPacer pace([&engine](int64_t bytes, int64_t at) { engine.count_host_job(bytes, at); },
+                   step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), range_elements(ranges), start);
+    step_host(*owner, shard, ranges, norm->scale(), lr_scale, at::Tensor(), std::ref(pace));
+    pace.finish();
     ++engine.host_steps_done_;
-    engine.count_host_job(step_bytes(*owner, shard, zeroes_accumulator ? 8 : 2), start);
     engine.step_log_.add({model, shard, step_number, StepPlace::kHost, start, steady_ns()});
     return nullptr;
   }, [readers, norm] { return norm->ready() && all_ready(readers); }, owner->sources(shard));

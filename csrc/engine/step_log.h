@@ -4,7 +4,8 @@
 // by every thread that runs or issues a step; read once the run's work is done.
 //
 // Times are the steady clock's, on the thread that runs the step: a host step's are its own (its wait for
-// copies still reading the buffers it rewrites left out, the emulated host bandwidth's pace included); a step on
+// copies still reading the buffers it rewrites left out, the emulated host bandwidth's pace included), and span
+// the steps of its model's lower shards that ran between its parts (HostWorker::let_lower_ranks_run); a step on
 // a CPU device runs where it is issued, so its times are its own too; on a GPU they are when it was issued.
 #pragma once
 

@@ -209,8 +209,11 @@ TEST(Lanes, TheChainCountsOneTasksHostStepsOneAfterAnother) {
 }
 
 // The host lane takes a task's jobs as the engine's host-step threads do: of those whose gradients have landed, the
-// lowest shard's first. Shard 3's step runs 0.5 s from its backward's end; shards 2 and 1 land meanwhile, 1 steps
-// next, then 0 (landed by then), then 2: the next step's forward of shard 0 waits for three steps, not four.
+// lowest shard's first, between the parts of a higher shard's step that began before while a landing buffer is left
+// free. Shard 3's step begins at its backward's end; shard 2's gradient lands 0.2 s later and steps at once, between
+// 3's parts; 1's lands at 0.4 s and 0's at 0.6 s, with the task's three buffers taken (3's, 2's and 1's): they wait
+// for 2's step, then 0 goes first. The next step's forward of shard 0 waits 0.2 + 2 * 0.5 s, not for three steps
+// taken whole lowest first (3 * 0.5 s), nor for four in landing order.
 TEST(Lanes, ATasksHostStepsGoLowestShardFirstOnceLanded) {
   const StepBytes bytes;
   const std::vector<TaskShape> tasks{task(std::vector<ShardShape>(4, shard(0.1, 0.2, 100)), 2)};
@@ -222,7 +225,8 @@ TEST(Lanes, ATasksHostStepsGoLowestShardFirstOnceLanded) {
   // Units of a micro-batch: F0 F1 F2 FB3 B2 B1 B0; the second's F0 is unit 7. Its weights come in after shard 0's
   // step (0.2 ms), it computes 0.1 s.
   const double waited = end_of(7) - end_of(3);
-  EXPECT_NEAR(waited, 3 * 0.5 + 0.1, 0.005) << "in landing order it would be 4 * 0.5 + 0.1";
+  EXPECT_NEAR(waited, 0.2 + 2 * 0.5 + 0.1, 0.005)
+      << "whole steps lowest first: 3 * 0.5 + 0.1; in landing order 4 * 0.5 + 0.1";
   EXPECT_GE(r.makespan, lane_bound(tasks, host_placement(tasks), rates, bytes, 1).bound() * (1 - 1e-9));
 }
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -272,6 +273,57 @@ TEST(HostWorker, AChainsJobOfLowestRankThatCanStartGoesFirst) {
   hold.finish();
   worker.drain();
   EXPECT_EQ(order, (std::vector<std::pair<int, int>>{{0, 2}, {0, 3}, {0, 3}, {0, 4}, {1, 0}}));
+}
+
+// A job that lets lower ranks run (between the parts of a step) runs its chain's jobs of lower rank that can start
+// there, on its own thread (the worker has one), lowest first, and an error of one reaches that job's Fence only. Not a job of higher
+// rank, of another chain, or one that cannot start; not at all in submission order, nor outside a job.
+TEST(HostWorker, AJobLettingLowerRanksRunRunsItsChainsLowerRanksThatCanStart) {
+  for (bool in_submission_order : {false, true}) {
+    SCOPED_TRACE(in_submission_order ? "in submission order" : "chains");
+    HostWorker worker(1, {}, in_submission_order);
+    HostWorker::let_lower_ranks_run();  // outside a job: nothing to do
+    ManualFence queued, never;
+    std::mutex mutex;
+    std::vector<std::string> order;
+    auto note = [&](const std::string& what) {
+      std::lock_guard<std::mutex> lock(mutex);
+      order.push_back(what);
+    };
+    std::promise<void> began;
+    const Fence outer = worker.submit_chained([&]() -> DeviceEvent {
+      note("4 begins");
+      began.set_value();
+      queued.fence.wait();
+      HostWorker::let_lower_ranks_run();
+      note("4 ends");
+      return nullptr;
+    }, 0, [] { return true; }, false, 4);
+    began.get_future().wait();
+    auto job = [&](const std::string& name, bool fails = false) {
+      return [&, name, fails]() -> DeviceEvent {
+        note(name);
+        if (fails) throw std::runtime_error("step " + name + " failed");
+        return nullptr;
+      };
+    };
+    worker.submit_chained(job("5"), 0, [] { return true; }, false, 5);
+    worker.submit_chained(job("3 waits"), 0, [&] { return never.fence.ready(); }, false, 3);
+    const Fence failing = worker.submit_chained(job("2", true), 0, [] { return true; }, false, 2);
+    worker.submit_chained(job("other chain"), 1, [] { return true; }, false, 0);
+    worker.submit_chained(job("1"), 0, [] { return true; }, false, 1);
+    queued.finish();
+    ASSERT_TRUE(ready_within(failing, std::chrono::seconds(10)));
+    EXPECT_THROW(failing.wait(), std::runtime_error);
+    worker.drain();  // "3 waits" never can start: taken last, where nothing else can
+    never.finish();
+    if (in_submission_order) {
+      EXPECT_EQ(order, (std::vector<std::string>{"4 begins", "4 ends", "5", "3 waits", "2", "other chain", "1"}));
+    } else {
+      EXPECT_EQ(order, (std::vector<std::string>{"4 begins", "1", "2", "4 ends", "5", "other chain", "3 waits"}));
+    }
+    EXPECT_TRUE(outer.succeeded()) << "a lower rank's error reached the job that let it run";
+  }
 }
 
 // One job of a chain runs at a time: a second thread takes another chain's job meanwhile, not the same chain's (in
