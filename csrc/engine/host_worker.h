@@ -11,7 +11,9 @@
 // of turn waits for nothing; one that may wait is the first queued, taken after every job submitted before it:
 // every wait stays acyclic, as in submission order. A chained job may instead be one that never waits
 // (`only_once_startable`, a copy lane's gradient copy that needs a free landing buffer): where it is the first
-// queued and none can start, the threads wait until poke() says that something may have become startable.
+// queued and none can start, the threads wait until poke() says that something may have become startable. A running
+// chained job may also let its chain's jobs of lower rank that can start run within it, on its thread, between the
+// parts of its work (let_lower_ranks_run).
 #pragma once
 
 #include <condition_variable>
