@@ -71,10 +71,12 @@ void queue_host_job(StepState& steps, HostJob job) {
   const auto holding = std::count_if(lane.begin(), lane.end(), [&](const HostJob& queued) {
     return queued.task == job.task;
   });
-  if (!lane.empty() && lane[0].yields && lane[0].start < job.landed && lane[0].task == job.task &&
+  // Only a step runs in parts, not an accumulation. (A split's first piece, marked no step below, ends as the job that
+  // split it lands: it is gone before another lands.)
+  if (!lane.empty() && lane[0].step && lane[0].start < job.landed && lane[0].task == job.task &&
       lane[0].shard > job.shard && holding + 1 < kLandingBuffers) {
-    // The task's job running as it lands, of a higher shard, lets it run between its parts (taken as at once), while
-    // a landing buffer of the task's is left free: that job's rest goes after it, ahead of what was queued.
+    // The task's step running as it lands, of a higher shard, lets it run between its parts (taken as at once), while
+    // a landing buffer of the task's is left free: that step's rest goes after it, ahead of what was queued.
     HostJob rest = lane[0];
     rest.landed = job.landed;
     rest.seconds -= job.landed - lane[0].start;
@@ -122,7 +124,7 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
       const double seconds = step ? lanes.host_step : lanes.host_accumulate;
       result.host_seconds += seconds;
       if (step) ++shard.issued;
-      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step, 0.0, /*yields=*/step});
+      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step});
       return end;
     }
     case StepPlace::kDevice: {

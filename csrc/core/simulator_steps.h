@@ -29,7 +29,6 @@ struct HostJob {
   double seconds;
   bool step;
   double start = 0.0;
-  bool yields = false;  // a host step: the engine lets its task's lower shards' jobs run between its parts
 };
 
 struct StepState {

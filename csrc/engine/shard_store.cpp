@@ -1,13 +1,13 @@
 #include "engine/shard_store.h"
 
-#include "engine/host_memory.h"
-
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <unordered_map>
+
+#include "engine/host_memory.h"
 
 namespace hydra::engine {
 

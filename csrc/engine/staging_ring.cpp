@@ -18,6 +18,8 @@ int first_free(const std::vector<bool>& free) {
 }  // namespace
 
 at::Tensor StagingRing::allocate(int64_t bytes) const {
+  // The caching host allocator, not host_memory.h's exact blocks: a buffer grows while the model trains, and the
+  // cache takes the one it replaces back without waiting for the device, which cudaFreeHost would.
   if (pinned_) {
     try {
       return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
