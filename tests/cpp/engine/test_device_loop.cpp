@@ -159,11 +159,12 @@ TEST(DeviceLoop, ATaskWhoseStepIsRunningWaitsWhileAnotherTaskRuns) {
       ASSERT_EQ(unit.task, 0);
       const bool last = unit.phase == Phase::kBackward && unit.shard == 0;
       if (!clipped && unit.phase == Phase::kBackward && unit.shard == first_on_host) {
-        // That shard's host step waits behind the gate.
+        // That shard's host step waits behind the gate: urgent, so that it is the front job, which the worker's one
+        // thread takes in turn (a chained job that can start may otherwise be taken out of turn before it).
         host_steps->submit([fence = gate.fence]() -> hydra::engine::DeviceEvent {
           fence.wait();
           return nullptr;
-        });
+        }, /*urgent=*/true);
       }
       run_unit(scheduler, loop, *first, unit, clipping, resident_first && unit.shard == 0);
       // As the runner: the norm of the gradients kept, then every shard's step, queued behind the gradient jobs
