@@ -18,6 +18,7 @@ using simulated::after_host_step;
 using simulated::after_unit;
 using simulated::checked;
 using simulated::copies_weights;
+using simulated::CopyOutLane;
 using simulated::lanes_of;
 using simulated::next_forward_ready;
 using simulated::ready_at;
@@ -140,7 +141,7 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
   Scheduler scheduler(std::move(tasks), config.num_devices, config.policy, config.seed);
   std::vector<DeviceState> devices(static_cast<size_t>(config.num_devices));
   std::vector<CopyLane> lanes(static_cast<size_t>(config.num_devices));
-  std::vector<double> gradient_lanes(static_cast<size_t>(config.num_devices), 0.0);
+  std::vector<CopyOutLane> copies_out(static_cast<size_t>(config.num_devices));
   StepState steps(config);
   const bool along_plan = (config.transfer || !config.steps.empty()) && config.prefetch == Prefetch::kAlongPlan;
   std::priority_queue<Completion, std::vector<Completion>, std::greater<>> events;
@@ -171,7 +172,7 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       }
       result.exposed_transfer_seconds += start - now;
       const double end = after_unit(config, *unit, start + compute, state_landed,
-                                    gradient_lanes[static_cast<size_t>(d)], steps, result);
+                                    copies_out[static_cast<size_t>(d)], steps, result);
       if (const double ready = next_forward_ready(config, steps, *unit); config.hold_for_steps && ready > end) {
         // As the engine's device loop does: the task's next forward would wait for a step, so other tasks go first
         // until it is done.
@@ -195,8 +196,8 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
   }
   if (!config.steps.empty()) {
     // The run ends when its last step has: the host's, or a device step's state back home.
-    result.makespan = std::max({result.makespan, steps.host_free,
-                                *std::max_element(gradient_lanes.begin(), gradient_lanes.end())});
+    for (const CopyOutLane& lane : copies_out) result.makespan = std::max(result.makespan, lane.last_end);
+    result.makespan = std::max(result.makespan, steps.host_free);
   }
   for (int t = 0; t < scheduler.num_tasks(); ++t) {
     if (!scheduler.finished(t)) {

@@ -64,9 +64,37 @@ double next_forward_ready(const SimulationConfig& config, StepState& steps, cons
   return ready;
 }
 
+double CopyOutLane::place(double now, double not_before, double seconds) {
+  std::erase_if(busy, [&](const std::pair<double, double>& span) { return span.second <= now; });
+  double start = not_before;
+  auto at = busy.begin();
+  for (; at != busy.end(); ++at) {
+    if (at->second <= start) continue;
+    if (at->first >= start + seconds) break;
+    start = at->second;
+  }
+  busy.insert(at, {start, start + seconds});
+  last_end = std::max(last_end, start + seconds);
+  return start + seconds;
+}
+
+double landing_free(const StepState& steps, int task, double from) {
+  std::vector<double> ends;
+  for (const HostJob& job : steps.host_jobs)
+    if (job.task == task && job.start + job.seconds > from) ends.push_back(job.start + job.seconds);
+  if (static_cast<int>(ends.size()) < kLandingBuffers) return from;
+  // Of the buffers held past `from`, the one given back the latest but kLandingBuffers - 1 frees the one it needs.
+  std::sort(ends.begin(), ends.end());
+  return ends[ends.size() - kLandingBuffers];
+}
+
 void queue_host_job(StepState& steps, HostJob job) {
   std::vector<HostJob>& lane = steps.host_jobs;
-  std::erase_if(lane, [&](const HostJob& queued) { return queued.start + queued.seconds <= job.landed; });
+  std::erase_if(lane, [&](const HostJob& queued) {
+    if (queued.start + queued.seconds > job.landed) return false;
+    steps.host_ended = std::max(steps.host_ended, queued.start + queued.seconds);
+    return true;
+  });
   size_t at = lane.size();
   const auto holding = std::count_if(lane.begin(), lane.end(), [&](const HostJob& queued) {
     return queued.task == job.task;
@@ -74,24 +102,31 @@ void queue_host_job(StepState& steps, HostJob job) {
   // Only a step runs in parts, not an accumulation. (A split's first piece, marked no step below, ends as the job that
   // split it lands: it is gone before another lands.)
   if (!lane.empty() && lane[0].step && lane[0].start < job.landed && lane[0].task == job.task &&
-      lane[0].shard > job.shard && holding + 1 < kLandingBuffers) {
+      lane[0].shard > job.shard && (holding + 1 < kLandingBuffers || job.last_to_land)) {
     // The task's step running as it lands, of a higher shard, lets it run between its parts (taken as at once), while
-    // a landing buffer of the task's is left free: that step's rest goes after it, ahead of what was queued.
+    // a landing buffer of the task's is left free, or where no gradient of the task's is to land before it is done.
+    // The task's lower jobs queued behind that step go in too, lowest first (each ending gives its buffer back), and
+    // that step's rest after them.
     HostJob rest = lane[0];
     rest.landed = job.landed;
     rest.seconds -= job.landed - lane[0].start;
     lane[0].seconds = job.landed - lane[0].start;
     lane[0].step = false;  // its step ends with its rest
-    lane.insert(lane.begin() + 1, rest);
+    size_t lower = 1;
+    while (lower < lane.size() && lane[lower].task == job.task && lane[lower].shard < rest.shard) ++lower;
+    lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(lower), rest);
     at = 1;
+    while (at < lower && lane[at].shard < job.shard) ++at;
   } else {
     auto passes = [&](const HostJob& queued) {
       return queued.task == job.task && queued.shard > job.shard && queued.start >= job.landed;
     };
     while (at > 0 && passes(lane[at - 1])) --at;
   }
-  // Every job before it on the lane that is not there any more ended by the time its gradient landed.
-  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : 0.0;
+  // Every job before it on the lane that is not there any more ended by the time its gradient landed; a gradient that
+  // lands before a job that is not there any more ended (one waited for a landing buffer, or came from another device)
+  // finds the lane taken until then.
+  double free = at > 0 ? lane[at - 1].start + lane[at - 1].seconds : steps.host_ended;
   lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(at), job);
   for (size_t i = at; i < lane.size(); ++i) {
     HostJob& queued = lane[i];
@@ -103,12 +138,11 @@ void queue_host_job(StepState& steps, HostJob job) {
 }
 
 double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
-                  double& gradient_lane, StepState& steps, SimulationResult& result) {
+                  CopyOutLane& copies_out, StepState& steps, SimulationResult& result) {
   if (!has_backward(unit.phase)) return end;
   auto out = [&](double after, double seconds) {
-    gradient_lane = std::max(after, gradient_lane) + seconds;
     result.gradient_transfer_seconds += seconds;
-    return gradient_lane;
+    return copies_out.place(end, after, seconds);
   };
   if (config.steps.empty()) {
     if (config.gradient_transfer)
@@ -120,11 +154,13 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
   ShardSteps& shard = steps.of(unit);
   switch (place_of(config, unit)) {
     case StepPlace::kHost: {
-      const double landed = out(end, lanes.gradient_out);
+      const double landed = out(landing_free(steps, unit.task, end), lanes.gradient_out);
       const double seconds = step ? lanes.host_step : lanes.host_accumulate;
       result.host_seconds += seconds;
       if (step) ++shard.issued;
-      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step});
+      const std::vector<StepPlace>& places = config.steps[static_cast<size_t>(unit.task)].places;
+      const bool lowest = std::find(places.begin(), places.end(), StepPlace::kHost) - places.begin() == unit.shard;
+      queue_host_job(steps, HostJob{unit.task, unit.shard, landed, seconds, step, step && lowest});
       return end;
     }
     case StepPlace::kDevice: {

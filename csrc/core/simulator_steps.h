@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/simulator.h"
@@ -17,9 +18,21 @@ struct ShardSteps {
 };
 
 // Each task's gradients land in this many buffers, as a model's do in the engine (kLandingBuffers in
-// spilled_model.cpp): a step that holds one lets lower shards' steps run between its parts only while another is
-// free. The lane does not model the buffers otherwise (a gradient here lands whether or not one is free).
+// spilled_model.cpp). A gradient's copy out begins only while its task's jobs on the host lane leave one free (each
+// holds its buffer until it ends), and a step that holds one lets lower shards' steps run between its parts only
+// while another is free.
 constexpr int kLandingBuffers = 3;
+
+// A device's device-to-host lane, as the spans of the copies it runs. A copy that waits (for a landing buffer)
+// leaves the lane to the copies that can start meanwhile, as the engine's copy lane takes those first.
+struct CopyOutLane {
+  std::vector<std::pair<double, double>> busy;  // (start, end) in order; those ended by the device's latest unit gone
+  double last_end = 0.0;
+
+  // Runs a copy of `seconds` in the first gap from `not_before` on; `now` is the device's latest unit's end (no
+  // copy asked later may start before it). Returns when the copy ends.
+  double place(double now, double not_before, double seconds);
+};
 
 // A job on the host lane (an accumulation or a step of a kHost shard's gradient).
 struct HostJob {
@@ -28,12 +41,14 @@ struct HostJob {
   double landed;  // its gradient on the host
   double seconds;
   bool step;
+  bool last_to_land = false;  // a step of its task's lowest kHost shard: nothing of the task lands until it is done
   double start = 0.0;
 };
 
 struct StepState {
   std::vector<std::vector<ShardSteps>> shards;
-  double host_free = 0.0;  // the host lane, all devices'
+  double host_free = 0.0;   // the host lane, all devices'
+  double host_ended = 0.0;  // when the latest job no longer on it ended
   std::vector<HostJob> host_jobs;  // the lane's jobs not yet ended when the latest one's gradient landed
 
   explicit StepState(const SimulationConfig& config) {
@@ -76,17 +91,22 @@ bool steps_on_device(const SimulationConfig& config, const Unit& unit);
 // are always there. 0 where none is to wait for.
 double next_forward_ready(const SimulationConfig& config, StepState& steps, const Unit& unit);
 
+// The earliest time from `from` at which the task's jobs on the host lane hold fewer than kLandingBuffers buffers:
+// when its next gradient's copy out can begin.
+double landing_free(const StepState& steps, int task, double from);
+
 // Puts a host job on the lane as the engine's host-step threads take them: one of a task at a time, and of a task's
 // jobs whose gradients have landed, the lowest shard's first (the next forward needs it first). The job goes ahead
 // of the task's jobs of higher shards just before it on the lane that had not started when its gradient landed;
 // they start again, in turn, after it, and their steps' weights are ready later. Where the job running as it lands
 // is one of its task's of a higher shard, it runs at once, between that job's parts (HostWorker::let_lower_ranks_run),
-// and the rest of that job after it, where the task's jobs on the lane leave a landing buffer free.
+// and the rest of that job after it, where the task's jobs on the lane leave a landing buffer free or the job is
+// `last_to_land`.
 void queue_host_job(StepState& steps, HostJob job);
 
-// What follows a unit that computed until `end`: its gradient out and, where it ends a step, the step. Returns
-// when the device is free: after a device step, where one runs.
+// What follows a unit that computed until `end`: its gradient out (on `copies_out`, the device's lane) and, where it
+// ends a step, the step. Returns when the device is free: after a device step, where one runs.
 double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
-                  double& gradient_lane, StepState& steps, SimulationResult& result);
+                  CopyOutLane& copies_out, StepState& steps, SimulationResult& result);
 
 }  // namespace hydra::core::simulated

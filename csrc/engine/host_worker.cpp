@@ -83,16 +83,26 @@ thread_local RunningJob running_job;
 
 }  // namespace
 
-void HostWorker::let_lower_ranks_run(const std::function<bool()>& go_on) {
+void HostWorker::let_lower_ranks_run(const std::function<bool(int64_t rank)>& go_on) {
   const RunningJob current = running_job;
   if (current.worker == nullptr || current.chain < 0 || current.worker->in_submission_order_) return;
   HostWorker& worker = *current.worker;
-  while (!go_on || go_on()) {
+  for (;;) {
     Job job;
     {
-      std::lock_guard<std::mutex> lock(worker.mutex_);
-      const auto next = worker.lower_rank_job(current.chain, current.rank);
+      std::unique_lock<std::mutex> lock(worker.mutex_);
+      auto next = worker.lower_rank_job(current.chain, current.rank);
       if (next == worker.queue_.end()) return;
+      if (go_on) {
+        // Asked without the worker's lock (it may read what takes other locks); the chain is running, so no other
+        // thread takes its jobs meanwhile, though one of still lower rank may become startable: that one goes.
+        const int64_t rank = next->rank;
+        lock.unlock();
+        if (!go_on(rank)) return;
+        lock.lock();
+        next = worker.lower_rank_job(current.chain, current.rank);
+        if (next == worker.queue_.end()) return;
+      }
       job = std::move(*next);
       worker.queue_.erase(next);
       worker.taken(job);

@@ -57,9 +57,9 @@ class HostWorker {
   // Called by a running job between parts of its work (a host step, chunk by chunk): the jobs of its chain of lower
   // rank that can start now run first, on this thread, lowest rank first, while the job waits where it stands; so a
   // model's step that its next forward needs first is not held behind a longer one of a later shard that began
-  // before its gradient landed. Each only while `go_on` says so (where given). A no-op outside a chained job, and in
-  // a worker `in_submission_order`.
-  static void let_lower_ranks_run(const std::function<bool()>& go_on = {});
+  // before its gradient landed. Each only where `go_on(rank)`, asked of the lowest-ranked one before it runs, says
+  // so (where given). A no-op outside a chained job, and in a worker `in_submission_order`.
+  static void let_lower_ranks_run(const std::function<bool(int64_t rank)>& go_on = {});
   // Blocks until every job submitted so far has run; rethrows nothing (each job's Fence carries its error).
   void drain();
   int threads() const { return static_cast<int>(threads_.size()); }

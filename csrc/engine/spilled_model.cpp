@@ -90,6 +90,12 @@ bool SpilledModel::next_step_waits() const {
   return false;
 }
 
+int SpilledModel::lowest_host_stepped() const {
+  int shard = 0;
+  while (shard < store().num_shards() && (homed(shard) || device_stepped(shard))) ++shard;
+  return shard;
+}
+
 void SpilledModel::evict(int shard) {
   Weights& w = weights_[shard];
   engine_.pool_.release(w.weights, w.last_use);

@@ -78,6 +78,8 @@ class SpilledModel final : public DeviceModel {
   const std::vector<int>& resident_shards() const { return resident_shards_; }
   const std::vector<int>& device_shards() const { return device_shards_; }
   bool device_stepped(int shard) const { return device_stepped_.at(shard); }
+  // The first shard stepped on the host (neither homed nor device-stepped), or num_shards() where none is.
+  int lowest_host_stepped() const;
   // Host memory its gradient copies land in now.
   int64_t landing_bytes() const { return landing_->host_bytes(); }
   void upload() override;

@@ -53,12 +53,15 @@ void step_host(ShardStore& store, int shard, const std::vector<StepRange>& range
 // Counts a host step's `bytes` (step_bytes) on the host lane part by part, each part's share from when it began, and
 // between parts lets the model's steps of lower shards that can start run first (HostWorker::let_lower_ranks_run):
 // the next forward needs them before this one. Where the step holds a landing buffer (it reads its gradient there),
-// only while the model has another free: a step waiting with its buffer held would otherwise keep the next
-// gradients from landing, and each step let in would then wait for its gradient's copy.
+// only while the model has another free (`may_yield`): a step waiting with its buffer held would otherwise keep the
+// next gradients from landing, and each step let in would then wait for its gradient's copy. The model's lowest
+// host-stepped shard's step is let in even so: its gradient is the last of the backward, and none lands before
+// that step is done (the next forward waits for it).
 class PartPacer {
  public:
   using Count = std::function<void(int64_t bytes, int64_t start_ns)>;  // DeviceEngine::count_host_job
-  PartPacer(Count count, int64_t bytes, int64_t elements, int64_t start, std::function<bool()> may_yield = {})
+  PartPacer(Count count, int64_t bytes, int64_t elements, int64_t start,
+            std::function<bool(int64_t rank)> may_yield = {})
       : count_(std::move(count)), may_yield_(std::move(may_yield)), bytes_(bytes), elements_(elements),
         start_(start) {}
 
@@ -80,7 +83,7 @@ class PartPacer {
 
  private:
   const Count count_;
-  const std::function<bool()> may_yield_;
+  const std::function<bool(int64_t rank)> may_yield_;
   const int64_t bytes_, elements_;
   int64_t start_, stepped_ = 0, counted_ = 0;
 };
@@ -126,6 +129,7 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
   std::shared_ptr<ShardStore> owner = store_ptr();
   DeviceEngine& engine = engine_;
   const int model = id();
+  const int lowest_host_stepped = this->lowest_host_stepped();
   Fence done = submit([=, &engine]() -> DeviceEvent {
     landed.wait();
     if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
@@ -157,9 +161,13 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
       for (const Fence& copy : readers) copy.wait_done();
       step_start = steady_ns();  // waiting for copies to finish reading is not host memory traffic
       const int64_t grad_bytes = single_pass ? owner->element_bytes() : zeroes_accumulator ? 8 : 2;
+      std::function<bool(int64_t)> may_yield;
+      if (single_pass)
+        may_yield = [&ring, lowest_host_stepped](int64_t rank) {
+          return rank == lowest_host_stepped || ring->has_free();
+        };
       PartPacer pace([&engine](int64_t bytes, int64_t at) { engine.count_host_job(bytes, at); },
-                     step_bytes(*owner, shard, grad_bytes), range_elements(ranges), step_start,
-                     single_pass ? std::function<bool()>([&ring] { return ring->has_free(); }) : nullptr);
+                     step_bytes(*owner, shard, grad_bytes), range_elements(ranges), step_start, std::move(may_yield));
       step_host(*owner, shard, ranges, 1.0, lr_scale, single_pass ? gradient : at::Tensor(), std::ref(pace));
       pace.finish();
       ++engine.host_steps_done_;

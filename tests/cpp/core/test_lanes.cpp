@@ -210,10 +210,12 @@ TEST(Lanes, TheChainCountsOneTasksHostStepsOneAfterAnother) {
 
 // The host lane takes a task's jobs as the engine's host-step threads do: of those whose gradients have landed, the
 // lowest shard's first, between the parts of a higher shard's step that began before while a landing buffer is left
-// free. Shard 3's step begins at its backward's end; shard 2's gradient lands 0.2 s later and steps at once, between
-// 3's parts; 1's lands at 0.4 s and 0's at 0.6 s, with the task's three buffers taken (3's, 2's and 1's): they wait
-// for 2's step, then 0 goes first. The next step's forward of shard 0 waits 0.2 + 2 * 0.5 s, not for three steps
-// taken whole lowest first (3 * 0.5 s), nor for four in landing order.
+// free (or where the job is the last of its task's to land), and a gradient lands only in a free buffer. Shard 3's
+// step begins at its backward's end; shard 2's gradient lands 0.2 s later and steps at once, between 3's parts; 1's
+// lands at 0.4 s in the task's third buffer and waits for 2's step (no buffer is left free to let it in); 0's
+// gradient, done at 0.6 s, waits for a buffer until 2's step ends (0.7 s), then steps at once between 1's parts: it is
+// the last to land. The next step's forward of shard 0 waits 0.2 + 2 * 0.5 s, not for three steps taken whole lowest
+// first (3 * 0.5 s), nor for four in landing order.
 TEST(Lanes, ATasksHostStepsGoLowestShardFirstOnceLanded) {
   const StepBytes bytes;
   const std::vector<TaskShape> tasks{task(std::vector<ShardShape>(4, shard(0.1, 0.2, 100)), 2)};

@@ -326,6 +326,41 @@ TEST(HostWorker, AJobLettingLowerRanksRunRunsItsChainsLowerRanksThatCanStart) {
   }
 }
 
+// `go_on` is asked, with its rank, of each job before it is let in (lowest first): here the lowest is, the next not,
+// and that one runs after the job that let the first in.
+TEST(HostWorker, GoOnIsAskedOfEachLowerRankBeforeItRuns) {
+  HostWorker worker(1);
+  ManualFence queued;
+  std::mutex mutex;
+  std::vector<std::string> order;
+  std::vector<int64_t> asked;
+  auto note = [&](const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex);
+    order.push_back(what);
+  };
+  std::promise<void> began;
+  worker.submit_chained([&]() -> DeviceEvent {
+    began.set_value();
+    queued.fence.wait();
+    HostWorker::let_lower_ranks_run([&](int64_t rank) {
+      asked.push_back(rank);
+      return rank == 1;
+    });
+    note("4 ends");
+    return nullptr;
+  }, 0, [] { return true; }, false, 4);
+  began.get_future().wait();
+  for (int rank : {2, 1})
+    worker.submit_chained([&, rank]() -> DeviceEvent {
+      note(std::to_string(rank));
+      return nullptr;
+    }, 0, [] { return true; }, false, rank);
+  queued.finish();
+  worker.drain();
+  EXPECT_EQ(order, (std::vector<std::string>{"1", "4 ends", "2"}));
+  EXPECT_EQ(asked, (std::vector<int64_t>{1, 2}));
+}
+
 // One job of a chain runs at a time: a second thread takes another chain's job meanwhile, not the same chain's (in
 // submission order too, where it waits for its turn instead).
 TEST(HostWorker, OneJobOfAChainRunsAtATime) {
