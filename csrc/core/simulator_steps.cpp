@@ -81,7 +81,7 @@ double CopyOutLane::place(double now, double not_before, double seconds) {
 double landing_free(const StepState& steps, int task, double from) {
   std::vector<double> ends;
   for (const HostJob& job : steps.host_jobs)
-    if (job.task == task && job.start + job.seconds > from) ends.push_back(job.start + job.seconds);
+    if (job.task == task && !job.split && job.start + job.seconds > from) ends.push_back(job.start + job.seconds);
   if (static_cast<int>(ends.size()) < kLandingBuffers) return from;
   // Of the buffers held past `from`, the one given back the latest but kLandingBuffers - 1 frees the one it needs.
   std::sort(ends.begin(), ends.end());
@@ -97,7 +97,7 @@ void queue_host_job(StepState& steps, HostJob job) {
   });
   size_t at = lane.size();
   const auto holding = std::count_if(lane.begin(), lane.end(), [&](const HostJob& queued) {
-    return queued.task == job.task;
+    return queued.task == job.task && !queued.split;
   });
   // Only a step runs in parts, not an accumulation. (A split's first piece, marked no step below, ends as the job that
   // split it lands: it is gone before another lands.)
@@ -112,6 +112,7 @@ void queue_host_job(StepState& steps, HostJob job) {
     rest.seconds -= job.landed - lane[0].start;
     lane[0].seconds = job.landed - lane[0].start;
     lane[0].step = false;  // its step ends with its rest
+    lane[0].split = true;
     size_t lower = 1;
     while (lower < lane.size() && lane[lower].task == job.task && lane[lower].shard < rest.shard) ++lower;
     lane.insert(lane.begin() + static_cast<std::ptrdiff_t>(lower), rest);

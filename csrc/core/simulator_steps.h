@@ -42,6 +42,7 @@ struct HostJob {
   double seconds;
   bool step;
   bool last_to_land = false;  // a step of its task's lowest kHost shard: nothing of the task lands until it is done
+  bool split = false;         // the first piece of a job that a lower one's ran inside: its rest holds the buffer
   double start = 0.0;
 };
 

@@ -24,6 +24,10 @@ TEST(SimulatorLanding, AGradientWaitsWhileItsTasksJobsHoldEveryBuffer) {
   EXPECT_DOUBLE_EQ(landing_free(steps, 0, 1.5), 2.0) << "three held past 1.5: the first to end frees one";
   EXPECT_DOUBLE_EQ(landing_free(steps, 0, 2.5), 2.5) << "two held: one is free";
   EXPECT_DOUBLE_EQ(landing_free(steps, 1, 0.0), 0.0) << "another task's jobs hold none of its buffers";
+  // A job split by a lower one's (its first piece, then its rest) holds one buffer, not two.
+  steps.host_jobs = {job(0, 3, 0.0, 1.0), job(0, 2, 1.0, 1.0), job(0, 3, 2.0, 1.0)};
+  steps.host_jobs[0].split = true;
+  EXPECT_DOUBLE_EQ(landing_free(steps, 0, 0.5), 0.5);
 }
 
 TEST(SimulatorLanding, ACopyThatWaitsLeavesTheLaneToCopiesThatCanGo) {
