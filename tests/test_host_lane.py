@@ -149,16 +149,17 @@ def test_a_models_host_steps_run_one_at_a_time_the_lowest_shard_that_can_first()
     assert max_relative_error(model, reference) <= 1e-5
 
 
-def linears_on_a_slow_host(width, layers, batches):
+def linears_on_a_slow_host(width, layers, batches, rows=4):
     """A model of `layers` Linear(width) shards trained with every step on the host, ~0.2 s each on an emulated host,
     one host-step thread whose team is one thread (a part of a step is at least 128k elements a thread); returns the
-    run's results, the trained model, and the same model trained by plain PyTorch in the same thread count."""
+    run's results, the trained model, and the same model trained by plain PyTorch in the same thread count. `rows`
+    a batch: more make each backward longer."""
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
     torch.manual_seed(1)
-    data = [(torch.randn(4, width), torch.randn(4, width)) for _ in range(batches)]
+    data = [(torch.randn(rows, width), torch.randn(rows, width)) for _ in range(batches)]
 
     def loss_fn(out, batch):
         return torch.nn.functional.mse_loss(out, batch[1])
@@ -198,7 +199,9 @@ def test_a_lower_shards_step_runs_between_the_parts_of_a_higher_one_that_began_f
     # Shard 1's step begins as its gradient lands; shard 0's lands while it runs, and the next forward needs it first.
     # Between shard 1's parts (a shard of 262k parameters is three), shard 0 steps, and shard 1's step ends after it.
     # Without the parts, shard 0's step would wait for shard 1's to end. The model still trains as plain PyTorch does.
-    steps, model, expected = linears_on_a_slow_host(width=512, layers=2, batches=3)
+    # Batches of 256 rows make shard 0's backward some milliseconds: shard 1's step has begun when its gradient lands
+    # (with 4 rows both gradients could land before the host thread took shard 1's, and shard 0's went first).
+    steps, model, expected = linears_on_a_slow_host(width=512, layers=2, batches=3, rows=256)
     nested = 0
     for k in (1, 2, 3):
         inner, outer = steps[k, 0], steps[k, 1]
