@@ -151,9 +151,9 @@ def test_a_models_host_steps_run_one_at_a_time_the_lowest_shard_that_can_first()
 
 def linears_on_a_slow_host(width, layers, batches, rows=4):
     """A model of `layers` Linear(width) shards trained with every step on the host, ~0.2 s each on an emulated host,
-    one host-step thread whose team is one thread (a part of a step is at least 128k elements a thread); returns the
-    run's results, the trained model, and the same model trained by plain PyTorch in the same thread count. `rows`
-    a batch: more make each backward longer."""
+    one host-step thread whose team is one thread (a part of a step is at least 128k elements a thread), `rows` a batch
+    (more make each backward longer). Returns the run's step entries by (step, shard), the trained model, and the same
+    model trained by plain PyTorch at the same thread count."""
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
