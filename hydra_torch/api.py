@@ -111,13 +111,15 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         memory bounds the run. A task joining later spills
         every shard.
         "host": every shard of a spilled task is spilled.
-        "device": as "auto", and every other shard of a spilled task that is not tied to another (a shared
-        embedding and head are) steps on the device: its gradients stay there, its fp32 master and optimizer
-        state come in after its backward and go home with its new weights, so the host does no arithmetic for
-        it; as many as the budget holds (each step's regions beside a unit, and on one device with accumulation
-        or clipping a gradient buffer per shard for the run), first shards first. On several devices each steps
-        on the device that ran its backward, and only for a task with one micro-batch a step and no clipping
-        (its gradients would otherwise be summed on several devices). Worth it where
+        "device": as "auto", and every other shard of a spilled task steps on the device: its gradients stay
+        there, its fp32 master and optimizer state come in after its backward and go home with its new weights,
+        so the host does no arithmetic for it; as many as the budget holds (each step's regions beside a unit,
+        and on one device with accumulation or clipping a gradient buffer per shard for the run), first shards
+        first. Shards that share a tied weight (an embedding and its head) step on the device together or not
+        at all: the tie's owner keeps a gradient buffer for the run, where the head's gradient of it waits for
+        the embedding's. On several devices each untied shard steps on the device that ran its backward, and
+        only for a task with one micro-batch a step and no clipping (its gradients would otherwise be summed on
+        several devices). Worth it where
         the host's memory bandwidth, not the link, binds the run (results.lanes() says which). Not for a bf16
         task that sums micro-batches (as "auto" keeps its ends spilled).
         `TaskResult.placement` says what each task got.

@@ -121,6 +121,76 @@ def test_a_bf16_task_that_sums_micro_batches_steps_every_shard_on_the_host():
     assert result.placement == "spilled" and result.device_shards == []
 
 
+TIED_LAST = [0, 1, 2, 3, 4, 5, 6]  # shard starts: the final norm and the tied head are one shard, which trains the norm
+
+
+def train_two(placement, budget_fraction, devices="cpu", **options):
+    """Two tied models without dropout, cut at TIED_LAST, trained together on `devices` under a budget of
+    `budget_fraction` times one model's fp32 weights: (results, models, each task's data)."""
+    models = [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
+    data = [token_batches(6, seed=seed + 1) for seed in (0, 1)]
+    tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=batches, shards=TIED_LAST, name=f"t{i}",
+                          **options) for i, (model, batches) in enumerate(zip(models, data))]
+    results = ht.train(tasks, devices=devices, memory_budget=int(budget_fraction * model_bytes(models[0])),
+                       progress=False, placement=placement)
+    assert all(result.ok for result in results), [result.error for result in results]
+    return results, models, data
+
+
+@pytest.mark.parametrize("budget_fraction, options", [(1.5, {}), (2.0, {"clip_grad_norm": 0.5})],
+                         ids=["each_backward_stepped", "clip"])
+def test_a_tied_embedding_and_head_step_on_the_device_together(budget_fraction, options):
+    """Beside another spilled task the ends are not resident, and the tie steps on the device: the head's gradient of
+    the shared weight is summed into the embedding's gradient buffer there, the embedding's step steps the sum. As
+    plain PyTorch, and bit for bit as every shard stepped on the host."""
+    results, models, data = train_two("device", budget_fraction, **options)
+    assert results[0].device_shards == list(range(7)), results[0].placement
+    assert results[0].placement == "spilled, shards 0-6 stepped on the device"
+    assert results.stats[0]["high_water_bytes"] <= results.stats[0]["budget_bytes"]
+    host, host_models, _ = train_two("host", budget_fraction, **options)
+    for got, want, model, host_model in zip(results, host, models, host_models):
+        assert got.losses == want.losses
+        assert all(torch.equal(a, b) for a, b in zip(params(model), params(host_model)))
+    reference = tied_transformer(seed=0, dropout=0.0)
+    reference_losses = train_plain(reference, data[0], lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
+                                   clip=options.get("clip_grad_norm"), seed=SEED)
+    assert results[0].losses == pytest.approx(reference_losses, rel=1e-5)
+    assert max_relative_error(models[0], reference) <= 1e-5
+    assert models[0][0].weight is models[0][-1].weight
+
+
+def test_a_tie_stepped_on_the_device_stays_there_when_another_task_leaves():
+    """A task placed again once another has left keeps nothing on the device between its steps; a tie's owner keeps
+    its gradient buffer, so a task stepping a tie on the device is not moved (its tie would go back to the host)."""
+    models = [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
+    tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(count), shards=TIED_LAST,
+                          name=f"t{i}") for i, (model, count) in enumerate(zip(models, (2, 6)))]
+    results = ht.train(tasks, devices="cpu", memory_budget=int(1.5 * model_bytes(models[0])), progress=False,
+                       placement="device")
+    assert all(result.ok for result in results)
+    assert [result.device_shards for result in results] == [list(range(7))] * 2
+    for result in results:
+        places = {(entry.shard, entry.place) for entry in results.steps if entry.task_name == result.name}
+        assert {place for shard, place in places if shard in (0, 6)} == {"device"}, (result.name, sorted(places))
+
+
+def test_on_several_devices_a_tie_steps_on_the_host():
+    """Its gradient would sum in one device's buffer while the task's units run on either device."""
+    results, models, _ = train_two("device", 1.5, devices=["cpu", "cpu"])
+    assert results[0].device_shards == [1, 2, 3, 4, 5]
+
+
+def test_a_tie_whose_borrower_has_nothing_of_its_own_to_train_steps_on_the_host():
+    """The tied head alone in its shard (the default cut) has no step of its own to take on the device: the tie stays on
+    the host, its other shards on the device."""
+    models = [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
+    tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2), name=f"t{i}")
+             for i, model in enumerate(models)]
+    results = ht.train(tasks, devices="cpu", memory_budget=int(1.5 * model_bytes(models[0])), progress=False,
+                       placement="device")
+    assert results[0].ok and results[0].device_shards == [1, 2, 3, 4, 5, 6]
+
+
 SEVERAL = "spilled, shards 1-6 stepped on the device"  # no home on several devices: the tied ends step on the host
 
 

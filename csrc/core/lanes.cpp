@@ -154,7 +154,8 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
 int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards) {
   switch (place) {
     case StepPlace::kHost: return 0;
-    case StepPlace::kDevice: return sums_backwards ? static_cast<int64_t>(std::ceil(shard.grads * bytes.weight)) : 0;
+    // What it owns: a borrowed tied weight's gradient sums in its owner's buffer (tie_buffer_bytes).
+    case StepPlace::kDevice: return sums_backwards ? static_cast<int64_t>(std::ceil(shard.params * bytes.weight)) : 0;
     case StepPlace::kResident:
       return static_cast<int64_t>(std::ceil((shard.weights + shard.grads) * bytes.weight + shard.params * bytes.state));
   }
@@ -227,6 +228,21 @@ struct StepRooms {
   int64_t total() const { return largest + second; }
 };
 
+// Where each backward is followed by its step, the gradient buffers a task's device-stepped ties keep for the run
+// all the same: each owner's, where its borrowers' gradients wait for its own backward (held_bytes counts them
+// where a step sums backwards).
+int64_t tie_buffer_bytes(const TaskShape& task, const std::vector<StepPlace>& places, const StepBytes& bytes) {
+  if (task.sums_backwards()) return 0;
+  std::vector<bool> owner(task.shards.size());
+  for (size_t s = 0; s < task.shards.size(); ++s)
+    if (places[s] == StepPlace::kDevice && task.shards[s].tied_to >= 0)
+      owner[static_cast<size_t>(task.shards[s].tied_to)] = true;
+  int64_t held = 0;
+  for (size_t s = 0; s < task.shards.size(); ++s)
+    if (owner[s]) held += static_cast<int64_t>(std::ceil(task.shards[s].params * bytes.weight));
+  return held;
+}
+
 StepRooms step_rooms(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
   StepRooms rooms;
   for (size_t t = 0; t < tasks.size(); ++t)
@@ -249,6 +265,8 @@ int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& pl
       held += held_bytes(shard, placement[t][s], bytes, sums) -
               (start.empty() ? 0 : held_bytes(shard, start[t][s], bytes, sums));
     }
+    held += tie_buffer_bytes(tasks[t], placement[t], bytes) -
+            (start.empty() ? 0 : tie_buffer_bytes(tasks[t], start[t], bytes));
   }
   return held + step_rooms(tasks, placement, bytes).total();
 }
@@ -306,7 +324,10 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
         const StepPlace now = placement[t][static_cast<size_t>(group.front())];
         for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
           if (to <= now || (to == StepPlace::kResident && (!one_device || !homes))) continue;
-          int64_t group_held = held;
+          std::vector<StepPlace> places = placement[t];
+          for (int g : group) places[static_cast<size_t>(g)] = to;
+          int64_t group_held =
+              held + tie_buffer_bytes(task, places, bytes) - tie_buffer_bytes(task, placement[t], bytes);
           StepRooms group_steps = steps;
           for (int g : group) {
             const ShardShape& shard = task.shards[static_cast<size_t>(g)];
@@ -317,8 +338,6 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
           const int64_t asked =
               group_held + (reserve <= room ? std::max(group_steps.total(), reserve) : group_steps.total());
           if (asked > room) continue;
-          std::vector<StepPlace> places = placement[t];
-          for (int g : group) places[static_cast<size_t>(g)] = to;
           TaskLanes lanes = task_lanes(task, places, rates, bytes, one_device);
           std::swap(per_task[t], lanes);
           const Ranking rank = ranking(combine(per_task, num_devices), headroom);

@@ -11,7 +11,9 @@
 //              tied weight it borrows, into the owner's), the host steps it, and its next visit copies the
 //              stepped weights in. The fp32 master and the optimizer moments never leave the host.
 //   kDevice    its gradient stays on the device (held there for the whole run where a step sums several backwards,
-//              else from its backward to its step, in the unit's working set as a kHost shard's is); after
+//              or where it owns a tied weight whose borrowers are kDevice too (their gradients of it sum in its
+//              buffer, and a tie steps in one place), else from its backward to its step, in the unit's working set
+//              as a kHost shard's is); after
 //              the step's last backward its master and moments come in (prefetched while that backward
 //              computes), the device steps them, and master, moments and the new weights go back out. No host
 //              arithmetic, about 12 bytes a parameter each way on the copy lanes, and no round trip through the
@@ -93,8 +95,9 @@ struct ShardLanes {
 ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
                        const StepBytes& bytes);
 
-// Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer where its
-// task's steps sum several backwards, `sums_backwards`), and what its step needs while it runs beyond the working
+// Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer of what it
+// owns where its task's steps sum several backwards, `sums_backwards`; a tie's owner's otherwise is counted by
+// placement_bytes and choose_placement), and what its step needs while it runs beyond the working
 // set of a unit (its weights and gradients) that every room leaves out (kDevice: master, moments and the new
 // weights' staging, less the gradients' share of the working set where they are held apart).
 int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards);

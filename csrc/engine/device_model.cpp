@@ -46,7 +46,9 @@ void DeviceModel::bind(int shard, bool with_grads, const std::function<Place(con
     e.param.set_data(p.weights.narrow(0, p.offset, e.numel).view(e.param.sizes()));
     // variable_data(): the same memory under a version counter of its own (see Visit::bound_grads).
     const at::Tensor grad = with_grads && e.trainable
-                                ? p.grads.narrow(0, p.offset, e.numel).view(e.param.sizes()).variable_data()
+                                ? p.grads.narrow(0, p.grad_offset >= 0 ? p.grad_offset : p.offset, e.numel)
+                                      .view(e.param.sizes())
+                                      .variable_data()
                                 : at::Tensor();
     e.param.mutable_grad() = grad;
     bound.push_back(grad);

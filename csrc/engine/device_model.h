@@ -87,13 +87,15 @@ class DeviceModel {
   // Whether a pinned shard may be pinned again by another unit: a homed shard's state is always in place (an
   // evaluation's unit may hold it too), and a shared frozen base's shard serves every task that uses it.
   virtual bool may_pin_again(int shard) const { return homed(shard); }
-  // Where bind() points one parameter: a flat weight buffer (and gradient buffer) and the parameter's offset.
+  // Where bind() points one parameter: a flat weight buffer (and gradient buffer) and the parameter's offset
+  // in it; its gradient's offset where that differs (a tied weight whose gradient sums in its owner's buffer).
   struct Place {
     at::Tensor weights, grads;
     int64_t offset = 0;
+    int64_t grad_offset = -1;  // -1: `offset`
   };
-  // Points every parameter of the shard at its place (and, with_grads, its .grad at the same offset of the
-  // gradient buffer), and remembers the .grad tensors for note_gradients.
+  // Points every parameter of the shard at its place (and, with_grads, its .grad at its offset of the gradient
+  // buffer), and remembers the .grad tensors for note_gradients.
   void bind(int shard, bool with_grads, const std::function<Place(const ParamEntry&)>& place);
   // Tells the store which of the shard's parameters received a gradient since bind() (see Visit).
   void note_gradients(int shard);

@@ -48,22 +48,32 @@ int64_t cache_need(const ShardStore& store, const std::vector<int>& homed, std::
 }
 
 // The shards a spilled model steps on the device beside its resident `homed` ones: every shard of `wanted` that is
-// neither resident nor tied and has something to train, less the last ones while their gradient buffers and the
-// model's working set (and the cache, cache_need) do not fit in `room` beside the other models' working set
-// `may_spill` (the first shards' steps are the ones the next step's first units wait for).
+// not resident and has something to train, with the shards it shares a tied weight with (all wanted, else none of
+// them; and none on several devices, `ties` false: the tie's gradient sums in a buffer of one device), less the
+// last ones (a tie with its last) while their gradient buffers and the model's working set (and the cache,
+// cache_need) do not fit in `room` beside the other models' working set `may_spill` (the first shards' steps are
+// the ones the next step's first units wait for).
 std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& wanted,
                                     const std::vector<int>& homed, const ShardStore* base, int64_t may_spill,
-                                    int64_t room, std::optional<int64_t> others_cached) {
+                                    int64_t room, std::optional<int64_t> others_cached, bool ties) {
+  auto in = [](const std::vector<int>& list, int s) { return std::find(list.begin(), list.end(), s) != list.end(); };
   std::vector<int> shards;
-  for (int s = 0; s < store.num_shards(); ++s)
-    if (std::find(wanted.begin(), wanted.end(), s) != wanted.end() &&
-        SpilledModel::device_shards_error(store, homed, {s}).empty())
-      shards.push_back(s);
+  for (int s = 0; s < store.num_shards(); ++s) {
+    if (!in(wanted, s) || in(shards, s)) continue;
+    const std::vector<int> tie = closed_under_ties(store, {s});
+    if ((tie.size() > 1 && !ties) || !std::all_of(tie.begin(), tie.end(), [&](int t) { return in(wanted, t); }))
+      continue;
+    if (!SpilledModel::device_shards_error(store, homed, tie).empty()) continue;
+    shards.insert(shards.end(), tie.begin(), tie.end());
+  }
+  std::sort(shards.begin(), shards.end());
   while (!shards.empty() && SpilledModel::held_grads_need(store, shards) +
                                     std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) +
                                     cache_need(store, homed, others_cached) >
-                                room)
-    shards.pop_back();
+                                room) {
+    const std::vector<int> tie = closed_under_ties(store, {shards.back()});
+    std::erase_if(shards, [&](int s) { return in(tie, s); });
+  }
   return shards;
 }
 
@@ -188,7 +198,7 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         // step summing backwards would sum them in a buffer of one device, and they may run on several.
         for (size_t d = 0; d < engines.size() && !wishes[i].device.empty(); ++d) {
           std::vector<int> fits = device_step_choice(*stores[i], wishes[i].device, {}, base[i], may_spill, free[d],
-                                                     cached);
+                                                     cached, /*ties=*/false);
           if (d == 0 || fits.size() < stepped.size()) stepped = std::move(fits);
         }
         p.device_shards = stepped;
@@ -201,7 +211,8 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device], cached);
         if (!wishes[i].device.empty())
           stepped = device_step_choice(*stores[i], wishes[i].device, homed, base[i], may_spill,
-                                       free[device] - SpilledModel::homes_need(*stores[i], homed), cached);
+                                       free[device] - SpilledModel::homes_need(*stores[i], homed), cached,
+                                       /*ties=*/true);
       }
       if (!homed.empty() || !stepped.empty()) {
         if (registers)

@@ -22,13 +22,14 @@
 // Where `wishes[i]` asks (placement "device": every shard stepped on the device; "auto": what the lane model takes
 // off the host, hydra_torch/run/lane_choice.py), model i, if spilled, on one device also keeps resident each shard
 // of `wishes[i].resident` (with the shards tied to it, in the order asked) whose home and its working set still fit
-// beside every other model's working set, and steps on the device each shard of `wishes[i].device` that is neither
-// resident nor tied (SpilledModel's device-stepped shards), less the last ones while their gradient buffers and its
-// working set do not fit (with `keep_cached`, beside other spilled models, and every spilled shard's weights
-// cached). On several devices it keeps no resident shard and steps on the device (whichever ran the shard's
-// backward) the shards of `wishes[i].device` that every device has room for, and only where each of its backwards
-// is followed by its step (ShardStore::steps_after_each_backward): a step summing backwards would sum them in one
-// device's buffer, and they may run on several.
+// beside every other model's working set, and steps on the device each shard of `wishes[i].device` that is not
+// resident, with the shards it shares a tied weight with where all of them are wished (SpilledModel's
+// device-stepped shards), less the last ones while their gradient buffers and its working set do not fit (with
+// `keep_cached`, beside other spilled models, and every spilled shard's weights cached). On several devices it keeps
+// no resident shard and steps on the device (whichever ran the shard's backward) the untied shards of
+// `wishes[i].device` that every device has room for, and only where each of its backwards is followed by its step
+// (ShardStore::steps_after_each_backward): a step summing backwards, or a tied weight's gradient, would sum in one
+// device's buffer, and the model's units may run on several.
 //
 // `bases[i]` (empty: none) is the frozen base model i uses (DeviceEngine::add_base, the same id on every engine),
 // or -1: its units hold their base shards beside their own, which its working set counts, and it is resident

@@ -39,7 +39,11 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
                                this->store().total_trainable_numel() == 0),
               "a frozen base has no trainable weights, no resident shards and no device-stepped ones");
   for (int s : resident_shards_) homed_[s] = true;
-  for (int s : device_shards_) device_stepped_[s] = true;
+  for (int s : device_shards_) {
+    device_stepped_[s] = true;
+    holds_grads_[s] = keeps_gradient_buffer(this->store(), device_shards_, s);
+    borrows_on_device_[s] = !borrowed_grad_owners(this->store(), s).empty();
+  }
   this->store().pin_states(device_shards_);
 }
 
@@ -180,13 +184,23 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     }
     w.ready.order_before(engine_.compute_stream());
     w.device_step_queued = false;  // the compute now comes after the step that wrote these weights
+    // The buffers its backward adds to are those the last steps read and zeroed: its own, and the owners' of the
+    // tied weights it borrows where it is device-stepped.
+    const bool borrows_here = with_grads && borrows_on_device_[shard];
     if (with_grads && holds_grads(shard)) held_grads_ready_[shard].order_before(engine_.compute_stream());
+    if (borrows_here)
+      for (int owner : borrowed_grad_owners(store(), shard)) held_grads_ready_[owner].order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
     const at::Tensor grads = !with_grads ? at::Tensor() : holds_grads(shard) ? held_grads(shard) : grad_view(shard);
-    // Every parameter the shard uses is in its own copy, tied ones included.
-    bind(shard, with_grads, [&](const ParamEntry& e) { return Place{weights, grads, e.device_offset}; });
+    // Every parameter the shard uses is in its own copy, tied ones included; a device-stepped shard's gradient of a
+    // tied weight it borrows sums in the owner's buffer, where the owner's step reads it.
+    bind(shard, with_grads, [&](const ParamEntry& e) {
+      if (borrows_here && e.owner != shard && e.trainable)
+        return Place{weights, held_grads(e.owner), e.device_offset, e.master_offset};
+      return Place{weights, grads, e.device_offset};
+    });
   } catch (...) {
     if (!had_grads && w.grads.valid()) {
       engine_.pool_.release(w.grads, engine_.compute_point());

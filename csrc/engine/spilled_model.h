@@ -17,7 +17,10 @@
 // once they have landed (the compute goes on meanwhile) and they go back out with the new weights, which a cached
 // copy takes on the device too (spilled_model_device_steps.cpp): no gradient copy, no host arithmetic. Where
 // the host's memory bandwidth binds a run, that moves its busiest lane's work to the device and the link's other
-// direction. A device-stepped shard neither owns nor borrows a tied weight.
+// direction. A tied weight steps in one place: its owner and borrowers are all device-stepped or none is. Its owner
+// then keeps a gradient buffer on the device for the run, into which each borrower's backward adds its share
+// before the owner's own backward (backward runs from the last shard to the first), so the owner's step sees their
+// sum; a borrower's step steps what it owns. Every unit of such a model runs on one device (the buffer is there).
 #pragma once
 
 #include <string>
@@ -41,14 +44,20 @@ class SpilledModel final : public DeviceModel {
   // weight with users on both sides), or empty when they can.
   static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
   // Why `shards` cannot be a spilled model's device-stepped shards beside `resident_shards` (out of range,
-  // repeated, resident, in a tied weight, or with nothing to train), or empty when they can.
+  // repeated, resident, sharing a trainable tied weight with a shard not among them, or with nothing to train), or
+  // empty when they can.
   static std::string device_shards_error(const ShardStore& store, const std::vector<int>& resident_shards,
                                          const std::vector<int>& shards);
   // What the resident shards' homes take of the budget.
   static int64_t homes_need(const ShardStore& store, const std::vector<int>& shards);
-  // What the device-stepped shards' gradient buffers take of the budget, for good: nothing where each backward
-  // is followed by its step (ShardStore::steps_after_each_backward), whose gradients come and go with the unit.
+  // What the device-stepped shards' gradient buffers take of the budget, for good (keeps_gradient_buffer).
   static int64_t held_grads_need(const ShardStore& store, const std::vector<int>& shards);
+  // Whether `shard`, among the device-stepped `shards`, keeps its gradients in a buffer of its own for the run:
+  // where a step sums several backwards (not ShardStore::steps_after_each_backward), and where a device-stepped
+  // shard borrows a trainable tied weight from it (that backward's gradient waits there for the owner's). Else a
+  // unit's gradients take an arena region, given back once its step has read them. The buffer spans the shard's
+  // trainable weights: a borrowed weight's gradient is in its owner's.
+  static bool keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard);
   // The regions one device step of `shard` brings in for its length: fp32 master, optimizer states and, in bf16,
   // the new weights' staging, aligned.
   static int64_t device_step_need(const ShardStore& store, int shard);
@@ -147,10 +156,11 @@ class SpilledModel final : public DeviceModel {
   // clip_and_step for a model with resident or device-stepped shards: their gradients are on the device, so the
   // norm is taken here once every gradient job is done, and each shard steps where it lives.
   std::shared_ptr<ClipNorm> clip_and_step_here(double max_norm, double lr_scale);
-  // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers, made at the first use where
-  // they are held across backwards; where each backward is followed by its step (holds_grads false) a unit's
-  // gradients take an arena region as a host-stepped shard's do, given back once its step has read them.
-  bool holds_grads(int shard) const { return device_stepped_[shard] && !steps_after_each_backward_; }
+  // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers (keeps_gradient_buffer), made
+  // at the first use.
+  bool holds_grads(int shard) const { return holds_grads_[shard]; }
+  // The shards owning a trainable tied weight that `shard` borrows (its gradient sums in theirs), each once.
+  static std::vector<int> borrowed_grad_owners(const ShardStore& store, int shard);
   void upload_held_grads();
   at::Tensor held_grads(int shard) const;
   // The shard's optimizer step on the device over its gradients, scaled by `grad_scale`: master and states
@@ -175,8 +185,11 @@ class SpilledModel final : public DeviceModel {
   std::vector<int> resident_shards_;
   std::vector<int> device_shards_;
   std::vector<bool> device_stepped_ = std::vector<bool>(store().num_shards());
-  // As the store said when the model was added, which its budget counted: a later change does not move it.
-  const bool steps_after_each_backward_ = store().steps_after_each_backward();
+  // Per shard, as the store said when the model was added (which its budget counted: a later change of
+  // steps_after_each_backward does not move them): it keeps a gradient buffer (keeps_gradient_buffer), and it is
+  // device-stepped and borrows a trainable tied weight (its gradient goes to the owner's buffer).
+  std::vector<bool> holds_grads_ = std::vector<bool>(store().num_shards());
+  std::vector<bool> borrows_on_device_ = std::vector<bool>(store().num_shards());
   std::vector<Region> held_grads_;  // per shard once uploaded: a device-stepped shard's gradient buffer
   std::vector<StateVisit> state_visits_ = std::vector<StateVisit>(store().num_shards());
   std::vector<Fence> held_grads_ready_ = std::vector<Fence>(store().num_shards());  // after the step that zeroes them

@@ -7,6 +7,10 @@
 // the new bf16 weights), where a host step copies its 2-byte gradient out and then reads and writes about 28 bytes
 // of host memory with the host's cores: the device step trades host arithmetic for the link's idle time. A cached
 // copy of the shard's weights is updated on the device too, so its next visit need not wait for the trip home.
+//
+// A tied weight (an embedding and the head that borrows it) steps once, in its owner's step, over the sum of every
+// shard's gradient of it: a borrower's backward adds its share to the owner's gradient buffer on the device, which
+// the owner's backward, the last of the step, adds to. So the whole tie is device-stepped or none of it is.
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
@@ -25,13 +29,18 @@ int64_t aligned(int64_t bytes) { return bytes + 512; }
 
 }  // namespace
 
+std::vector<int> SpilledModel::borrowed_grad_owners(const ShardStore& store, int shard) {
+  std::vector<int> owners;
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner != shard && e.trainable && std::find(owners.begin(), owners.end(), e.owner) == owners.end())
+      owners.push_back(e.owner);
+  return owners;
+}
+
 std::string SpilledModel::device_shards_error(const ShardStore& store, const std::vector<int>& resident_shards,
                                               const std::vector<int>& shards) {
   const int n = store.num_shards();
-  std::vector<bool> in(n), tied(n);
-  for (int s = 0; s < n; ++s)
-    for (int source : store.sources(s))
-      if (source != s) tied[s] = tied[source] = true;
+  std::vector<bool> in(n);
   for (int s : shards) {
     const std::string name = "device-stepped shard " + std::to_string(s);
     if (s < 0 || s >= n) return name + " of a model of " + std::to_string(n) + " shards";
@@ -39,17 +48,33 @@ std::string SpilledModel::device_shards_error(const ShardStore& store, const std
     in[s] = true;
     if (std::find(resident_shards.begin(), resident_shards.end(), s) != resident_shards.end())
       return name + " is resident too";
-    // A tied weight's gradient is summed from its users' backwards, which a buffer of one shard does not hold.
-    if (tied[s]) return name + " shares a tied weight with another shard";
     if (store.trainable_numel(s) == 0) return name + " has nothing to train";
   }
+  // A tied weight's gradient sums on the device only where its owner's buffer is there, and its step is the owner's.
+  for (int b = 0; b < n; ++b)
+    for (int owner : borrowed_grad_owners(store, b))
+      if (in[b] != in[owner])
+        return "device-stepped shard " + std::to_string(in[b] ? b : owner) + " shares a tied weight with shard " +
+               std::to_string(in[b] ? owner : b) + ", which is not device-stepped: a tied weight steps in one place";
   return {};
 }
 
+bool SpilledModel::keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard) {
+  auto in = [&](int s) { return std::find(shards.begin(), shards.end(), s) != shards.end(); };
+  if (!in(shard)) return false;
+  if (!store.steps_after_each_backward()) return true;
+  for (int b = 0; b < store.num_shards(); ++b) {
+    if (b == shard || !in(b)) continue;
+    const std::vector<int> owners = borrowed_grad_owners(store, b);
+    if (std::find(owners.begin(), owners.end(), shard) != owners.end()) return true;
+  }
+  return false;
+}
+
 int64_t SpilledModel::held_grads_need(const ShardStore& store, const std::vector<int>& shards) {
-  if (store.steps_after_each_backward()) return 0;
   int64_t need = 0;
-  for (int s : shards) need += aligned(store.gradient_numel(s) * store.element_bytes());
+  for (int s : shards)
+    if (keeps_gradient_buffer(store, shards, s)) need += aligned(store.trainable_numel(s) * store.element_bytes());
   return need;
 }
 
@@ -60,13 +85,14 @@ int64_t SpilledModel::device_step_need(const ShardStore& store, int shard) {
 }
 
 void SpilledModel::upload_held_grads() {
-  if (device_shards_.empty() || !held_grads_.empty() || steps_after_each_backward_) return;
+  if (!held_grads_.empty() || std::none_of(holds_grads_.begin(), holds_grads_.end(), [](bool b) { return b; })) return;
   std::vector<Region> held(store().num_shards());
   try {
     for (int s : device_shards_) {
-      const int64_t bytes = store().gradient_numel(s) * store().element_bytes();
+      if (!holds_grads(s)) continue;
+      const int64_t bytes = store().trainable_numel(s) * store().element_bytes();
       held[s] = engine_.allocate(id(), s, bytes, DeviceEngine::Need::kMust).region;
-      engine_.pool_.view(held[s], store().compute_dtype(), store().gradient_numel(s)).zero_();
+      engine_.pool_.view(held[s], store().compute_dtype(), store().trainable_numel(s)).zero_();
     }
   } catch (...) {
     for (Region& region : held)
@@ -79,7 +105,7 @@ void SpilledModel::upload_held_grads() {
 at::Tensor SpilledModel::held_grads(int shard) const {
   TORCH_CHECK(shard < static_cast<int>(held_grads_.size()) && held_grads_[shard].valid(), "shard ", shard,
               " of model ", id(), " has no gradient buffer on the device");
-  return engine_.pool_.view(held_grads_[shard], store().compute_dtype(), store().gradient_numel(shard));
+  return engine_.pool_.view(held_grads_[shard], store().compute_dtype(), store().trainable_numel(shard));
 }
 
 void SpilledModel::free_held_grads(const Fence& issued) {

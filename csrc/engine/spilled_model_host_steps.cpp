@@ -130,6 +130,9 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
   DeviceEngine& engine = engine_;
   const int model = id();
   const int lowest_host_stepped = this->lowest_host_stepped();
+  // A device-stepped shard stepped here instead (no room for its step's regions): its gradients of the tied weights
+  // it borrows are in their owners' buffers on the device, and what landed of them here is nothing.
+  const bool borrowed_on_device = borrows_on_device_[shard];
   Fence done = submit([=, &engine]() -> DeviceEvent {
     landed.wait();
     if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
@@ -146,7 +149,7 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
     const int64_t landed_bytes = owner->gradient_numel(shard) * owner->element_bytes();
     int64_t touched = 0;
     if (single_pass) {
-      owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
+      if (!borrowed_on_device) owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
     } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
       owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
       touched += landed_bytes + owner->trainable_numel(shard) * 2;

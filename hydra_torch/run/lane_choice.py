@@ -258,13 +258,14 @@ def added_device_shards(newcomer, store, running, uncommitted: list[int], placem
     (DeviceEngine's uncommitted_bytes, per device: what working sets and device steps share); none for "host" or
     where the call asked no lane model as it started. The arena is sized by then, so the task keeps no home and
     holds no gradient buffer: only a task whose every backward is followed by its step
-    (ShardStore.steps_after_each_backward) steps shards on the device, and neither a tied shard nor one with nothing
-    to train. On several devices "auto" asks the lane model only where the host lane bounds the placement with
+    (ShardStore.steps_after_each_backward) steps shards on the device, and neither a tied shard (a tie's owner keeps
+    a gradient buffer for the run, where its borrowers' gradients of it wait for its own) nor one with nothing to
+    train. On several devices "auto" asks the lane model only where the host lane bounds the placement with
     every one of the task's shards on the host (_host_binds), as at the call's start. The engine has the last word
     (add_model)."""
     if placement not in ("auto", "device") or not store.steps_after_each_backward:
         return []
-    eligible = _untied_trainable(store)
+    eligible = untied_trainable(store)
     if placement == "device" or not eligible:
         return eligible
     if lane_plan is None:
@@ -328,9 +329,9 @@ def added_or_host(newcomer, store, running, uncommitted: list[int], placement: s
         return []
 
 
-def _untied_trainable(store) -> list[int]:
-    """The shards the engine may step on the device (SpilledModel::device_shards_error): untied, with something to
-    train."""
+def untied_trainable(store) -> list[int]:
+    """The shards the engine may step on the device without a gradient buffer of their own (a tie's owner keeps one,
+    SpilledModel::keeps_gradient_buffer): untied, with something to train."""
     tied = set()
     for s in range(store.num_shards):
         for source in store.sources(s):

@@ -9,7 +9,8 @@ it would have. The cached weights go with the old registration: their next copie
 link.
 
 Only a task that keeps nothing on the devices between its steps moves: spilled, without resident shards (the sized
-arena takes no home) or a frozen base, every backward followed by its step, held by every device."""
+arena takes no home) or a frozen base, every backward followed by its step, no tied weight stepped on the device (its
+owner keeps a gradient buffer for the run), held by every device."""
 from __future__ import annotations
 
 import warnings
@@ -45,7 +46,8 @@ def replace_if_due(slot, runner) -> str | None:
 def movable(slot, runner) -> bool:
     """Whether the task keeps nothing on the devices between its steps and runs on every device (see the module)."""
     return (not runner.resident and not runner.resident_shards and runner.base is None
-            and runner.store.steps_after_each_backward and len(runner.model_ids) == len(slot.peers))
+            and runner.store.steps_after_each_backward and len(runner.model_ids) == len(slot.peers)
+            and set(runner.device_shards) <= set(lane_choice.untied_trainable(runner.store)))
 
 
 def _pays(slot, runner, wanted) -> bool:

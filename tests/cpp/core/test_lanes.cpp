@@ -60,6 +60,28 @@ TEST(Lanes, EachPlaceLoadsItsLanes) {
 }
 
 // One task of one shard, two micro-batches, each its own step: every lane's time on the timeline, by hand.
+// A tie steps in one place: the owner's step sums its borrowers' gradients of the tied weight in its gradient buffer,
+// which it then keeps for the run even where each backward is followed by its step; where a step sums backwards each
+// kDevice shard keeps a buffer of what it owns (a borrowed weight's gradient is its owner's).
+TEST(Lanes, ADeviceSteppedTiesOwnerKeepsItsGradientBufferForTheRun) {
+  TaskShape task;
+  task.shards = {ShardShape{1.0, 2.0, 100, 100, 100, -1}, ShardShape{1.0, 2.0, 50, 50, 50, -1},
+                 ShardShape{1.0, 2.0, 130, 130, 30, 0}};
+  const StepBytes bytes;
+  const Placement tie{{StepPlace::kDevice, StepPlace::kHost, StepPlace::kDevice}};
+  const Placement untied{{StepPlace::kHost, StepPlace::kDevice, StepPlace::kHost}};
+  auto rooms = [&](bool sums) {
+    return step_room(task.shards[0], StepPlace::kDevice, bytes, sums) +
+           step_room(task.shards[2], StepPlace::kDevice, bytes, sums);
+  };
+  EXPECT_EQ(placement_bytes({task}, tie, bytes), 100 * 2 + rooms(false));
+  EXPECT_EQ(placement_bytes({task}, untied, bytes), step_room(task.shards[1], StepPlace::kDevice, bytes, false));
+  EXPECT_EQ(placement_bytes({task}, tie, bytes, tie), rooms(false)) << "held by the start already";
+  task.clipped = true;
+  EXPECT_EQ(placement_bytes({task}, tie, bytes), (100 + 30) * 2 + rooms(true));
+  EXPECT_EQ(tie_group(task, 2), (std::vector<int>{0, 2}));
+}
+
 TEST(Lanes, SimulatorTimelinesOfEachPlace) {
   const StepBytes bytes;
   const std::vector<TaskShape> tasks{task({shard(1.0, 2.0, 100)}, 2)};

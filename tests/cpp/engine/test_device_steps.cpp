@@ -25,10 +25,18 @@ std::vector<std::vector<at::Tensor>> untied_shards() {
   return {{param({10, 4}, 1.0), param({7}, 3.0)}, second, linear_shard(2, 20), {param({6}, 6.0)}};
 }
 
+using Shards = std::vector<std::vector<at::Tensor>>;
+
 // Shard 3 borrows shard 0's first weight (a tied embedding and head).
-std::vector<std::vector<at::Tensor>> tied_shards() {
+Shards tied_shards() {
   const at::Tensor e = param({10, 4}, 1.0);
   return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({6}, 6.0), e}};
+}
+
+// As tied_shards, with the borrower owning the largest weight: its step's regions are the largest.
+Shards tied_shards_large_head() {
+  const at::Tensor e = param({10, 4}, 1.0);
+  return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({40, 8}, 6.0), e}};
 }
 
 // Each shard's `steps` steps logged once each (engine/step_log.h), numbered from 1, where the model steps the shard.
@@ -53,8 +61,9 @@ void expect_logged(const DeviceEngine& engine, int model, int shards, int steps,
 }
 
 // Three steps of two micro-batches (the last clipped when `clip`), with the given shards resident and device-stepped.
-Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int>& device, bool clip) {
-  auto store = make_store(untied_shards(), bf16, adamw_spec());
+Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int>& device, bool clip,
+              Shards (*shards)() = untied_shards) {
+  auto store = make_store(shards(), bf16, adamw_spec());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, resident, -1, device);
   EXPECT_EQ(engine.device_shards(m), device);
@@ -82,8 +91,9 @@ TEST(DeviceSteps, AModelWithDeviceSteppedShardsEndsAsOneWithEveryShardOnTheHost)
 
 // One micro-batch a step, each backward followed by its step: a device-stepped shard's gradients take an arena region
 // from its backward to its step (as a host-stepped shard's do until they are copied out) when the store says so.
-Trained train_stepping_after_each_backward(bool bf16, bool steps_after_each_backward, const std::vector<int>& device) {
-  auto store = make_store(untied_shards(), bf16, adamw_spec());
+Trained train_stepping_after_each_backward(bool bf16, bool steps_after_each_backward, const std::vector<int>& device,
+                                           Shards (*shards)() = untied_shards) {
+  auto store = make_store(shards(), bf16, adamw_spec());
   store->set_steps_after_each_backward(steps_after_each_backward);
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
   const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
@@ -196,26 +206,38 @@ TEST(DeviceSteps, OnTwoDevicesEachShardStepsWhereItsBackwardRanAndTheModelEndsAs
 // At a budget of exactly the working set add_model counts for a unit and its device step, the first-fit arena can be
 // fragmented by the unit's own weights where the step's regions come in: that step runs on the host instead (its
 // gradients go home as a host-stepped shard's do), and the model still ends as with every shard on the host.
+// Of a tie, the borrower's step may fall back so (its gradient of the tied weight is in the owner's buffer, which
+// keeps it for the owner's step on the device); the owner's buffer is held apart, and its step never does.
 TEST(DeviceSteps, AStepWhoseRegionsDoNotFitRunsOnTheHostAndTheModelEndsAsOnTheHost) {
-  for (bool bf16 : {false, true}) {
-    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
-    const Trained host = train_stepping_after_each_backward(bf16, true, {});
-    auto store = make_store(untied_shards(), bf16, adamw_spec());
-    store->set_steps_after_each_backward(true);
-    const std::vector<int> device{0, 1, 2, 3};
-    DeviceEngine engine(kCpu, SpilledModel::spilled_need(*store, {}, nullptr, device));
-    const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
-    for (int step = 0; step < 3; ++step)
-      run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 0.5, false, add_grads);
-    engine.synchronize(m);  // every step done and logged
-    const int64_t on_device = engine.stats().device_steps;
-    int64_t on_host = 0;
-    for (const hydra::engine::StepRecord& r : engine.step_log()) on_host += r.place == hydra::engine::StepPlace::kHost;
-    EXPECT_EQ(on_device + on_host, 3 * store->num_shards()) << "every step once, on the device or the host";
-    EXPECT_GT(on_host, 0) << "the exact budget fragments: some step fell back on the host";
-    EXPECT_GT(on_device, 0);
-    expect_same(finish_and_copy(engine, m, *store), host);
-  }
+  for (bool tied : {false, true})
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(std::string(bf16 ? "bf16" : "fp32") + (tied ? ", tied" : ""));
+      Shards (*shards)() = tied ? tied_shards_large_head : untied_shards;
+      const Trained host = train_stepping_after_each_backward(bf16, true, {}, shards);
+      auto store = make_store(shards(), bf16, adamw_spec());
+      store->set_steps_after_each_backward(true);
+      const std::vector<int> device{0, 1, 2, 3};
+      DeviceEngine engine(kCpu, SpilledModel::held_grads_need(*store, device) +
+                                    SpilledModel::spilled_need(*store, {}, nullptr, device));
+      const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
+      for (int step = 0; step < 3; ++step)
+        run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 0.5, false, add_grads);
+      engine.synchronize(m);  // every step done and logged
+      const int64_t on_device = engine.stats().device_steps;
+      std::vector<int> on_host;
+      for (const hydra::engine::StepRecord& r : engine.step_log())
+        if (r.place == hydra::engine::StepPlace::kHost) on_host.push_back(r.shard);
+      EXPECT_EQ(on_device + static_cast<int64_t>(on_host.size()), 3 * store->num_shards())
+          << "every step once, on the device or the host";
+      EXPECT_FALSE(on_host.empty()) << "the exact budget fragments: some step fell back on the host";
+      if (tied) {
+        EXPECT_NE(std::find(on_host.begin(), on_host.end(), 3), on_host.end()) << "the borrower's among them";
+        EXPECT_EQ(std::find(on_host.begin(), on_host.end(), 0), on_host.end()) << "never the owner's";
+        EXPECT_FALSE(store->has_grad(0) || store->has_kept(0)) << "the tie's gradient is not summed on the host";
+      }
+      EXPECT_GT(on_device, 0);
+      expect_same(finish_and_copy(engine, m, *store), host);
+    }
 }
 
 // A checkpoint taken on one device reads the store after that device's synchronize (DeviceEngine::snapshot): a step
@@ -389,12 +411,12 @@ TEST(DeviceSteps, StatePrefetchedForAStepThatDoesNotComeIsGivenBack) {
   engine.finish(m);
 }
 
-TEST(DeviceSteps, ATiedRepeatedResidentOrMissingShardIsRefusedChangingNothing) {
+TEST(DeviceSteps, ASplitTieARepeatedResidentOrMissingShardIsRefusedChangingNothing) {
   auto tied = make_store(tied_shards());
   auto untied = make_store(untied_shards());
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*tied) * 4);
   const int64_t free = engine.free_bytes();
-  for (const std::vector<int>& bad : {std::vector<int>{0}, {3}, {1, 1}, {4}, {-1}})
+  for (const std::vector<int>& bad : {std::vector<int>{0}, {3}, {1, 3}, {1, 1}, {4}, {-1}})
     EXPECT_THROW(engine.add_model(tied, DeviceEngine::Residency::kSpilled, -1, {}, -1, bad), c10::Error);
   EXPECT_THROW(engine.add_model(untied, DeviceEngine::Residency::kSpilled, -1, {1}, -1, {1, 2}), c10::Error)
       << "a shard is resident or device-stepped, not both";
@@ -404,7 +426,47 @@ TEST(DeviceSteps, ATiedRepeatedResidentOrMissingShardIsRefusedChangingNothing) {
       << "device-stepped shards are a spilled model's";
   EXPECT_EQ(engine.free_bytes(), free);
   EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {3}),
-            "device-stepped shard 3 shares a tied weight with another shard");
+            "device-stepped shard 3 shares a tied weight with shard 0, which is not device-stepped: a tied weight "
+            "steps in one place");
+  EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {0, 1}),
+            "device-stepped shard 0 shares a tied weight with shard 3, which is not device-stepped: a tied weight "
+            "steps in one place");
+  EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {3, 0}), "") << "the whole tie";
+  // A tied weight that is frozen has no gradient to sum: its shards step apart.
+  const at::Tensor untrained = param({10, 4}, 1.0, /*trainable=*/false);
+  auto frozen_tie = make_store(std::vector<std::vector<at::Tensor>>{
+      {untrained, param({7}, 3.0)}, linear_shard(1, 12), {param({6}, 6.0), untrained}});
+  EXPECT_EQ(SpilledModel::device_shards_error(*frozen_tie, {}, {2}), "");
+}
+
+// A tied weight device-stepped: the borrower's backward adds its gradient to the owner's buffer on the device, and
+// the owner's step steps their sum, as the host sums them; the borrower steps what it owns.
+TEST(DeviceSteps, ATieSteppedOnTheDeviceEndsAsOnTheHost) {
+  for (bool clip : {false, true}) {
+    SCOPED_TRACE(clip ? "clipped" : "not clipped");
+    const Trained host = train(false, {}, {}, clip, tied_shards);
+    expect_same(train(false, {}, {0, 3}, clip, tied_shards), host);
+    expect_same(train(false, {}, {0, 1, 2, 3}, clip, tied_shards), host);
+    expect_same(train(false, {0, 3}, {1, 2}, clip, tied_shards), host);
+  }
+  const Trained host = train_stepping_after_each_backward(false, true, {}, tied_shards);
+  expect_same(train_stepping_after_each_backward(false, true, {0, 3}, tied_shards), host);
+  expect_same(train_stepping_after_each_backward(false, true, {0, 1, 2, 3}, tied_shards), host);
+}
+
+TEST(DeviceSteps, ATiesOwnerKeepsAGradientBufferForTheRunItsBorrowerNone) {
+  auto store = make_store(tied_shards(), false, adamw_spec());
+  store->set_steps_after_each_backward(true);
+  EXPECT_TRUE(SpilledModel::keeps_gradient_buffer(*store, {0, 3}, 0)) << "the borrower's gradient waits there";
+  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*store, {0, 3}, 3));
+  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*store, {1, 2}, 1));
+  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*store, {1, 2}, 0)) << "not device-stepped";
+  EXPECT_EQ(SpilledModel::held_grads_need(*store, {0, 3}), store->trainable_numel(0) * 4 + 512);
+  store->set_steps_after_each_backward(false);
+  // Summing backwards, every device-stepped shard keeps one, of what it owns: the borrowed gradient is the owner's.
+  EXPECT_EQ(SpilledModel::held_grads_need(*store, {0, 3}),
+            store->trainable_numel(0) * 4 + 512 + store->trainable_numel(3) * 4 + 512);
+  EXPECT_LT(store->trainable_numel(3), store->gradient_numel(3));
 }
 
 TEST(DeviceSteps, TheirGradientBuffersCountAgainstTheBudgetAndAreGivenBackOnRelease) {
@@ -509,10 +571,29 @@ TEST(Placement, DeviceStepsTakeEveryWantedUntiedShardThatFitsFirstShardsFirst) {
   const int64_t placed_working_set =
       SpilledModel::spilled_need(*store, placed[0].resident_shards, nullptr, placed[0].device_shards);
   EXPECT_EQ(free_left[0] - placed_working_set, placed_alike.free_bytes());
-  auto tied = make_store(tied_shards(), false, adamw_spec());
-  DeviceEngine one(kCpu, DeviceEngine::resident_need(*tied) - 1);
-  placed = place_models({&one}, {tied}, {"t"}, {}, {}, {}, {{{}, {0, 1, 2, 3}}});
-  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2})) << "shards 0 and 3 share a tied weight";
+}
+
+TEST(Placement, ATieStepsOnTheDeviceWholeOrNotAtAllAndOnOneDeviceOnly) {
+  auto tied = make_store(tied_shards(), false, adamw_spec());  // shards 0 and 3 share a tied weight
+  const std::vector<int> every{0, 1, 2, 3};
+  const int64_t all =
+      SpilledModel::held_grads_need(*tied, every) + SpilledModel::spilled_need(*tied, {}, nullptr, every);
+  ASSERT_LT(all, DeviceEngine::resident_need(*tied)) << "the model must not fit whole";
+  DeviceEngine roomy(kCpu, all);
+  auto placed = place_models({&roomy}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
+  EXPECT_EQ(placed[0].device_shards, every);
+  EXPECT_EQ(roomy.device_shards(0), every);
+  DeviceEngine half(kCpu, all);
+  placed = place_models({&half}, {tied}, {"t"}, {}, {}, {}, {{{}, {1, 3}}});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1})) << "shard 3 wished without its tie's owner";
+  DeviceEngine tight(kCpu, all - 1);  // the last shard goes, and the tie with it
+  placed = place_models({&tight}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2}));
+  // On several devices a tie's gradient would sum in one device's buffer while its units run on either.
+  tied->set_steps_after_each_backward(true);
+  DeviceEngine a(kCpu, all), b(kCpu, all);
+  placed = place_models({&a, &b}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2}));
 }
 
 TEST(Placement, WishedResidentShardsAreKeptWhereTheyFitNeverTheWholeModel) {
