@@ -124,15 +124,15 @@ def test_a_bf16_task_that_sums_micro_batches_steps_every_shard_on_the_host():
 TIED_LAST = [0, 1, 2, 3, 4, 5, 6]  # shard starts: the final norm and the tied head are one shard, which trains the norm
 
 
-def train_two(placement, budget_fraction, devices="cpu", **options):
-    """Two tied models without dropout, cut at TIED_LAST, trained together on `devices` under a budget of
-    `budget_fraction` times one model's fp32 weights: (results, models, each task's data)."""
-    models = [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
+def train_two(placement, budget_fraction, devices="cpu", models=None, checkpoint_dir=None, **options):
+    """Two tied models without dropout (new ones, or `models`), cut at TIED_LAST, trained together on `devices` under
+    a budget of `budget_fraction` times one model's fp32 weights: (results, models, each task's data)."""
+    models = models or [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
     data = [token_batches(6, seed=seed + 1) for seed in (0, 1)]
     tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=batches, shards=TIED_LAST, name=f"t{i}",
                           **options) for i, (model, batches) in enumerate(zip(models, data))]
     results = ht.train(tasks, devices=devices, memory_budget=int(budget_fraction * model_bytes(models[0])),
-                       progress=False, placement=placement)
+                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir)
     assert all(result.ok for result in results), [result.error for result in results]
     return results, models, data
 
@@ -159,6 +159,16 @@ def test_a_tied_embedding_and_head_step_on_the_device_together(budget_fraction, 
     assert models[0][0].weight is models[0][-1].weight
 
 
+def test_a_checkpoint_of_a_tie_stepped_on_the_device_resumes_on_the_host_bit_for_bit(tmp_path):
+    _, straight, _ = train_two("host", 1.5)
+    first, resumed, _ = train_two("device", 1.5, max_steps=3, checkpoint_dir=tmp_path)
+    assert first[0].device_shards == list(range(7)) and first[0].steps == 3
+    results, _, _ = train_two("host", 1.5, models=resumed, checkpoint_dir=tmp_path)
+    assert [result.steps for result in results] == [6, 6] and results[0].device_shards == []
+    for model, reference in zip(resumed, straight):
+        assert all(torch.equal(a, b) for a, b in zip(params(model), params(reference)))
+
+
 def test_a_tie_stepped_on_the_device_stays_there_when_another_task_leaves():
     """A task placed again once another has left keeps nothing on the device between its steps; a tie's owner keeps
     its gradient buffer, so a task stepping a tie on the device is not moved (its tie would go back to the host)."""
@@ -180,15 +190,24 @@ def test_on_several_devices_a_tie_steps_on_the_host():
     assert results[0].device_shards == [1, 2, 3, 4, 5]
 
 
-def test_a_tie_whose_borrower_has_nothing_of_its_own_to_train_steps_on_the_host():
-    """The tied head alone in its shard (the default cut) has no step of its own to take on the device: the tie stays on
-    the host, its other shards on the device."""
-    models = [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
-    tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2), name=f"t{i}")
-             for i, model in enumerate(models)]
-    results = ht.train(tasks, devices="cpu", memory_budget=int(1.5 * model_bytes(models[0])), progress=False,
-                       placement="device")
-    assert results[0].ok and results[0].device_shards == [1, 2, 3, 4, 5, 6]
+def test_a_tied_head_alone_in_its_shard_steps_on_the_device_with_its_embedding():
+    """The default cut puts the head alone in the last shard: nothing of its own to train, its gradient of the shared
+    weight goes to the embedding's buffer on the device, and its step is the count alone."""
+    runs = {}
+    for placement in ("device", "host"):
+        models = [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
+        tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(4, seed=i + 1),
+                              name=f"t{i}") for i, model in enumerate(models)]
+        results = ht.train(tasks, devices="cpu", memory_budget=int(1.5 * model_bytes(models[0])), progress=False,
+                           placement=placement)
+        assert all(result.ok for result in results)
+        runs[placement] = results, models
+    (got, stepped), (want, spilled) = runs["device"], runs["host"]
+    assert got[0].device_shards == list(range(8)), got[0].placement
+    assert sum(stats["host_steps"] for stats in got.stats) < sum(stats["host_steps"] for stats in want.stats)
+    for a, b, model_a, model_b in zip(got, want, stepped, spilled):
+        assert a.losses == b.losses
+        assert all(torch.equal(x, y) for x, y in zip(params(model_a), params(model_b)))
 
 
 SEVERAL = "spilled, shards 1-6 stepped on the device"  # no home on several devices: the tied ends step on the host

@@ -177,7 +177,9 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
       load(shard, DeviceEngine::Need::kMust);
       ++stats.acquire_loads;
     }
-    if (with_grads && !w.grads.valid() && !holds_grads(shard)) {
+    // A device-stepped borrower with nothing of its own to train writes every gradient into its owners' buffers.
+    const bool own_grads = !device_stepped_[shard] || store().trainable_numel(shard) > 0;
+    if (with_grads && own_grads && !w.grads.valid() && !holds_grads(shard)) {
       const auto allocating = std::chrono::steady_clock::now();
       allocate_grads(shard);
       stats.grad_wait_seconds += seconds_since(allocating);
@@ -193,7 +195,9 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
-    const at::Tensor grads = !with_grads ? at::Tensor() : holds_grads(shard) ? held_grads(shard) : grad_view(shard);
+    const at::Tensor grads = !with_grads || !own_grads ? at::Tensor()
+                             : holds_grads(shard)     ? held_grads(shard)
+                                                      : grad_view(shard);
     // Every parameter the shard uses is in its own copy, tied ones included; a device-stepped shard's gradient of a
     // tied weight it borrows sums in the owner's buffer, where the owner's step reads it.
     bind(shard, with_grads, [&](const ParamEntry& e) {
@@ -257,7 +261,8 @@ void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool kee
   if (homed_.at(shard) || device_stepped_.at(shard)) {  // its gradients stay on the device: summed and stepped there
     note_gradients(shard);
     // A unit's own gradient region would be given back at release, before any step read it.
-    TORCH_CHECK(step || homed_[shard] || holds_grads(shard), "backward_done: shard ", shard, " of model ", id(),
+    TORCH_CHECK(step || homed_[shard] || holds_grads(shard) || store().trainable_numel(shard) == 0,
+                "backward_done: shard ", shard, " of model ", id(),
                 " is stepped on the device after each backward (ShardStore::steps_after_each_backward), but this "
                 "backward is not followed by its step");
     if (!step) return;

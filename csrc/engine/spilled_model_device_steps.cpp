@@ -48,7 +48,8 @@ std::string SpilledModel::device_shards_error(const ShardStore& store, const std
     in[s] = true;
     if (std::find(resident_shards.begin(), resident_shards.end(), s) != resident_shards.end())
       return name + " is resident too";
-    if (store.trainable_numel(s) == 0) return name + " has nothing to train";
+    // A borrower of a trainable tied weight with nothing of its own (a head alone) takes its tie's gradient there.
+    if (store.trainable_numel(s) == 0 && borrowed_grad_owners(store, s).empty()) return name + " has nothing to train";
   }
   // A tied weight's gradient sums on the device only where its owner's buffer is there, and its step is the owner's.
   for (int b = 0; b < n; ++b)
@@ -61,7 +62,7 @@ std::string SpilledModel::device_shards_error(const ShardStore& store, const std
 
 bool SpilledModel::keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard) {
   auto in = [&](int s) { return std::find(shards.begin(), shards.end(), s) != shards.end(); };
-  if (!in(shard)) return false;
+  if (!in(shard) || store.trainable_numel(shard) == 0) return false;
   if (!store.steps_after_each_backward()) return true;
   for (int b = 0; b < store.num_shards(); ++b) {
     if (b == shard || !in(b)) continue;
@@ -178,6 +179,18 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   ShardStore& store = this->store();
   const int64_t numel = store.trainable_numel(shard);
   c10::DeviceGuard device_guard(engine_.device_);
+  if (numel == 0) {  // a borrower with nothing of its own: its gradients are in their owners' buffers
+    store.take_step(shard);
+    Weights& w = weights_[shard];
+    if (w.grads.valid()) {
+      engine_.pool_.release(w.grads, engine_.compute_point());
+      w.grads = Region{};
+    }
+    const int64_t now = steady_ns();
+    engine_.step_log_.add({id(), shard, store.steps_taken(shard), StepPlace::kDevice, now, now});
+    ++engine_.stats_.device_steps;
+    return;
+  }
   // Room first: a step that cannot get it (out of memory, re-planned) must leave the step counts as they were.
   bring_state(shard, /*must=*/true);  // unless a prefetch brought it
   const std::vector<StepRange> ranges = store.take_step(shard);

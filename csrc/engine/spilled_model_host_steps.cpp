@@ -219,6 +219,7 @@ std::shared_ptr<ClipNorm> SpilledModel::clip_and_step_here(double max_norm, doub
     std::vector<at::Tensor> grads = homes_.trainable_grads(store);
     for (int s = 0; s < store.num_shards(); ++s) {
       if (homed_[s]) continue;
+      if (store.trainable_numel(s) == 0) continue;  // a tie's borrower with nothing of its own: in its owner's
       const at::Tensor grad = device_stepped_[s] ? held_grads(s) : store.pending_grad(s);
       grads.push_back(grad.narrow(0, 0, store.trainable_numel(s)));
     }

@@ -33,6 +33,12 @@ Shards tied_shards() {
   return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({6}, 6.0), e}};
 }
 
+// As tied_shards, with the head alone in the last shard: it has nothing of its own to train.
+Shards tied_head_alone() {
+  const at::Tensor e = param({10, 4}, 1.0);
+  return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {e}};
+}
+
 // As tied_shards, with the borrower owning the largest weight: its step's regions are the largest.
 Shards tied_shards_large_head() {
   const at::Tensor e = param({10, 4}, 1.0);
@@ -440,18 +446,27 @@ TEST(DeviceSteps, ASplitTieARepeatedResidentOrMissingShardIsRefusedChangingNothi
 }
 
 // A tied weight device-stepped: the borrower's backward adds its gradient to the owner's buffer on the device, and
-// the owner's step steps their sum, as the host sums them; the borrower steps what it owns.
+// the owner's step steps their sum, as the host sums them; the borrower steps what it owns. A head alone in its shard
+// (tied_head_alone) owns nothing to train: its step is the count alone (logged on the device, as a host-stepped
+// one's is on the host).
 TEST(DeviceSteps, ATieSteppedOnTheDeviceEndsAsOnTheHost) {
-  for (bool clip : {false, true}) {
-    SCOPED_TRACE(clip ? "clipped" : "not clipped");
-    const Trained host = train(false, {}, {}, clip, tied_shards);
-    expect_same(train(false, {}, {0, 3}, clip, tied_shards), host);
-    expect_same(train(false, {}, {0, 1, 2, 3}, clip, tied_shards), host);
-    expect_same(train(false, {0, 3}, {1, 2}, clip, tied_shards), host);
+  for (Shards (*shards)() : {tied_shards, tied_head_alone}) {
+    for (bool clip : {false, true}) {
+      SCOPED_TRACE(clip ? "clipped" : "not clipped");
+      const Trained host = train(false, {}, {}, clip, shards);
+      expect_same(train(false, {}, {0, 3}, clip, shards), host);
+      expect_same(train(false, {}, {0, 1, 2, 3}, clip, shards), host);
+      expect_same(train(false, {0, 3}, {1, 2}, clip, shards), host);
+    }
+    const Trained host = train_stepping_after_each_backward(false, true, {}, shards);
+    expect_same(train_stepping_after_each_backward(false, true, {0, 3}, shards), host);
+    expect_same(train_stepping_after_each_backward(false, true, {0, 1, 2, 3}, shards), host);
   }
-  const Trained host = train_stepping_after_each_backward(false, true, {}, tied_shards);
-  expect_same(train_stepping_after_each_backward(false, true, {0, 3}, tied_shards), host);
-  expect_same(train_stepping_after_each_backward(false, true, {0, 1, 2, 3}, tied_shards), host);
+  auto alone = make_store(tied_head_alone(), false, adamw_spec());
+  EXPECT_EQ(alone->trainable_numel(3), 0);
+  EXPECT_EQ(SpilledModel::device_shards_error(*alone, {}, {0, 3}), "");
+  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*alone, {0, 3}, 3)) << "nothing of its own to hold";
+  EXPECT_EQ(SpilledModel::held_grads_need(*alone, {0, 3}), alone->trainable_numel(0) * 4 + 512);
 }
 
 TEST(DeviceSteps, ATiesOwnerKeepsAGradientBufferForTheRunItsBorrowerNone) {
