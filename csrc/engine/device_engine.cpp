@@ -189,6 +189,11 @@ void DeviceEngine::prefetch_step(int model, int shard) {
   if (SpilledModel* m = spilled(model)) m->prefetch_state(shard);
 }
 
+void DeviceEngine::issue_step_prefetch(int model, int shard) {
+  live(model, shard);
+  if (SpilledModel* m = spilled(model)) m->issue_prefetched_state(shard);
+}
+
 void DeviceEngine::forget_step_prefetch(int model, int shard) {
   live(model, shard);
   if (SpilledModel* m = spilled(model)) m->forget_prefetched_state(shard);

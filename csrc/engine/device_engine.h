@@ -145,9 +145,12 @@ class DeviceEngine {
   void prefetch_ahead(int64_t max_bytes = -1);
   void acquire(int model, int shard, bool with_grads);
   // Before acquire: the shard's backward about to run ends the model's step (no clipping), so a device-stepped
-  // shard's master and optimizer state start coming in beside its compute (SpilledModel::prefetch_state), taking
-  // their room while the arena's working room is whole (the shard's weights, placed first, would split it).
+  // shard's master and optimizer state take their room while the arena's working room is whole (the shard's
+  // weights, placed first, would split it: SpilledModel::prefetch_state); their copy starts at issue_step_prefetch.
   void prefetch_step(int model, int shard);
+  // After acquire and prefetch_ahead: the state prefetch_step made room for starts coming in, behind the weights the
+  // compute needs first.
+  void issue_step_prefetch(int model, int shard);
   // The acquire after prefetch_step failed: what it prefetched is given back.
   void forget_step_prefetch(int model, int shard);
   // The model's next forward would wait for a step still running: the weights of a shard it visits first are not

@@ -44,7 +44,8 @@ void DeviceLoop::begin(const core::Unit& unit, bool step_follows) {
   }
   engine_.plan(visits);
   const bool backward = unit.phase == core::Phase::kForwardBackward || unit.phase == core::Phase::kBackward;
-  // The state first, while the arena's working room is whole: the shard's weights would split it.
+  // The state's room first, while the arena's working room is whole: the shard's weights would split it. Its copy
+  // last (below).
   const bool prefetch = backward && step_follows;
   if (prefetch) engine_.prefetch_step(own, unit.shard);
   try {
@@ -61,6 +62,8 @@ void DeviceLoop::begin(const core::Unit& unit, bool step_follows) {
   }
   try {
     engine_.prefetch_ahead(options_.prefetch_bytes);
+    // The state last on the link: the weights of this unit and the next ones are needed first.
+    if (prefetch) engine_.issue_step_prefetch(own, unit.shard);
   } catch (...) {
     engine_.release(own, unit.shard);
     throw;

@@ -191,7 +191,8 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     const bool borrows_here = with_grads && borrows_on_device_[shard];
     if (with_grads && holds_grads(shard)) held_grads_ready_[shard].order_before(engine_.compute_stream());
     if (borrows_here)
-      for (int owner : borrowed_grad_owners(store(), shard)) held_grads_ready_[owner].order_before(engine_.compute_stream());
+      for (int owner : borrowed_grad_owners(store(), shard))
+        held_grads_ready_[owner].order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));

@@ -120,9 +120,14 @@ class SpilledModel final : public DeviceModel {
   void evict(int shard);
   // Brings in the shard unless a current copy is on the device or on its way (DeviceEngine::prefetch).
   void prefetch(int shard);
-  // The shard's backward about to run ends its step: a device-stepped shard's master and optimizer states start
-  // coming in now, beside that backward's compute (where the arena has room for them without waiting).
+  // The shard's backward about to run ends its step: a device-stepped shard's master and optimizer states take
+  // their room now (where the arena has it without waiting), and start coming in at issue_prefetched_state, beside
+  // that backward's compute.
   void prefetch_state(int shard);
+  // The copy prefetch_state made room for goes on the link now: after the weights the unit and the next ones need,
+  // which would otherwise queue behind it (the state is needed only once the backward is done, and is several
+  // times the weights' size).
+  void issue_prefetched_state(int shard);
   // The unit prefetch_state was called for did not begin (its acquire failed): the state goes back.
   void forget_prefetched_state(int shard);
 
@@ -173,11 +178,17 @@ class SpilledModel final : public DeviceModel {
     at::Tensor master, shadow;  // shadow: the new bf16 weights (bf16 only)
     std::vector<at::Tensor> states;
     Fence in;
+    // Room taken, copy not submitted yet (bring_state's `defer`): what the copy will wait for.
+    bool deferred = false;
+    std::vector<Fence> waiting;
     bool in_use() const { return !regions.empty(); }
   };
-  // Starts the copy of the shard's master and states to the device, unless it is on its way. Without `must`
-  // (a prefetch) takes no room that needs more than evicting cached weights, and returns false where there is none.
-  bool bring_state(int shard, bool must);
+  // Starts the copy of the shard's master and states to the device, unless it is on its way (or, with `defer`, only
+  // takes their room: submit_state then). Without `must` (a prefetch) takes no room that needs more than evicting
+  // cached weights, and returns false where there is none.
+  bool bring_state(int shard, bool must, bool defer = false);
+  // Submits a deferred visit's copy (an urgent one where `must`: the step waits for it now).
+  void submit_state(int shard, bool must);
   // Gives back a visit that no step used (its regions, once `issued` is done).
   void drop_state(int shard, const Fence& issued);
   void free_held_grads(const Fence& issued);

@@ -115,7 +115,7 @@ void SpilledModel::free_held_grads(const Fence& issued) {
   held_grads_.clear();
 }
 
-bool SpilledModel::bring_state(int shard, bool must) {
+bool SpilledModel::bring_state(int shard, bool must, bool defer) {
   ShardStore& store = this->store();
   const int64_t numel = store.trainable_numel(shard);
   StateVisit& visit = state_visits_.at(shard);
@@ -139,12 +139,24 @@ bool SpilledModel::bring_state(int shard, bool must) {
   visit.master = carve(at::kFloat);
   for (int k = 0; k < store.optimizer().num_states(); ++k) visit.states.push_back(carve(at::kFloat));
   if (store.bf16()) visit.shadow = carve(at::kBFloat16);  // the new weights
-  std::vector<Fence> after = std::move(allocation.after);  // earlier users of that memory
+  visit.waiting = std::move(allocation.after);  // earlier users of that memory
+  visit.waiting.push_back(store.last_step(shard));  // the master's last writer
+  visit.deferred = true;
+  if (!defer) submit_state(shard, must);
+  return true;
+}
+
+void SpilledModel::submit_state(int shard, bool must) {
+  StateVisit& visit = state_visits_.at(shard);
+  if (!visit.deferred) return;
+  ShardStore& store = this->store();
+  const int64_t numel = store.trainable_numel(shard);
+  std::vector<Fence> after = std::move(visit.waiting);
+  visit.deferred = false;
   try {
     CopyLane::Copies in{{visit.master, store.master(shard).narrow(0, 0, numel)}};
     for (size_t k = 0; k < visit.states.size(); ++k)
       in.emplace_back(visit.states[k], store.state(shard, static_cast<int>(k)));
-    after.push_back(store.last_step(shard));  // the master's last writer
     const bool urgent = must && all_ready(after);
     CopyLane& to_device = engine_.to_device_;
     visit.in = track(to_device.submit(
@@ -153,23 +165,31 @@ bool SpilledModel::bring_state(int shard, bool must) {
     ++stats.host_to_device_copies;
     for (const auto& [to, from] : in) stats.host_to_device_bytes += from.nbytes();
   } catch (...) {
-    for (const Fence& f : after) f.order_reuse_before(engine_.compute_stream());  // left unless the copy took them
+    visit.waiting = std::move(after);  // left unless the copy took them
+    visit.deferred = true;
     drop_state(shard, engine_.compute_point());
     throw;
   }
-  return true;
 }
 
 void SpilledModel::drop_state(int shard, const Fence& issued) {
   StateVisit& visit = state_visits_.at(shard);
-  visit.in.wait_done();  // the copy in may still be filling the regions (its error is reported by synchronize)
-  for (const Region& r : visit.regions) engine_.pool_.release(r, issued);
+  Fence reusable = issued;
+  if (visit.deferred) {  // no copy took the regions: their next user waits for their earlier users alone
+    for (const Fence& f : visit.waiting) f.order_reuse_before(engine_.compute_stream());
+    reusable = engine_.compute_point();
+  } else {
+    visit.in.wait_done();  // the copy in may still be filling the regions (its error is reported by synchronize)
+  }
+  for (const Region& r : visit.regions) engine_.pool_.release(r, reusable);
   visit = StateVisit{};
 }
 
 void SpilledModel::prefetch_state(int shard) {
-  if (device_stepped_.at(shard)) bring_state(shard, /*must=*/false);
+  if (device_stepped_.at(shard)) bring_state(shard, /*must=*/false, /*defer=*/true);
 }
+
+void SpilledModel::issue_prefetched_state(int shard) { submit_state(shard, /*must=*/false); }
 
 void SpilledModel::forget_prefetched_state(int shard) {
   if (state_visits_.at(shard).in_use()) drop_state(shard, engine_.compute_point());
@@ -193,6 +213,7 @@ void SpilledModel::device_step(int shard, double grad_scale, double lr_scale) {
   }
   // Room first: a step that cannot get it (out of memory, re-planned) must leave the step counts as they were.
   bring_state(shard, /*must=*/true);  // unless a prefetch brought it
+  submit_state(shard, /*must=*/true);  // a prefetch's copy not issued yet: the step waits for it now
   const std::vector<StepRange> ranges = store.take_step(shard);
   const int64_t step_number = store.steps_taken(shard);
   const StateVisit visit = state_visits_[shard];  // forgotten once the step that uses it is queued

@@ -70,8 +70,8 @@ def place(runners, engines, devices, pin: bool, graph_bytes=(), kept_outside: in
     they fit; with "auto" it also keeps resident, or steps on the device, the shards the lane model takes off the
     host (hydra_torch.run.lane_choice), and with "device" it steps all its other shards on the device, a tied
     weight's with the shards that share it (engine/placement.h); on several devices it keeps no shard resident, and
-    steps untied shards on the device only where each of its backwards is followed by its step. The engines' budgets are memory_budget less `kept_outside`, which
-    a refusal says. The frozen bases the tasks share (ht.FrozenBase) are held and registered first
+    steps untied shards on the device only where each of its backwards is followed by its step. The engines'
+    budgets are memory_budget less `kept_outside`, which a refusal says. The frozen bases the tasks share (ht.FrozenBase) are held and registered first
     (hydra_torch.run.bases).
     Returns what the lane model was told and forecast (Results.lane_plan), or None where it was not asked."""
     held = bases.hold(runners, engines, pin)
