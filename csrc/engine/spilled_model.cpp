@@ -42,7 +42,7 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
   for (int s : device_shards_) {
     device_stepped_[s] = true;
     holds_grads_[s] = keeps_gradient_buffer(this->store(), device_shards_, s);
-    borrows_on_device_[s] = !borrowed_grad_owners(this->store(), s).empty();
+    device_grad_owners_[s] = borrowed_grad_owners(this->store(), s);
   }
   this->store().pin_states(device_shards_);
 }
@@ -188,11 +188,10 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     w.device_step_queued = false;  // the compute now comes after the step that wrote these weights
     // The buffers its backward adds to are those the last steps read and zeroed: its own, and the owners' of the
     // tied weights it borrows where it is device-stepped.
-    const bool borrows_here = with_grads && borrows_on_device_[shard];
+    const bool borrows_here = with_grads && !device_grad_owners_[shard].empty();
     if (with_grads && holds_grads(shard)) held_grads_ready_[shard].order_before(engine_.compute_stream());
     if (borrows_here)
-      for (int owner : borrowed_grad_owners(store(), shard))
-        held_grads_ready_[owner].order_before(engine_.compute_stream());
+      for (int owner : device_grad_owners_[shard]) held_grads_ready_[owner].order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
     const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));

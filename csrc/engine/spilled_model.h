@@ -197,10 +197,11 @@ class SpilledModel final : public DeviceModel {
   std::vector<int> device_shards_;
   std::vector<bool> device_stepped_ = std::vector<bool>(store().num_shards());
   // Per shard, as the store said when the model was added (which its budget counted: a later change of
-  // steps_after_each_backward does not move them): it keeps a gradient buffer (keeps_gradient_buffer), and it is
-  // device-stepped and borrows a trainable tied weight (its gradient goes to the owner's buffer).
+  // steps_after_each_backward does not move them): it keeps a gradient buffer (keeps_gradient_buffer); and, where it
+  // is device-stepped, the owners of the trainable tied weights it borrows (borrowed_grad_owners: its gradients of
+  // them go to their buffers).
   std::vector<bool> holds_grads_ = std::vector<bool>(store().num_shards());
-  std::vector<bool> borrows_on_device_ = std::vector<bool>(store().num_shards());
+  std::vector<std::vector<int>> device_grad_owners_ = std::vector<std::vector<int>>(store().num_shards());
   std::vector<Region> held_grads_;  // per shard once uploaded: a device-stepped shard's gradient buffer
   std::vector<StateVisit> state_visits_ = std::vector<StateVisit>(store().num_shards());
   std::vector<Fence> held_grads_ready_ = std::vector<Fence>(store().num_shards());  // after the step that zeroes them

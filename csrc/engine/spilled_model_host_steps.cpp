@@ -132,7 +132,7 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
   const int lowest_host_stepped = this->lowest_host_stepped();
   // A device-stepped shard stepped here instead (no room for its step's regions): its gradients of the tied weights
   // it borrows are in their owners' buffers on the device, and what landed of them here is nothing.
-  const bool borrowed_on_device = borrows_on_device_[shard];
+  const bool borrowed_on_device = !device_grad_owners_[shard].empty();
   Fence done = submit([=, &engine]() -> DeviceEvent {
     landed.wait();
     if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
