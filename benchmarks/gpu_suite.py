@@ -45,13 +45,14 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_suite_chil
 GPU = {"p1": dict(n_embd=1600, n_layer=48, n_head=25), "p1_batches": (4, 16),       # GPT-2 XL, 1.56B
        "p2": dict(n_embd=1280, n_layer=36, n_head=20, batch=8), "p2_max_models": 4,  # GPT-2 large, 0.77B
        "p3": dict(n_embd=4096, n_head=32, batch=1), "p3_layers": 8, "seq": 1024, "vocab": 50257,
-       "p1_steps": (1, 3), "p2_steps": (2, 4), "baseline_steps": (2, 3)}
+       "p1_steps": (1, 3), "p2_steps": (2, 4), "baseline_steps": (2, 3), "stress_steps": 6}
 # One batch in P1: a second runs the same code, and at ~10 s of imports a child on a slow CPU the time box
-# would skip it.
+# would skip it. Two stress steps: on a CPU without bf16 instructions the bf16 half alone takes ~25 s for six,
+# past the phase's share of the time box.
 SMOKE = {"p1": dict(n_embd=64, n_layer=4, n_head=2), "p1_batches": (2,),
          "p2": dict(n_embd=64, n_layer=3, n_head=2, batch=4), "p2_max_models": 2,
          "p3": dict(n_embd=64, n_head=2, batch=1), "p3_layers": 2, "seq": 32, "vocab": 256,
-         "p1_steps": (1, 2), "p2_steps": (2, 4), "baseline_steps": (2, 3)}
+         "p1_steps": (1, 2), "p2_steps": (2, 4), "baseline_steps": (2, 3), "stress_steps": 2}
 PHASES = ("p2", "p1", "stress", "p3")
 # Each phase's share of the time left when it starts, relative to the phases still to run.
 WEIGHTS = {"p2": 5.0, "p1": 3.0, "stress": 0.5, "p3": 3.0}
@@ -335,7 +336,7 @@ class Suite:
         stress = {}
         self.record["phases"]["stress"] = stress
         print("Stream stress: 3 small spilled GPT-2 models, fp32 and bf16, on the device against the CPU")
-        self.run(stress, "stream_stress", deadline, "stress")
+        self.run(stress, "stream_stress", deadline, "stress", steps=self.cfg["stress_steps"])
 
     def p3(self, deadline: float):
         """Grows n_layer by 1.5x until a run fails or the next model's host state would pass 85% of available

@@ -31,6 +31,19 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
   return placement;
 }
 
+// `placement` with each task's first shard (and the shards tied to it) stepped on the host where it was stepped on the
+// device. A language model's first shard is its embeddings: the most state a parameter-priced step moves (the
+// largest matrix) for the least compute, and the backward that ends each step. Where every task's backward ends at
+// about the same time, their states come in one behind another on the host-to-device lane, and the weights queued
+// behind them wait: the bound sees only each lane's total.
+Placement first_shards_stepped_on_host(const std::vector<TaskShape>& tasks, Placement placement) {
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    if (tasks[t].fixed || placement[t].empty() || placement[t][0] != StepPlace::kDevice) continue;
+    for (int g : tie_group(tasks[t], 0)) placement[t][static_cast<size_t>(g)] = StepPlace::kHost;
+  }
+  return placement;
+}
+
 }  // namespace
 
 LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
@@ -42,8 +55,11 @@ LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates,
     for (bool homes : {true, false}) {
       const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom, start, homes);
       variants.push_back(chosen);
-      for (int count : kLeadingShards)
+      variants.push_back(first_shards_stepped_on_host(tasks, chosen));
+      for (int count : kLeadingShards) {
         variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room, start));
+        variants.push_back(first_shards_stepped_on_host(tasks, variants.back()));
+      }
     }
     for (Placement& placement : variants) {
       bool seen = false;

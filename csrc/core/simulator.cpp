@@ -75,7 +75,6 @@ struct CopyLane {
   double free_at = 0.0;
   std::pair<int, int> base_shard{-1, -1};  // (base, shard) of the last base shard it copied
   std::vector<std::pair<Unit, double>> landing;  // planned units whose copy was issued, and when it lands
-  std::vector<std::pair<Unit, double>> states;   // steps: planned kDevice steps whose master and moments were issued
 
   double copy(double now, double seconds, SimulationResult& result, double not_before = 0.0) {
     free_at = std::max({now, free_at, not_before}) + seconds;
@@ -96,7 +95,9 @@ double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLa
     lane.landing.erase(issued);
     return start;
   }
-  if (same_shard || !copies_weights(config, unit)) return now;
+  // The same shard again computes on the copy it holds, once the step on the device that rewrites it is done.
+  if (same_shard) return config.steps.empty() ? now : std::max(now, steps.of(unit).stepped);
+  if (!copies_weights(config, unit)) return now;
   const double seconds = weights_seconds(config, unit) + base_copy(config, unit, lane.base_shard, result);
   return lane.copy(now, seconds, result, ready_at(config, steps, unit));
 }
@@ -119,21 +120,15 @@ void prefetch_plan(const SimulationConfig& config, Scheduler& scheduler, int dev
       continue;
     const double seconds = weights_seconds(config, p) + base_copy(config, p, lane.base_shard, result);
     lane.landing.emplace_back(p, lane.copy(now, seconds, result, ready_at(config, steps, p)));
-    if (steps_on_device(config, p)) lane.states.emplace_back(p, lane.copy(now, lanes_of(config, p).state_in, result));
   }
 }
 
 // A kDevice shard's master and moments for the backward that ends its step: when they land (-1: no such step).
-// Prefetched behind the backward's own weights where the plan held it, else issued with it.
+// Issued as the backward starts, behind its own weights and those prefetched for the units planned next, as the
+// engine's device loop issues them (the compute needs those first).
 double state_in(const SimulationConfig& config, CopyLane& lane, const Unit& unit, double now,
                 SimulationResult& result) {
   if (!steps_on_device(config, unit)) return -1.0;
-  auto issued = std::find_if(lane.states.begin(), lane.states.end(), [&](const auto& e) { return e.first == unit; });
-  if (issued != lane.states.end()) {
-    const double landed = issued->second;
-    lane.states.erase(issued);
-    return landed;
-  }
   return lane.copy(now, lanes_of(config, unit).state_in, result);
 }
 
@@ -165,8 +160,8 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       double start = now, state_landed = -1.0;
       if (along_plan) {
         start = own_copy(config, device, lane, steps, *unit, now, result);
-        state_landed = state_in(config, lane, *unit, now, result);
         prefetch_plan(config, scheduler, d, lane, steps, *unit, now, result);
+        state_landed = state_in(config, lane, *unit, now, result);
       } else {
         start = now + exposed_transfer(config, device, *unit, now, result);
       }

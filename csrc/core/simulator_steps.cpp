@@ -166,11 +166,12 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
     }
     case StepPlace::kDevice: {
       if (!step) return end;
-      result.exposed_transfer_seconds += std::max(0.0, state_landed - end);
+      // The step runs once its state has landed, on the device's step lane: the compute goes on with other units
+      // meanwhile (it pays the step's own time, not the wait), and the shard's next visit waits for the step.
       const double stepped = std::max(end, state_landed) + lanes.device_step;
       result.device_step_seconds += lanes.device_step;
-      shard = ShardSteps{shard.issued + 1, out(stepped, lanes.state_out)};
-      return stepped;
+      shard = ShardSteps{shard.issued + 1, out(stepped, lanes.state_out), stepped};
+      return end + lanes.device_step;
     }
     case StepPlace::kResident:
       if (!step) return end;

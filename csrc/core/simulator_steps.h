@@ -14,7 +14,8 @@ namespace hydra::core::simulated {
 // the host to copy in.
 struct ShardSteps {
   int64_t issued = 0;
-  double ready = 0.0;
+  double ready = 0.0;    // its host copy is current: the next copy in may start
+  double stepped = 0.0;  // a kDevice shard: its last step has rewritten the copy the device holds
 };
 
 // Each task's gradients land in this many buffers, as a model's do in the engine (kLandingBuffers in

@@ -93,12 +93,12 @@ TEST(Lanes, SimulatorTimelinesOfEachPlace) {
   EXPECT_DOUBLE_EQ(r.transfer_seconds, 2 * w);
   EXPECT_DOUBLE_EQ(r.host_seconds, 2 * h);
   EXPECT_DOUBLE_EQ(r.gradient_transfer_seconds, 2 * g);
-  // kDevice: copy, then master and moments in behind it; the device steps once both the FB and they are done; the
-  // next FB reuses the stepped weights in place.
+  // kDevice: copy, then master and moments in behind it; the device steps once both the FB and they are done (the
+  // compute pays the step's own time, not the wait); the next FB reuses the stepped weights in place, once stepped.
   const ShardLanes device = shard_lanes(tasks[0].shards[0], StepPlace::kDevice, false, kRates, bytes);
   r = simulate(lane_simulation(tasks, {{StepPlace::kDevice}}, kRates, bytes, 1));
   const double first = std::max(w + 3, w + device.state_in) + device.device_step;
-  const double second_in = std::max(w + device.state_in, first) + device.state_in;  // issued at `first`
+  const double second_in = std::max(w + device.state_in, w + 3 + device.device_step) + device.state_in;
   const double second = std::max(first + 3, second_in) + device.device_step;
   const double first_out = first + device.state_out;  // the device-to-host lane sends each step's state in turn
   EXPECT_DOUBLE_EQ(r.makespan, std::max(second, first_out) + device.state_out);
@@ -109,6 +109,30 @@ TEST(Lanes, SimulatorTimelinesOfEachPlace) {
   r = simulate(lane_simulation(tasks, {{StepPlace::kResident}}, kRates, bytes, 1));
   EXPECT_DOUBLE_EQ(r.makespan, 2 * (3 + device.device_step));
   EXPECT_EQ(r.transfer_seconds + r.gradient_transfer_seconds + r.host_seconds, 0.0);
+}
+
+// A kDevice backward's master and moments go on the host-to-device lane after the weights prefetched for the units
+// planned next, as the engine's device loop issues them, and the compute goes on meanwhile: the step waits for them on
+// the device's step lane. Shard 0 on the host, shard 1 on the device: F0, FB1, B0.
+TEST(Lanes, ADeviceStepsStateComesInBehindTheNextWeightsAndTheComputeGoesOn) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks{task({shard(1.0, 2.0, 100), shard(1.0, 2.0, 100)}, 1)};
+  const ShardLanes device = shard_lanes(tasks[0].shards[1], StepPlace::kDevice, false, kRates, bytes);
+  const double w = device.weights_in;
+  ASSERT_GT(device.state_in, 3.0) << "the state lands after FB1's compute";
+  const SimulationResult host = simulate(lane_simulation(tasks, host_placement(tasks), kRates, bytes, 1));
+  const SimulationResult r =
+      simulate(lane_simulation(tasks, {{StepPlace::kHost, StepPlace::kDevice}}, kRates, bytes, 1));
+  ASSERT_EQ(r.trace.size(), 3u);
+  // F0 copies shard 0 in and prefetches FB1's and B0's weights behind it: FB1 starts as its copy lands, at 2w.
+  EXPECT_DOUBLE_EQ(r.trace[1].end, 2 * w + 3 + device.device_step) << "FB1 does not wait for its step's state";
+  EXPECT_DOUBLE_EQ(host.trace[1].end, 2 * w + 3);
+  // B0's weights were on the lane before FB1's state: it starts as FB1 ends and computes as in the host-only run.
+  EXPECT_DOUBLE_EQ(r.trace[2].start, r.trace[1].end);
+  EXPECT_DOUBLE_EQ(r.trace[2].end - r.trace[2].start, host.trace[2].end - host.trace[2].start);
+  EXPECT_DOUBLE_EQ(r.transfer_seconds, 3 * w + device.state_in);
+  // The run ends once the step, after its state landed (3w + state_in), has sent the state home.
+  EXPECT_GE(r.makespan, 3 * w + device.state_in + device.device_step + device.state_out - 1e-9);
 }
 
 TEST(Lanes, AccumulatedMicroBatchesSumOnTheHostAndStepOnce) {
@@ -182,7 +206,8 @@ TEST(Lanes, PlacementMovesStepsOffABusyHost) {
   const LaneBound host_bound = lane_bound(tasks, host, rates, bytes, 1);
   EXPECT_EQ(host_bound.bound(), host_bound.host);
   for (int64_t room : {int64_t{0}, int64_t{40000}, int64_t{1} << 40}) {
-    const Placement chosen = choose_placement(tasks, rates, bytes, 1, room);
+    // Device steps only (no homes), the host lane kept 40% idle: the greedy choice takes every task's embeddings first.
+  const Placement chosen = choose_placement(tasks, rates, bytes, 1, room, 0.6, {}, /*homes=*/false);
     EXPECT_LE(placement_bytes(tasks, chosen, bytes), room);
     for (const auto& places : chosen) EXPECT_EQ(places.back(), places.front()) << "tied shards in one place";
     const LaneBound bound = lane_bound(tasks, chosen, rates, bytes, 1);
@@ -383,6 +408,45 @@ TEST(Lanes, PlanWeighsHomesAgainstTheDeviceStepsTheirRoomWouldHold) {
   const double steps_run = simulate(lane_simulation(tasks, steps, rates, bytes, 1)).makespan;
   ASSERT_LT(steps_run, homes_run);
   EXPECT_LE(plan_lanes(tasks, rates, bytes, 1, room, start).run.makespan, steps_run);
+}
+
+// Twelve GPT-2-large-shaped models of 12 layers (benchmarks/bench_lanes.cpp's shape, shorter) under a 16 GiB budget
+// with the host at 50 GB/s. The greedy choice can step every task's embeddings (shard 0, tied to the head) on the
+// device: the most state a step moves for the least compute, and the backward that ends each task's step, so the
+// tasks' embedding states come in one behind another as their steps end together and the weights queued behind them
+// wait. Stepped on the host instead the run is shorter, and plan_lanes finds it.
+TEST(Lanes, PlanStepsTheEmbeddingsOnTheHostWhereTheirStatesWouldQueue) {
+  const StepBytes bytes;
+  const int64_t d = 1280, vocab = 50257, context = 1024, batch = 8;
+  const int64_t layer = 12 * d * d + 13 * d, wte = vocab * d, embeddings = wte + context * d;
+  const double layer_flops = 2.0 * layer + 2.0 * context * d, head_flops = 2.0 * wte;
+  const double per_flop = 0.210 / 3 / (36 * layer_flops + head_flops), forward = layer_flops * per_flop;
+  const double head = head_flops * per_flop;
+  TaskShape shape;
+  shape.shards.push_back(ShardShape{0.01 * forward, 0.02 * forward, embeddings, embeddings, embeddings, -1});
+  for (int l = 0; l < 12; ++l) shape.shards.push_back(ShardShape{forward, 3 * forward, layer, layer, layer, -1});
+  shape.shards.push_back(ShardShape{head, 2 * head, wte + 2 * d, wte + 2 * d, 2 * d, 0});
+  shape.micro_batches = 4;
+  const std::vector<TaskShape> tasks(12, shape);
+  const double gib = 1024.0 * 1024 * 1024;
+  const auto room = static_cast<int64_t>(14 * gib - 12 * 13.0 * batch * context * d * 2);
+  const LaneRates rates{55e9, 55e9, 50e9, 3e12};
+  // Device steps only (no homes), the host lane kept 40% idle: the greedy choice takes every task's embeddings first.
+  const Placement chosen = choose_placement(tasks, rates, bytes, 1, room, 0.6, {}, /*homes=*/false);
+  Placement embeddings_on_host = chosen;
+  int moved = 0;
+  for (std::vector<StepPlace>& places : embeddings_on_host) {
+    if (places.front() != StepPlace::kDevice) continue;
+    places.front() = places.back() = StepPlace::kHost;
+    ++moved;
+  }
+  ASSERT_EQ(moved, 12);
+  const double device_run = simulate(lane_simulation(tasks, chosen, rates, bytes, 1)).makespan;
+  const double host_run = simulate(lane_simulation(tasks, embeddings_on_host, rates, bytes, 1)).makespan;
+  EXPECT_LT(host_run, device_run);
+  const LanePlan plan = plan_lanes(tasks, rates, bytes, 1, room);
+  EXPECT_LE(plan.run.makespan, host_run);
+  for (const std::vector<StepPlace>& places : plan.placement) EXPECT_NE(places.front(), StepPlace::kDevice);
 }
 
 // A device-stepped shard's gradients are held for the run only where its task's steps sum several backwards.
