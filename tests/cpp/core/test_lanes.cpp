@@ -206,8 +206,7 @@ TEST(Lanes, PlacementMovesStepsOffABusyHost) {
   const LaneBound host_bound = lane_bound(tasks, host, rates, bytes, 1);
   EXPECT_EQ(host_bound.bound(), host_bound.host);
   for (int64_t room : {int64_t{0}, int64_t{40000}, int64_t{1} << 40}) {
-    // Device steps only (no homes), the host lane kept 40% idle: the greedy choice takes every task's embeddings first.
-  const Placement chosen = choose_placement(tasks, rates, bytes, 1, room, 0.6, {}, /*homes=*/false);
+    const Placement chosen = choose_placement(tasks, rates, bytes, 1, room);
     EXPECT_LE(placement_bytes(tasks, chosen, bytes), room);
     for (const auto& places : chosen) EXPECT_EQ(places.back(), places.front()) << "tied shards in one place";
     const LaneBound bound = lane_bound(tasks, chosen, rates, bytes, 1);
