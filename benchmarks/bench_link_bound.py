@@ -19,14 +19,15 @@ step's regions. With `--host-speed S` the host steps run on an emulated host mem
 over that bandwidth. With `--forecast`, each run is also forecast by the lane model (`_C.lane_forecast`, the
 simulator over the real scheduler) from what the memory-speed run of the same round measured: each shard's median
 unit times, the host steps' bytes per second (the emulated host's where there is one), the link's bandwidth, and the
-placement the run got; reported as the forecast over the measured span. With `--precision bf16` the models compute
-in bf16 (fp32 masters on the host, as in the GPU suite's P2; the copy / forward ratio then counts a block's bf16
-weights), and with `--cache-all` the budget also has room to keep every model's weights cached, as P2's budget on
-the GPU box does: the engine then grants "auto" its resident ends beside the other spilled models (bf16 keeps the
-models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the models train on N
-virtual CPU devices, each with its own emulated link and a share of the cores: the bound then counts the compute
-spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a device's share, "copies
-in s" all devices' together.
+placement the run got; reported as the forecast over the measured span, except where a task was placed again mid-run
+(a shard stepped in two places in `results.steps`: its placement is then where it stepped last). With `--precision
+bf16` the models compute in bf16 (fp32 masters on the host, as in the GPU suite's P2; the copy / forward ratio then
+counts a block's bf16 weights), and with `--cache-all` the budget also has room to keep every model's weights
+cached, as P2's budget on the GPU box does: the engine then grants "auto" its resident ends beside the other spilled
+models (bf16 keeps the models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the
+models train on N virtual CPU devices, each with its own emulated link and a share of the cores: the bound then
+counts the compute spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a
+device's share, "copies in s" all devices' together.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
                                           [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto device]
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 from unittest import mock
 
@@ -100,6 +102,15 @@ def extra_by_kind(base, results, shards: int) -> dict[str, float]:
             into.setdefault(unit_kind(e, shards), []).append(e.end - e.start)
     return {kind: sum(times) - statistics.median(at_memory_speed[kind]) * len(times)
             for kind, times in on_link.items()}
+
+
+def placed_again(results) -> bool:
+    """Whether a task stepped a shard in more than one place (placed again mid-run, as tasks still training are when
+    another leaves): the task's placement is then where it stepped last, and a forecast from it is of another run."""
+    places = {}
+    for e in results.steps:
+        places.setdefault((e.task, e.shard), set()).add(e.place)
+    return any(len(seen) > 1 for seen in places.values())
 
 
 def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> dict:
@@ -212,7 +223,8 @@ def main():
                      for key in ("acquire_wait_seconds", "grad_wait_seconds")]
             rows[ratio, placement].append((took / bound, waits[0] / took, waits[1] / took, compute,
                                            sum(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
-                                           took, forecast["span"] / took, took / lanes))
+                                           took, float("nan") if placed_again(results) else forecast["span"] / took,
+                                           took / lanes))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
     host = f"at {args.host_speed:g}x the link" if args.host_speed else "unpaced"
@@ -230,12 +242,14 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
     for (ratio, placement), measured in rows.items():
         med = [statistics.median(r[i] for r in measured) for i in range(8)]
+        if any(math.isnan(r[6]) for r in measured):
+            med[6] = float("nan")  # a round placed a task again mid-run
         host = rows.get((ratio, "host"))
         # Per round, then the median: the rounds interleave, so each ratio compares runs made side by side.
         versus = (statistics.median(r[5] / h[5] for r, h in zip(measured, host)) if host else float("nan"))
         print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | "
               f"{med[7]:.2f} | {med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |" +
-              (f" {med[6]:.2f} |" if args.forecast else ""))
+              ((" re-placed mid-run |" if math.isnan(med[6]) else f" {med[6]:.2f} |") if args.forecast else ""))
     if args.by_unit:
         print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "
               "largest first:")
