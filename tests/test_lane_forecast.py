@@ -32,9 +32,12 @@ def test_without_a_placement_one_is_chosen_within_the_room():
     assert {place for places in chosen["placement"] for place in places} <= {"host", "device"}
     assert "device" in chosen["placement"][0] + chosen["placement"][1]
     assert chosen["makespan"] < 0.7 * host["makespan"]
-    # Room for one step: one shard is stepped on the device, where its steps never overlap.
-    one = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14)["placement"]
-    assert (one[0] + one[1]).count("device") == 1
+    # Room for one step: the steps take turns in it, and more shards step on the device than the one it holds with
+    # two steps at once, for a shorter run in that room.
+    one = _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=100 * 14)
+    assert (one["placement"][0] + one["placement"][1]).count("device") > 1
+    single = [["device", "host", "host"], ["host"] * 3]
+    assert one["makespan"] < _C.lane_forecast([SHAPE] * 2, SLOW_HOST, placement=single, room=100 * 14)["makespan"]
     assert _C.lane_forecast([SHAPE] * 2, SLOW_HOST, room=0)["placement"] == [["host"] * 3] * 2
     # Summed over micro-batches or clipped, a step needs each device-stepped shard's gradients held (100 * 2 each),
     # and leaves the unit's room for them to the step (100 * 12 beyond it).

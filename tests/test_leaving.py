@@ -14,31 +14,33 @@ def adamw():
 
 
 def short_and_long_on_two_devices():
-    """Two spilled models on two devices, the host a second a step: "short" ends after two steps, "long" trains ten.
-    Returns the results and long's model."""
-    short, long = tied_transformer(seed=1, blocks=8), tied_transformer(seed=2, blocks=8)
+    """Two models on two devices, the host a second a step: "short", small, resident on one of them, ends after two
+    steps; "long", spilled, trains ten. Beside short, the budget holds one of long's device steps (its untied shard 9);
+    once short has left, its room holds them for shards 1-8. Returns the results and long's model."""
+    short, long = tied_transformer(seed=1, blocks=2), tied_transformer(seed=2, blocks=8)
     tasks = [ht.ModelTask(short, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2), name="short"),
              ht.ModelTask(long, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="long")]
     with testing.emulated_link(1e10), testing.emulated_host(2e6):
-        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(1.0 * model_bytes(long)), progress=False)
+        results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=int(1.5 * model_bytes(long)), progress=False)
     return results, long
 
 
 def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_the_room_it_left():
-    # Two spilled models on two devices, the host a second a step: beside "short", the arenas hold no device step of
-    # "long"; once "short" has ended (two steps), "long" is placed again at its next step boundary and steps shards
-    # on the devices from then on. Its state is in the store between steps: it ends as it trains alone.
+    # Beside "short", resident, the budget holds one device step of "long"; once "short" has ended (two steps),
+    # "long" is placed again at its next step boundary and steps shards 1-8 on the devices from then on. Its state is
+    # in the store between steps: it ends as it trains alone.
     results, long = short_and_long_on_two_devices()
     assert all(r.ok for r in results), [r.error for r in results]
     moved = results["long"]
-    assert results["short"].device_shards == [] and moved.device_shards, moved.placement
-    shard = moved.device_shards[0]
+    assert results["short"].placement == "resident" and 1 in moved.device_shards, moved.placement
+    shard = 1
     places = [e.place for e in sorted(results.steps, key=lambda e: e.step)
               if e.task_name == "long" and e.shard == shard]
     switched = places.index("device")
     assert len(places) == 10 and switched >= 2 and places == ["host"] * switched + ["device"] * (10 - switched)
     short_end = max(e.end for e in results.trace if e.task_name == "short")
-    first_device_step = min(e.start for e in results.steps if e.task_name == "long" and e.place == "device")
+    first_device_step = min(e.start for e in results.steps
+                            if e.task_name == "long" and e.shard == shard and e.place == "device")
     assert first_device_step > short_end, "placed again only once short had left"
     alone = tied_transformer(seed=2, blocks=8)
     reference = ht.train(ht.ModelTask(alone, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="a"),
@@ -125,8 +127,8 @@ def test_a_move_is_weighed_against_the_weights_it_copies_in_again(monkeypatch):
 def test_a_move_that_does_not_pay_leaves_the_task_where_it_is(monkeypatch):
     monkeypatch.setattr(lane_choice, "move_pays", lambda *args: False)
     results, _ = short_and_long_on_two_devices()
-    assert all(r.ok for r in results) and results["long"].device_shards == []
-    assert {e.place for e in results.steps if e.task_name == "long"} == {"host"}
+    assert all(r.ok for r in results) and 1 not in results["long"].device_shards
+    assert {e.place for e in results.steps if e.task_name == "long" and e.shard == 1} == {"host"}
 
 
 def test_a_lane_model_that_cannot_weigh_a_move_warns_and_leaves_the_task_where_it_is(monkeypatch):
@@ -135,4 +137,5 @@ def test_a_lane_model_that_cannot_weigh_a_move_warns_and_leaves_the_task_where_i
     monkeypatch.setattr(lane_choice, "move_pays", fails)
     with pytest.warns(RuntimeWarning, match="could not weigh moving 'long'.*no rates"):
         results, _ = short_and_long_on_two_devices()
-    assert all(r.ok for r in results) and results["long"].device_shards == []
+    assert all(r.ok for r in results) and 1 not in results["long"].device_shards
+    assert {e.place for e in results.steps if e.task_name == "long" and e.shard == 1} == {"host"}

@@ -87,7 +87,10 @@ void bind_lanes(py::module_& m) {
         core::SimulationResult run;
         if (placement) {
           chosen = parse_placement(*placement);
-          run = core::simulate(core::lane_simulation(shapes, chosen, lane_rates, step_bytes, devices));
+          const core::Placement from = start ? parse_placement(*start) : core::Placement{};
+          run = core::simulate(room ? core::simulation_in_room(shapes, chosen, lane_rates, step_bytes, devices, *room,
+                                                               from)
+                                    : core::lane_simulation(shapes, chosen, lane_rates, step_bytes, devices));
           result["headroom"] = py::none();
         } else {
           if (!room) throw py::value_error("lane_forecast: without a placement, give the room to choose one in");
@@ -123,7 +126,8 @@ void bind_lanes(py::module_& m) {
       "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate, clipped), each shard "
       "(forward s, backward s, weights, grads, params, tied_to); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
-      "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated; "
+      "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated (with "
+      "`room`, as plan_lanes runs it in that room: simulation_in_room); "
       "without it plan_lanes chooses one within `room` device bytes, from `start` (placed alike; None: every shard on "
       "the host) with `room` counted beyond what start's shards hold, and the tasks `fixed` names (per task, a bool) kept as "
       "start places them. Returns its placement, headroom, simulated "

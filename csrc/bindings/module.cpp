@@ -273,7 +273,7 @@ PYBIND11_MODULE(_C, m) {
   // A run's models registered with its devices' engines (engine/placement.h): per model, the device it is
   // resident on (-1: none), the one device it trains on (-1: any), a spilled model's resident shards, and its id
   // in each engine (-1 where it is not registered), and its device-stepped shards; `wishes`, per model, (more
-  // resident shards, device-stepped shards, keep_cached) asked. With `decide_only` nothing is registered, and what each
+  // resident shards, device-stepped shards) asked. With `decide_only` nothing is registered, and what each
   // device's budget would have left comes after them.
   using Placed = std::vector<std::tuple<int, int, std::vector<int>, std::vector<int>, std::vector<int>>>;
   m.def(
@@ -281,9 +281,9 @@ PYBIND11_MODULE(_C, m) {
       [](const std::vector<DeviceEngine*>& engines, const std::vector<std::shared_ptr<ShardStore>>& stores,
          const std::vector<std::string>& names, const std::vector<int64_t>& graph_bytes,
          const std::vector<bool>& resident_ends, const std::vector<int>& bases,
-         const std::vector<std::tuple<std::vector<int>, std::vector<int>, bool>>& wished, bool decide_only) {
+         const std::vector<std::tuple<std::vector<int>, std::vector<int>>>& wished, bool decide_only) {
         std::vector<hydra::engine::ShardWishes> wishes;
-        for (const auto& [resident, device, keep_cached] : wished) wishes.push_back({resident, device, keep_cached});
+        for (const auto& [resident, device] : wished) wishes.push_back({resident, device});
         std::vector<int64_t> free_left;
         Placed placed;
         for (hydra::engine::Placement& p :

@@ -1,5 +1,6 @@
 #include "core/lane_plan.h"
 
+#include <algorithm>
 #include <optional>
 
 namespace hydra::core {
@@ -11,7 +12,8 @@ namespace {
 // see what that saves: the first shards' steps are the ones the next step's first units wait for, in turn, and the
 // scheduler may give the device those units at once.
 Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement placement, int count,
-                                  const StepBytes& bytes, int num_devices, int64_t room, const Placement& start) {
+                                  const StepBytes& bytes, int num_devices, int64_t room, const Placement& start,
+                                  int step_rooms) {
   for (int s = 0; s < count; ++s)
     for (size_t t = 0; t < tasks.size(); ++t) {
       if (tasks[t].fixed || s >= static_cast<int>(tasks[t].shards.size()) ||
@@ -22,7 +24,7 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
         if (to == StepPlace::kResident && num_devices > 1) continue;
         Placement moved = placement;
         for (int g : group) moved[t][static_cast<size_t>(g)] = to;
-        if (placement_bytes(tasks, moved, bytes, start) <= room) {
+        if (placement_bytes(tasks, moved, bytes, start, step_rooms) <= room) {
           placement = std::move(moved);
           break;
         }
@@ -46,33 +48,50 @@ Placement first_shards_stepped_on_host(const std::vector<TaskShape>& tasks, Plac
 
 }  // namespace
 
+SimulationConfig simulation_in_room(const std::vector<TaskShape>& tasks, const Placement& placement,
+                                    const LaneRates& rates, const StepBytes& bytes, int num_devices, int64_t room,
+                                    const Placement& start) {
+  const int64_t held = placement_bytes(tasks, placement, bytes, start, 0);
+  return lane_simulation(tasks, placement, rates, bytes, num_devices, std::max<int64_t>(0, room - held));
+}
+
 LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
                     int num_devices, int64_t room, const Placement& start) {
-  std::optional<LanePlan> best;
+  // The shortest run of the placements whose device steps have room for two at once, and of those whose steps take
+  // turns in the room of one.
+  std::optional<LanePlan> best, best_in_turns;
   std::vector<Placement> tried;
   for (double headroom : kHeadrooms) {
     std::vector<Placement> variants;
-    for (bool homes : {true, false}) {
-      const Placement chosen = choose_placement(tasks, rates, bytes, num_devices, room, headroom, start, homes);
-      variants.push_back(chosen);
-      variants.push_back(first_shards_stepped_on_host(tasks, chosen));
-      for (int count : kLeadingShards) {
-        variants.push_back(leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room, start));
-        variants.push_back(first_shards_stepped_on_host(tasks, variants.back()));
+    for (int step_rooms : {2, 1})
+      for (bool homes : {true, false}) {
+        const Placement chosen =
+            choose_placement(tasks, rates, bytes, num_devices, room, headroom, start, homes, step_rooms);
+        variants.push_back(chosen);
+        variants.push_back(first_shards_stepped_on_host(tasks, chosen));
+        for (int count : kLeadingShards) {
+          variants.push_back(
+              leading_shards_off_host(tasks, chosen, count, bytes, num_devices, room, start, step_rooms));
+          variants.push_back(first_shards_stepped_on_host(tasks, variants.back()));
+        }
       }
-    }
     for (Placement& placement : variants) {
       bool seen = false;
       for (const Placement& p : tried) seen = seen || p == placement;
       if (seen) continue;
       tried.push_back(placement);
-      SimulationResult run = simulate(lane_simulation(tasks, placement, rates, bytes, num_devices));
-      if (!best || run.makespan < best->run.makespan) {
+      SimulationResult run =
+          simulate(simulation_in_room(tasks, placement, rates, bytes, num_devices, room, start));
+      const bool at_once = placement_bytes(tasks, placement, bytes, start, 2) <= room;
+      std::optional<LanePlan>& kept = at_once ? best : best_in_turns;
+      if (!kept || run.makespan < kept->run.makespan) {
         const LaneBound bound = lane_bound(tasks, placement, rates, bytes, num_devices);
-        best = LanePlan{std::move(placement), headroom, bound, std::move(run)};
+        kept = LanePlan{std::move(placement), headroom, bound, std::move(run)};
       }
     }
   }
+  if (best_in_turns && (!best || best_in_turns->run.makespan < (1.0 - kTurnsMargin) * best->run.makespan))
+    return *best_in_turns;
   return *best;
 }
 

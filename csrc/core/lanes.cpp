@@ -225,7 +225,8 @@ struct StepRooms {
       second = std::max(second, room);
     }
   }
-  int64_t total() const { return largest + second; }
+  // One room: the steps take turns; two: one step's state goes home as the next one's comes in.
+  int64_t total(int step_rooms) const { return step_rooms == 0 ? 0 : step_rooms == 1 ? largest : largest + second; }
 };
 
 // Where each backward is followed by its step, the gradient buffers a task's device-stepped ties keep for the run
@@ -243,7 +244,7 @@ int64_t tie_buffer_bytes(const TaskShape& task, const std::vector<StepPlace>& pl
   return held;
 }
 
-StepRooms step_rooms(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
+StepRooms device_steps_rooms(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
   StepRooms rooms;
   for (size_t t = 0; t < tasks.size(); ++t)
     for (size_t s = 0; s < tasks[t].shards.size(); ++s)
@@ -254,7 +255,8 @@ StepRooms step_rooms(const std::vector<TaskShape>& tasks, const Placement& place
 }  // namespace
 
 int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes,
-                        const Placement& start) {
+                        const Placement& start, int step_rooms) {
+  require(step_rooms >= 0 && step_rooms <= 2, "step_rooms must be 0, 1 or 2");
   validate_placement(tasks, placement);
   if (!start.empty()) validate_placement(tasks, start);
   int64_t held = 0;
@@ -268,11 +270,13 @@ int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& pl
     held += tie_buffer_bytes(tasks[t], placement[t], bytes) -
             (start.empty() ? 0 : tie_buffer_bytes(tasks[t], start[t], bytes));
   }
-  return held + step_rooms(tasks, placement, bytes).total();
+  return held + device_steps_rooms(tasks, placement, bytes).total(step_rooms);
 }
 
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
-                           int num_devices, int64_t room, double headroom, const Placement& start, bool homes) {
+                           int num_devices, int64_t room, double headroom, const Placement& start, bool homes,
+                           int step_rooms) {
+  require(step_rooms == 1 || step_rooms == 2, "step_rooms must be 1 or 2");
   validate(tasks, rates, bytes, num_devices);
   require(room >= 0, "room must be >= 0");
   require(headroom > 0.0 && headroom <= 1.0, "headroom must be in (0, 1]");
@@ -304,7 +308,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
     }
   int64_t held = 0;  // beyond the start's
   // Its device steps' rooms; a shard moved on to kResident keeps its step's room counted (moves only add rooms).
-  StepRooms steps = step_rooms(tasks, placement, bytes);
+  StepRooms steps = device_steps_rooms(tasks, placement, bytes);
   Ranking current = ranking(combine(per_task, num_devices), headroom);
   for (;;) {
     struct Move {
@@ -336,7 +340,8 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
             group_steps.add(step_room(shard, to, bytes, sums));
           }
           const int64_t asked =
-              group_held + (reserve <= room ? std::max(group_steps.total(), reserve) : group_steps.total());
+              group_held + (reserve <= room ? std::max(group_steps.total(step_rooms), reserve)
+                                            : group_steps.total(step_rooms));
           if (asked > room) continue;
           TaskLanes lanes = task_lanes(task, places, rates, bytes, one_device);
           std::swap(per_task[t], lanes);
@@ -364,9 +369,14 @@ std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, co
   validate_placement(tasks, placement);
   std::vector<StepSchedule> schedules;
   for (size_t t = 0; t < tasks.size(); ++t) {
-    StepSchedule schedule{tasks[t].accumulate, placement[t], {}};
-    for (size_t s = 0; s < tasks[t].shards.size(); ++s)
-      schedule.lanes.push_back(shard_lanes(tasks[t].shards[s], placement[t][s], tasks[t].accumulate > 1, rates, bytes));
+    StepSchedule schedule{tasks[t].accumulate, placement[t], {}, {}, {}};
+    for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
+      const ShardShape& shard = tasks[t].shards[s];
+      schedule.lanes.push_back(shard_lanes(shard, placement[t][s], tasks[t].accumulate > 1, rates, bytes));
+      const double weight_bytes = std::ceil(bytes.weight * static_cast<double>(shard.weights));
+      schedule.weight_bytes.push_back(static_cast<int64_t>(weight_bytes));
+      schedule.state_bytes.push_back(step_room(shard, placement[t][s], bytes, tasks[t].sums_backwards()));
+    }
     schedules.push_back(std::move(schedule));
   }
   return schedules;

@@ -20,8 +20,9 @@
 //              host before its next visit.
 //   kResident  weights, gradient, master and moments live on the device for the whole run and step there: no copy,
 //              for 16 bytes a parameter (bf16 with AdamW) of device memory.
-// Weights copy in at every visit of a kHost or kDevice shard (the simulator keeps no cache beyond the same shard
-// back to back), which makes the forecast's copy lanes an upper estimate where the engine keeps weights cached.
+// The bound counts a weight copy at every visit of a kHost or kDevice shard: an upper estimate of the copy lanes where
+// a device keeps weights between visits, as the engine's arena and the simulator in a room do (lane_plan.h's
+// simulation_in_room).
 #pragma once
 
 #include <cstdint>
@@ -118,8 +119,9 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
 
 // A placement with the smallest bound found: from `start` (empty: every shard on kHost), one move at a time (a shard,
 // with the shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within `room` bytes a
-// device for homes, kept gradients and the two largest device steps (one step's state goes home as the next one's comes
-// in) beyond what the start's shards hold (homes leave room for one step). kResident only with one device, where a
+// device for homes, kept gradients and `step_rooms` device steps' rooms (two: the two largest, one step's state goes
+// home as the next one's comes in; one: the largest, the steps take turns) beyond what the start's shards hold (homes
+// leave room for one step). kResident only with one device, where a
 // task's home is. `headroom` < 1 counts the copy and host lanes that much busier, so that they keep slack: a lane near
 // full queues, and a step late off the host stalls the shard's next visit (see lane_plan.h, which picks it by
 // simulation). Without `homes` no shard moves to kResident: one home takes the room of several device steps' gradient
@@ -127,21 +129,25 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
 // Throws std::invalid_argument for malformed shapes, rates or start.
 Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates& rates, const StepBytes& bytes,
                            int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {},
-                           bool homes = true);
+                           bool homes = true, int step_rooms = 2);
 Placement host_placement(const std::vector<TaskShape>& tasks);
 // The shards that step in one place with `shard`: those tied to it, and to them, in order.
 std::vector<int> tie_group(const TaskShape& task, int shard);
 
-// Device memory a placement asks: held bytes (beyond what `start`'s shards hold, where given) plus the two largest
-// steps' rooms (one step's state on its way home while the next one's comes in).
+// Device memory a placement asks: held bytes (beyond what `start`'s shards hold, where given) plus its device steps'
+// rooms: the two largest (`step_rooms` 2: one step's state on its way home while the next one's comes in), the
+// largest (1: the steps take turns, as the simulator's arena makes them where two do not fit), or none (0: what it
+// holds for the whole run).
 int64_t placement_bytes(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes,
-                        const Placement& start = {});
+                        const Placement& start = {}, int step_rooms = 2);
 
 // The simulator's view of a task under a placement.
 struct StepSchedule {
   int64_t accumulate = 1;
   std::vector<StepPlace> places;   // per shard
   std::vector<ShardLanes> lanes;   // per shard, in its place
+  std::vector<int64_t> weight_bytes;  // per shard: device bytes its weights' copy takes (a kept copy, simulator.h)
+  std::vector<int64_t> state_bytes;   // per shard: device bytes its step's state takes while there (kDevice: step_room)
 };
 std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, const Placement& placement,
                                          const LaneRates& rates, const StepBytes& bytes);

@@ -1,12 +1,14 @@
 #include "core/simulator.h"
 
 #include <algorithm>
+#include <limits>
 #include <queue>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 #include "core/scheduler.h"
+#include "core/simulator_cache.h"
 #include "core/simulator_steps.h"
 #include "core/simulator_units.h"
 
@@ -25,6 +27,7 @@ using simulated::ready_at;
 using simulated::StepState;
 using simulated::steps_on_device;
 using simulated::unit_compute;
+using simulated::WeightCache;
 using simulated::weights_ready;
 using simulated::weights_seconds;
 
@@ -74,7 +77,24 @@ double exposed_transfer(const SimulationConfig& config, DeviceState& device, con
 struct CopyLane {
   double free_at = 0.0;
   std::pair<int, int> base_shard{-1, -1};  // (base, shard) of the last base shard it copied
-  std::vector<std::pair<Unit, double>> landing;  // planned units whose copy was issued, and when it lands
+  struct Landing {
+    Unit unit;
+    double landed;
+    bool kept;  // no copy: the device keeps the unit's weights (held for it)
+  };
+  std::vector<Landing> landing;  // planned units whose copy was issued (or is kept), and when it lands
+  struct State {
+    double home;    // its arena room is free again (infinity until its step is placed)
+    int64_t bytes;
+  };
+  std::vector<State> states;  // device steps' states in the arena (SimulationConfig::arena_bytes)
+
+  int64_t state_bytes(double now) const {
+    int64_t taken = 0;
+    for (const State& state : states)
+      if (state.home > now) taken += state.bytes;
+    return taken;
+  }
 
   double copy(double now, double seconds, SimulationResult& result, double not_before = 0.0) {
     free_at = std::max({now, free_at, not_before}) + seconds;
@@ -83,53 +103,121 @@ struct CopyLane {
   }
 };
 
-// When `unit`, dispatched to `device` at `now`, may start: once its shard has landed.
+// The step whose weights the unit reads: the number of its shard's steps before its micro-batch.
+int64_t step_read(const SimulationConfig& config, const Unit& unit) {
+  return unit.micro_batch / config.steps[static_cast<size_t>(unit.task)].accumulate;
+}
+
+int64_t weight_bytes(const SimulationConfig& config, const Unit& unit) {
+  return config.steps[static_cast<size_t>(unit.task)].weight_bytes[static_cast<size_t>(unit.shard)];
+}
+
+// When the copy `cache` keeps of the unit's weights is there to compute on; -1 where it keeps none (or none is kept).
+double kept(const SimulationConfig& config, WeightCache* cache, const Unit& unit) {
+  if (!cache) return -1.0;
+  const WeightCache::Entry* entry = cache->use(unit.task, unit.shard, step_read(config, unit));
+  return entry ? entry->landed : -1.0;
+}
+
+// When `unit`, dispatched to `device` at `now`, may start: once its shard has landed. `cache`: the device's kept
+// copies (null: none kept).
 double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLane& lane, StepState& steps,
-                const Unit& unit, double now, SimulationResult& result) {
+                WeightCache* cache, const Unit& unit, double now, SimulationResult& result) {
   const bool same_shard = state.ran_before && state.last_task == unit.task && state.last_shard == unit.shard &&
                           !after_host_step(config, unit);
   auto issued = std::find_if(lane.landing.begin(), lane.landing.end(),
-                             [&](const auto& entry) { return entry.first == unit; });
+                             [&](const CopyLane::Landing& entry) { return entry.unit == unit; });
   if (issued != lane.landing.end()) {
-    const double start = std::max(now, issued->second);
+    const double start = std::max(now, issued->landed);
+    if (issued->kept) ++result.kept_visits;
     lane.landing.erase(issued);
     return start;
   }
   // The same shard again computes on the copy it holds, once the step on the device that rewrites it is done.
   if (same_shard) return config.steps.empty() ? now : std::max(now, steps.of(unit).stepped);
   if (!copies_weights(config, unit)) return now;
+  if (const double landed = kept(config, cache, unit); landed >= 0.0) {
+    ++result.kept_visits;
+    return std::max(now, landed);
+  }
   const double seconds = weights_seconds(config, unit) + base_copy(config, unit, lane.base_shard, result);
-  return lane.copy(now, seconds, result, ready_at(config, steps, unit));
+  const double landed = lane.copy(now, seconds, result, ready_at(config, steps, unit));
+  if (cache) cache->put(unit.task, unit.shard, step_read(config, unit), landed, weight_bytes(config, unit));
+  return landed;
+}
+
+// Evicts kept copies until `need` bytes more fit in the device's arena beside its device steps' states and the copies
+// landing for its plan (the unit in use is the working set the budget keeps apart); false where those alone leave no
+// such room.
+bool make_room(const SimulationConfig& config, WeightCache& cache, const CopyLane& lane, StepState& steps,
+               const Unit& unit, const std::vector<Unit>& planned, double now, int64_t need) {
+  std::vector<Unit> pinned{unit};
+  for (const CopyLane::Landing& landing : lane.landing) pinned.push_back(landing.unit);
+  const int64_t room = config.arena_bytes - lane.state_bytes(now) + cache.held(unit.task, unit.shard) - need;
+  return cache.trim(room, pinned, planned, [&](int task, int shard) {
+    return steps.shards[static_cast<size_t>(task)][static_cast<size_t>(shard)].issued;
+  });
 }
 
 // The lane copies the shards of the units the scheduler plans next for the device (a plan it commits to), as far
-// as `prefetch_units` allows. Each visit of a shard has a copy of its own, but the same shard back to back.
-void prefetch_plan(const SimulationConfig& config, Scheduler& scheduler, int device, CopyLane& lane, StepState& steps,
-                   const Unit& unit, double now, SimulationResult& result) {
+// as `prefetch_units` allows and, with an arena, as far as it has room for them (evicting kept copies needed later).
+// Each visit of a shard has a copy of its own, but the same shard back to back and one the device keeps (`cache`,
+// null: none). Returns the plan.
+std::vector<Unit> prefetch_plan(const SimulationConfig& config, Scheduler& scheduler, int device, CopyLane& lane,
+                                StepState& steps, WeightCache* cache, const Unit& unit, double now,
+                                SimulationResult& result) {
   const std::vector<Unit> planned = scheduler.commit_plan(device, config.prefetch_units);
-  std::erase_if(lane.landing, [&](const auto& entry) {
-    return std::none_of(planned.begin(), planned.end(), [&](const Unit& p) { return p == entry.first; });
+  std::erase_if(lane.landing, [&](const CopyLane::Landing& entry) {
+    return std::none_of(planned.begin(), planned.end(), [&](const Unit& p) { return p == entry.unit; });
   });
   const Unit* previous = &unit;
   for (const Unit& p : planned) {
     if (static_cast<int>(lane.landing.size()) >= config.prefetch_units) break;
     const bool back_to_back = p.task == previous->task && p.shard == previous->shard && !after_host_step(config, p);
     previous = &p;
-    if (back_to_back || !copies_weights(config, p) || !weights_ready(config, steps, p, now) ||
-        std::any_of(lane.landing.begin(), lane.landing.end(), [&](const auto& entry) { return entry.first == p; }))
+    if (back_to_back || !copies_weights(config, p) ||
+        std::any_of(lane.landing.begin(), lane.landing.end(),
+                    [&](const CopyLane::Landing& entry) { return entry.unit == p; }))
       continue;
+    if (const double landed = kept(config, cache, p); landed >= 0.0) {
+      lane.landing.push_back({p, landed, true});  // held for the unit as a copy would be
+      continue;
+    }
+    if (!weights_ready(config, steps, p, now)) continue;
+    if (cache && !make_room(config, *cache, lane, steps, unit, planned, now, weight_bytes(config, p))) break;
     const double seconds = weights_seconds(config, p) + base_copy(config, p, lane.base_shard, result);
-    lane.landing.emplace_back(p, lane.copy(now, seconds, result, ready_at(config, steps, p)));
+    lane.landing.push_back({p, lane.copy(now, seconds, result, ready_at(config, steps, p)), false});
+    if (cache) cache->put(p.task, p.shard, step_read(config, p), lane.landing.back().landed, weight_bytes(config, p));
   }
+  return planned;
 }
 
-// A kDevice shard's master and moments for the backward that ends its step: when they land (-1: no such step).
-// Issued as the backward starts, behind its own weights and those prefetched for the units planned next, as the
-// engine's device loop issues them (the compute needs those first).
+// A kDevice shard's master and moments for the backward that ends its step: when they land (-1: no such step), and
+// with an arena, the state it takes there (`taken`, -1: none; its `home` is set once its step is placed). Issued as
+// the backward starts, behind its own weights and those prefetched for the units planned next, as the engine's device
+// loop issues them (the compute needs those first), and once the states on the device leave it room, going home in
+// turn (one that needs more than the whole arena waits for all of them).
 double state_in(const SimulationConfig& config, CopyLane& lane, const Unit& unit, double now,
-                SimulationResult& result) {
+                SimulationResult& result, int& taken) {
+  taken = -1;
   if (!steps_on_device(config, unit)) return -1.0;
-  return lane.copy(now, lanes_of(config, unit).state_in, result);
+  double room_at = 0.0;
+  if (config.arena_bytes >= 0) {
+    std::erase_if(lane.states, [&](const CopyLane::State& state) { return state.home <= now; });
+    std::vector<CopyLane::State> in_turn = lane.states;
+    std::sort(in_turn.begin(), in_turn.end(),
+              [](const CopyLane::State& a, const CopyLane::State& b) { return a.home < b.home; });
+    const int64_t need = config.steps[static_cast<size_t>(unit.task)].state_bytes[static_cast<size_t>(unit.shard)];
+    int64_t held = lane.state_bytes(now);
+    for (const CopyLane::State& state : in_turn) {
+      if (held + need <= config.arena_bytes) break;
+      room_at = state.home;
+      held -= state.bytes;
+    }
+    lane.states.push_back({std::numeric_limits<double>::infinity(), need});
+    taken = static_cast<int>(lane.states.size()) - 1;
+  }
+  return lane.copy(now, lanes_of(config, unit).state_in, result, room_at);
 }
 
 SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<TaskSpec> tasks) {
@@ -139,6 +227,8 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
   std::vector<CopyOutLane> copies_out(static_cast<size_t>(config.num_devices));
   StepState steps(config);
   const bool along_plan = (config.transfer || !config.steps.empty()) && config.prefetch == Prefetch::kAlongPlan;
+  const bool keeps = along_plan && !config.steps.empty() && config.arena_bytes >= 0;
+  std::vector<WeightCache> caches(static_cast<size_t>(config.num_devices));
   std::priority_queue<Completion, std::vector<Completion>, std::greater<>> events;
   SimulationResult result;
   double now = 0.0;
@@ -158,16 +248,27 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
       const double compute = unit_compute(config.compute, *unit);
       CopyLane& lane = lanes[static_cast<size_t>(d)];
       double start = now, state_landed = -1.0;
+      int state = -1;
+      WeightCache* cache = keeps ? &caches[static_cast<size_t>(d)] : nullptr;
       if (along_plan) {
-        start = own_copy(config, device, lane, steps, *unit, now, result);
-        prefetch_plan(config, scheduler, d, lane, steps, *unit, now, result);
-        state_landed = state_in(config, lane, *unit, now, result);
+        start = own_copy(config, device, lane, steps, cache, *unit, now, result);
+        const std::vector<Unit> planned = prefetch_plan(config, scheduler, d, lane, steps, cache, *unit, now, result);
+        state_landed = state_in(config, lane, *unit, now, result, state);
+        if (cache) make_room(config, *cache, lane, steps, *unit, planned, now, 0);
       } else {
         start = now + exposed_transfer(config, device, *unit, now, result);
       }
       result.exposed_transfer_seconds += start - now;
+      double gradient_out = -1.0;
       const double end = after_unit(config, *unit, start + compute, state_landed,
-                                    copies_out[static_cast<size_t>(d)], steps, result);
+                                    copies_out[static_cast<size_t>(d)], steps, result, gradient_out);
+      // The step's state leaves the arena once it is home; a gradient going out holds its room until it has left
+      // (the unit's working set has room for the next one's).
+      if (state >= 0) lane.states[static_cast<size_t>(state)].home = steps.of(*unit).ready;
+      if (cache && gradient_out > end) lane.states.push_back({gradient_out, weight_bytes(config, *unit)});
+      // A device step rewrites the copy the device keeps of the weights it stepped.
+      if (cache && steps_on_device(config, *unit))
+        cache->rewrite(unit->task, unit->shard, steps.of(*unit).issued, steps.of(*unit).stepped);
       if (const double ready = next_forward_ready(config, steps, *unit); config.hold_for_steps && ready > end) {
         // As the engine's device loop does: the task's next forward would wait for a step, so other tasks go first
         // until it is done.
@@ -232,12 +333,21 @@ void validate(const SimulationConfig& config) {
   if (config.prefetch != Prefetch::kAlongPlan || config.transfer || config.gradient_transfer)
     throw std::invalid_argument("simulate: steps need Prefetch::kAlongPlan, and no transfer or gradient_transfer");
   if (config.steps.size() != config.tasks.size()) throw std::invalid_argument("simulate: one StepSchedule a task");
+  if (config.arena_bytes < -1) throw std::invalid_argument("simulate: arena_bytes must be >= -1");
   for (size_t t = 0; t < config.tasks.size(); ++t) {
     const StepSchedule& schedule = config.steps[t];
     const auto shards = static_cast<size_t>(config.tasks[t].num_shards);
     if (schedule.accumulate < 1 || schedule.places.size() != shards || schedule.lanes.size() != shards)
       throw std::invalid_argument("simulate: task " + std::to_string(t) +
                                   "'s StepSchedule needs accumulate >= 1 and a place and lanes for every shard");
+    auto sized = [&](const std::vector<int64_t>& per_shard) {
+      return per_shard.size() == shards &&
+             std::none_of(per_shard.begin(), per_shard.end(), [](int64_t b) { return b < 0; });
+    };
+    if (config.arena_bytes >= 0 && (!sized(schedule.weight_bytes) || !sized(schedule.state_bytes)))
+      throw std::invalid_argument("simulate: task " + std::to_string(t) +
+                                  "'s StepSchedule needs weight_bytes and state_bytes >= 0 for every shard to keep "
+                                  "an arena");
     if (eval_passes(config.tasks[t]) > 0)
       throw std::invalid_argument("simulate: task " + std::to_string(t) + " evaluates; steps are modelled without");
   }
@@ -246,13 +356,15 @@ void validate(const SimulationConfig& config) {
 }  // namespace
 
 SimulationConfig lane_simulation(const std::vector<TaskShape>& tasks, const Placement& placement,
-                                 const LaneRates& rates, const StepBytes& bytes, int num_devices) {
+                                 const LaneRates& rates, const StepBytes& bytes, int num_devices,
+                                 int64_t arena_bytes) {
   SimulationConfig config;
   config.tasks = task_specs(tasks);
   config.compute = [tasks](int task, int shard, Phase phase) { return unit_seconds(tasks, task, shard, phase); };
   config.num_devices = num_devices;
   config.prefetch = Prefetch::kAlongPlan;
   config.steps = step_schedules(tasks, placement, rates, bytes);
+  config.arena_bytes = arena_bytes;
   return config;
 }
 

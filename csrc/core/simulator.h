@@ -41,6 +41,17 @@
 // for a later dispatch. A task whose next forward would wait for a step (its first shard past the resident ones
 // stepped on the host, or a device-stepped one in front of that) is held back until the step is done
 // (hold_for_steps), so other tasks' units run meanwhile.
+//
+// The arena (SimulationConfig::arena_bytes >= 0, steps only): as the engine's does, a device keeps the weights it
+// copied in (StepSchedule::weight_bytes each) and a later visit of the shard computes on them without a copy while no
+// step has made them stale: a host step makes every copy stale, a device step rewrites the copy of the device that
+// ran it (and its next visit waits for that step). A device step's state takes StepSchedule::state_bytes of the arena
+// from its copy in until it is home, and a kHost gradient its weights' bytes from its backward's end until it has
+// left (the unit's working set has room for the next one's); a state that does not fit beside those on the device
+// waits, on the host-to-device lane, for them to go home in turn. The kept copies not in use or landing for a planned
+// unit fit in what the states leave, and a prefetch goes only as far as there is room; beyond it the device evicts
+// (simulator_cache.h): stale ones first, then the copy needed furthest ahead along its plan. The units in use are the
+// working set the budget keeps apart.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +89,10 @@ struct SimulationConfig {
   // Steps: a task whose next forward would wait for a step just queued (see above) is held back (Scheduler::hold)
   // until that step is done, as the engine's device loop holds it (hydra_torch.run.workers.HOLD_FOR_STEPS).
   bool hold_for_steps = true;
+  // Steps: device bytes of each device's arena (see above): the weight copies it keeps between visits and its device
+  // steps' states; -1: no copy kept (a shard's weights are copied at every visit but the same shard's back to back),
+  // and the states take no room.
+  int64_t arena_bytes = -1;
 };
 
 struct TraceEntry {
@@ -96,6 +111,7 @@ struct SimulationResult {
   double base_transfer_seconds = 0.0;      // of which (or of the exposed time, kPreviousUnit): base shards copied
   double host_seconds = 0.0;               // steps: busy time of the host lane
   double device_step_seconds = 0.0;        // steps: device time of kDevice and kResident steps
+  int64_t kept_visits = 0;                  // visits that computed on a copy kept from before (arena_bytes)
   std::vector<TraceEntry> trace;  // in dispatch order
 };
 
@@ -104,8 +120,10 @@ struct SimulationResult {
 SimulationResult simulate(const SimulationConfig& config);
 
 // The tasks' shapes under a placement (lanes.h) as a run to simulate: SHARP along each device's plan, LRTF.
+// `arena_bytes` >= 0: each device keeps weight copies and its device steps' states in that many bytes (see above).
 SimulationConfig lane_simulation(const std::vector<TaskShape>& tasks, const Placement& placement,
-                                 const LaneRates& rates, const StepBytes& bytes, int num_devices);
+                                 const LaneRates& rates, const StepBytes& bytes, int num_devices,
+                                 int64_t arena_bytes = -1);
 
 // Seconds of compute in one task's whole chain.
 double task_seconds(const std::vector<TaskSpec>& tasks, int task, const UnitSeconds& compute);

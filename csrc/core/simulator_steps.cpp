@@ -139,7 +139,8 @@ void queue_host_job(StepState& steps, HostJob job) {
 }
 
 double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
-                  CopyOutLane& copies_out, StepState& steps, SimulationResult& result) {
+                  CopyOutLane& copies_out, StepState& steps, SimulationResult& result, double& gradient_out) {
+  gradient_out = -1.0;
   if (!has_backward(unit.phase)) return end;
   auto out = [&](double after, double seconds) {
     result.gradient_transfer_seconds += seconds;
@@ -156,6 +157,7 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
   switch (place_of(config, unit)) {
     case StepPlace::kHost: {
       const double landed = out(landing_free(steps, unit.task, end), lanes.gradient_out);
+      gradient_out = landed;
       const double seconds = step ? lanes.host_step : lanes.host_accumulate;
       result.host_seconds += seconds;
       if (step) ++shard.issued;

@@ -107,8 +107,9 @@ double landing_free(const StepState& steps, int task, double from);
 void queue_host_job(StepState& steps, HostJob job);
 
 // What follows a unit that computed until `end`: its gradient out (on `copies_out`, the device's lane) and, where it
-// ends a step, the step. Returns when the device is free: after a device step, where one runs.
+// ends a step, the step. Returns when the device is free: after a device step, where one runs. `gradient_out`: when a
+// kHost shard's gradient has left the device (-1 where none goes out).
 double after_unit(const SimulationConfig& config, const Unit& unit, double end, double state_landed,
-                  CopyOutLane& copies_out, StepState& steps, SimulationResult& result);
+                  CopyOutLane& copies_out, StepState& steps, SimulationResult& result, double& gradient_out);
 
 }  // namespace hydra::core::simulated

@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <optional>
 #include <set>
 
 #include "engine/spilled_model.h"
@@ -41,21 +40,21 @@ std::vector<std::vector<int>> resident_end_choices(const ShardStore& store) {
   return choices;
 }
 
-// Where `others_cached` is given, the arena must also cache every spilled shard's weights at once: the other
-// models' (`*others_cached`) and this one's beside its resident `homed` shards.
-int64_t cache_need(const ShardStore& store, const std::vector<int>& homed, std::optional<int64_t> others_cached) {
-  return others_cached ? *others_cached + SpilledModel::cached_need(store, homed) : 0;
+// Arena bytes that cache every spilled shard's weights at once: the other models' (`others_cached`) and this one's
+// beside its resident `homed` shards.
+int64_t cache_need(const ShardStore& store, const std::vector<int>& homed, int64_t others_cached) {
+  return others_cached + SpilledModel::cached_need(store, homed);
 }
 
 // The shards a spilled model steps on the device beside its resident `homed` ones: every shard of `wanted` that is
 // not resident and has something to train, with the shards it shares a tied weight with (all wanted, else none of
 // them; and none on several devices, `ties` false: the tie's gradient sums in a buffer of one device), less the
-// last ones (a tie with its last) while their gradient buffers and the model's working set (and the cache,
-// cache_need) do not fit in `room` beside the other models' working set `may_spill` (the first shards' steps are
-// the ones the next step's first units wait for).
+// last ones (a tie with its last) while their gradient buffers and the model's working set do not fit in `room`
+// beside the other models' working set `may_spill` (the first shards' steps are the ones the next step's first
+// units wait for).
 std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& wanted,
                                     const std::vector<int>& homed, const ShardStore* base, int64_t may_spill,
-                                    int64_t room, std::optional<int64_t> others_cached, bool ties) {
+                                    int64_t room, bool ties) {
   auto in = [](const std::vector<int>& list, int s) { return std::find(list.begin(), list.end(), s) != list.end(); };
   std::vector<int> shards;
   for (int s = 0; s < store.num_shards(); ++s) {
@@ -68,8 +67,7 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
   }
   std::sort(shards.begin(), shards.end());
   while (!shards.empty() && SpilledModel::held_grads_need(store, shards) +
-                                    std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) +
-                                    cache_need(store, homed, others_cached) >
+                                    std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) >
                                 room) {
     const std::vector<int> tie = closed_under_ties(store, {shards.back()});
     std::erase_if(shards, [&](int s) { return in(tie, s); });
@@ -78,19 +76,18 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
 }
 
 // The resident `homed` shards grown by `wanted` ones (each with the shards tied to it), first shards first, while
-// the homes and the model's working set (and the cache, cache_need) fit in `room` beside the other models' working
-// set `may_spill`; never the whole model (whether a model is resident is the rule's call).
+// the homes and the model's working set fit in `room` beside the other models' working set `may_spill`; never the
+// whole model (whether a model is resident is the rule's call).
 std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, const std::vector<int>& wanted,
-                            const ShardStore* base, int64_t may_spill, int64_t room,
-                            std::optional<int64_t> others_cached) {
+                            const ShardStore* base, int64_t may_spill, int64_t room) {
   for (int s : wanted) {
     if (s < 0 || s >= store.num_shards() || std::find(homed.begin(), homed.end(), s) != homed.end()) continue;
     std::vector<int> grown = homed;
     grown.push_back(s);
     grown = closed_under_ties(store, std::move(grown));
     if (static_cast<int>(grown.size()) == store.num_shards() ||
-        SpilledModel::homes_need(store, grown) + std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) +
-                cache_need(store, grown, others_cached) > room)
+        SpilledModel::homes_need(store, grown) + std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) >
+            room)
       continue;
     homed = std::move(grown);
   }
@@ -186,11 +183,6 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         }
       }
       std::vector<int> stepped;
-      // As for the ends: beside other spilled models, wishes are granted only where every spilled shard's weights
-      // stay cached.
-      const std::optional<int64_t> cached = !wishes.empty() && wishes[i].keep_cached && !alone
-                                                ? std::optional<int64_t>(others_cached + base_cached)
-                                                : std::nullopt;
       if (!wishes.empty() && engines.size() > 1 && stores[i]->steps_after_each_backward()) {
         // On several devices: no home (the model runs on any device), and its device-stepped shards step on the
         // device that ran their backward, as many as every device holds (the choices differ only in how many of
@@ -198,7 +190,7 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         // step summing backwards would sum them in a buffer of one device, and they may run on several.
         for (size_t d = 0; d < engines.size() && !wishes[i].device.empty(); ++d) {
           std::vector<int> fits = device_step_choice(*stores[i], wishes[i].device, {}, base[i], may_spill, free[d],
-                                                     cached, /*ties=*/false);
+                                                     /*ties=*/false);
           if (d == 0 || fits.size() < stepped.size()) stepped = std::move(fits);
         }
         p.device_shards = stepped;
@@ -208,10 +200,10 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
         continue;
       }
       if (!wishes.empty() && engines.size() == 1) {
-        homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device], cached);
+        homed = more_homes(*stores[i], std::move(homed), wishes[i].resident, base[i], may_spill, free[device]);
         if (!wishes[i].device.empty())
           stepped = device_step_choice(*stores[i], wishes[i].device, homed, base[i], may_spill,
-                                       free[device] - SpilledModel::homes_need(*stores[i], homed), cached,
+                                       free[device] - SpilledModel::homes_need(*stores[i], homed),
                                        /*ties=*/true);
       }
       if (!homed.empty() || !stepped.empty()) {

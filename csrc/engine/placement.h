@@ -24,8 +24,9 @@
 // of `wishes[i].resident` (with the shards tied to it, in the order asked) whose home and its working set still fit
 // beside every other model's working set, and steps on the device each shard of `wishes[i].device` that is not
 // resident, with the shards it shares a tied weight with where all of them are wished (SpilledModel's
-// device-stepped shards), less the last ones while their gradient buffers and its working set do not fit (with
-// `keep_cached`, beside other spilled models, and every spilled shard's weights cached). On several devices it keeps
+// device-stepped shards), less the last ones while their gradient buffers and its working set do not fit. Unlike the
+// resident ends, the wishes are not held to every spilled shard's weights staying cached: the lane model that makes
+// them has weighed what its homes and steps' regions cost the weights the arena keeps. On several devices it keeps
 // no resident shard and steps on the device (whichever ran the shard's backward) the untied shards of
 // `wishes[i].device` that every device has room for, and only where each of its backwards is followed by its step
 // (ShardStore::steps_after_each_backward): a step summing backwards, or a tied weight's gradient, would sum in one
@@ -48,10 +49,6 @@ namespace hydra::engine {
 struct ShardWishes {
   std::vector<int> resident;  // more resident shards than the resident ends
   std::vector<int> device;    // shards stepped on the device
-  // Beside other models that may spill, granted only where every spilled shard's weights still fit cached, as the
-  // resident ends are ("auto": the lane model keeps no cache, and a step's regions or a home that evicts weights
-  // costs their copies again).
-  bool keep_cached = false;
 };
 
 struct Placement {

@@ -208,18 +208,18 @@ def told_and_forecast(rates, forecast, per_element: float | None) -> dict:
 
 
 def wishes(runners, stores, engines, devices, placement: str, candidates: list[bool], graph_bytes, bases):
-    """(per task, the shards it asks to keep resident (the resident ends among them), the shards it asks to step on
-    the device, and whether only with every weight cached: engine/placement.h's `wishes`; the lane model's rates and
-    the forecast of what it asked, or None). Every shard on the device for "device"; the lane model's choice for
-    "auto" on devices whose lanes are apart; nothing for "host". `candidates`, `graph_bytes` and `bases` are
-    place_models' `resident_ends`, `graph_bytes` and `bases`.
+    """(per task, the shards it asks to keep resident (the resident ends among them) and the shards it asks to step
+    on the device: engine/placement.h's `wishes`; the lane model's rates and the forecast of what it asked, or
+    None). Every shard on the device for "device"; the lane model's choice for "auto" on devices whose lanes are
+    apart; nothing for "host". `candidates`, `graph_bytes` and `bases` are place_models' `resident_ends`,
+    `graph_bytes` and `bases`.
 
     The lane model only informs the placement: where measuring or planning fails (a device out of memory for the
     rates' buffers, say), a warning says so and "auto" keeps the engine's rule. So it does where granting its
     wishes, task by task, would cost a later task the residency or resident ends the rule gives it."""
-    nothing = [([], [], False) for _ in stores]
+    nothing = [([], []) for _ in stores]
     if placement == "device":
-        return [([], list(range(store.num_shards)) if candidate else [], False)
+        return [([], list(range(store.num_shards)) if candidate else [])
                 for store, candidate in zip(stores, candidates)], None
     if placement != "auto" or not lanes_apart(devices[0]):
         return nothing, None
@@ -239,10 +239,11 @@ def wishes(runners, stores, engines, devices, placement: str, candidates: list[b
     if planned is None:
         return nothing, None
     places, told = planned
-    # The lane model keeps no cache of weights: beside other spilled tasks, the engine grants what it asks only
-    # where every spilled shard's weights stay cached (keep_cached).
+    # The lane model has weighed what its homes and device steps cost the weights the devices keep (its simulator keeps
+    # them in the room those leave): the engine grants them as far as the budget holds, as when a task is placed
+    # again (added_device_shards).
     asked = [([s for s, place in enumerate(shard_places) if place == "resident"],
-              [s for s, place in enumerate(shard_places) if place == "device"], True) for shard_places in places]
+              [s for s, place in enumerate(shard_places) if place == "device"]) for shard_places in places]
     granted, _ = _C.place_models(engines, stores, names, graph_bytes, candidates, bases, asked, True)
     if any(_loses(rule, got) for rule, got in zip(decided, granted)):
         return nothing, None

@@ -219,14 +219,14 @@ TEST(Lanes, PlacementMovesStepsOffABusyHost) {
     // The bound alone does not see how the tasks' units and host steps interleave: its choice, the host lane as full
     // as the compute, may run well above it (one task resident whole ends early and leaves the others' host steps
     // nothing to overlap; how each task's held back meanwhile is the two tests below).
-    const SimulationResult run = simulate(lane_simulation(tasks, chosen, rates, bytes, 1));
+    const SimulationResult run = simulate(simulation_in_room(tasks, chosen, rates, bytes, 1, room));
     // Chosen by simulation (slack on the copy and host lanes, the first shards off the host), the run keeps to the
     // bound, and is no longer than the one chosen by the bound alone.
     const LanePlan plan = plan_lanes(tasks, rates, bytes, 1, room);
     EXPECT_LE(plan.run.makespan, run.makespan);
-    EXPECT_LE(placement_bytes(tasks, plan.placement, bytes), room);
+    EXPECT_LE(placement_bytes(tasks, plan.placement, bytes, {}, 1), room) << "its steps in one room at least";
     EXPECT_LE(plan.run.makespan, 1.05 * plan.bound.bound()) << "room " << room;
-    EXPECT_LT(plan.run.makespan, 0.55 * simulate(lane_simulation(tasks, host, rates, bytes, 1)).makespan)
+    EXPECT_LT(plan.run.makespan, 0.55 * simulate(simulation_in_room(tasks, host, rates, bytes, 1, room)).makespan)
         << "room " << room;
   }
   // Several devices keep no home: steps move to the devices only.
@@ -338,7 +338,7 @@ TEST(Lanes, PlacementStartsFromTheShardsAlreadyResident) {
               placement_bytes(tasks, chosen, bytes) - held_bytes(shards[0], StepPlace::kResident, bytes, false));
     const LanePlan plan = plan_lanes(tasks, rates, bytes, 1, room, start);
     EXPECT_EQ(plan.placement[0][0], StepPlace::kResident);
-    EXPECT_LE(placement_bytes(tasks, plan.placement, bytes, start), room);
+    EXPECT_LE(placement_bytes(tasks, plan.placement, bytes, start, 1), room);
   }
   EXPECT_THROW(choose_placement(tasks, rates, bytes, 2, 0, 1.0, start), std::invalid_argument) << "one device";
   EXPECT_THROW(choose_placement(tasks, rates, bytes, 1, 0, 1.0, {{StepPlace::kHost}}), std::invalid_argument);
