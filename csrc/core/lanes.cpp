@@ -363,48 +363,4 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
   }
 }
 
-std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, const Placement& placement,
-                                         const LaneRates& rates, const StepBytes& bytes) {
-  validate(tasks, rates, bytes, 1);
-  validate_placement(tasks, placement);
-  std::vector<StepSchedule> schedules;
-  for (size_t t = 0; t < tasks.size(); ++t) {
-    StepSchedule schedule{tasks[t].accumulate, placement[t], {}, {}, {}};
-    for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
-      const ShardShape& shard = tasks[t].shards[s];
-      schedule.lanes.push_back(shard_lanes(shard, placement[t][s], tasks[t].accumulate > 1, rates, bytes));
-      const double weight_bytes = std::ceil(bytes.weight * static_cast<double>(shard.weights));
-      schedule.weight_bytes.push_back(static_cast<int64_t>(weight_bytes));
-      schedule.state_bytes.push_back(step_room(shard, placement[t][s], bytes, tasks[t].sums_backwards()));
-    }
-    schedules.push_back(std::move(schedule));
-  }
-  return schedules;
-}
-
-std::vector<TaskSpec> task_specs(const std::vector<TaskShape>& tasks) {
-  std::vector<TaskSpec> specs;
-  for (const TaskShape& task : tasks) {
-    TaskSpec spec{static_cast<int>(task.shards.size()), task.micro_batches, std::nullopt};
-    for (const ShardShape& shard : task.shards)
-      spec.shard_costs.push_back(shard.forward_seconds + shard.backward_seconds);
-    // The cost model takes positive costs only; with a shard that computes nothing, it assumes all alike.
-    if (std::any_of(spec.shard_costs.begin(), spec.shard_costs.end(), [](double c) { return c <= 0.0; }))
-      spec.shard_costs.clear();
-    specs.push_back(std::move(spec));
-  }
-  return specs;
-}
-
-double unit_seconds(const std::vector<TaskShape>& tasks, int task, int shard, Phase phase) {
-  const ShardShape& s = tasks.at(static_cast<size_t>(task)).shards.at(static_cast<size_t>(shard));
-  switch (phase) {
-    case Phase::kForward:
-    case Phase::kEvaluate: return s.forward_seconds;
-    case Phase::kBackward: return s.backward_seconds;
-    case Phase::kForwardBackward: return s.forward_seconds + s.backward_seconds;
-  }
-  return 0.0;
-}
-
 }  // namespace hydra::core

@@ -83,16 +83,17 @@ struct CopyLane {
     bool kept;  // no copy: the device keeps the unit's weights (held for it)
   };
   std::vector<Landing> landing;  // planned units whose copy was issued (or is kept), and when it lands
-  struct State {
+  struct Region {
     double home;    // its arena room is free again (infinity until its step is placed)
     int64_t bytes;
   };
-  std::vector<State> states;  // device steps' states in the arena (SimulationConfig::arena_bytes)
+  // Device steps' states and gradients going out, in the arena (SimulationConfig::arena_bytes).
+  std::vector<Region> regions;
 
-  int64_t state_bytes(double now) const {
+  int64_t region_bytes(double now) const {
     int64_t taken = 0;
-    for (const State& state : states)
-      if (state.home > now) taken += state.bytes;
+    for (const Region& region : regions)
+      if (region.home > now) taken += region.bytes;
     return taken;
   }
 
@@ -146,14 +147,14 @@ double own_copy(const SimulationConfig& config, const DeviceState& state, CopyLa
   return landed;
 }
 
-// Evicts kept copies until `need` bytes more fit in the device's arena beside its device steps' states and the copies
-// landing for its plan (the unit in use is the working set the budget keeps apart); false where those alone leave no
-// such room.
+// Evicts kept copies until `need` bytes more fit in the device's arena beside its device steps' states, the gradients
+// going out and the copies landing for its plan (the unit in use is the working set the budget keeps apart); false
+// where those alone leave no such room.
 bool make_room(const SimulationConfig& config, WeightCache& cache, const CopyLane& lane, StepState& steps,
                const Unit& unit, const std::vector<Unit>& planned, double now, int64_t need) {
   std::vector<Unit> pinned{unit};
   for (const CopyLane::Landing& landing : lane.landing) pinned.push_back(landing.unit);
-  const int64_t room = config.arena_bytes - lane.state_bytes(now) + cache.held(unit.task, unit.shard) - need;
+  const int64_t room = config.arena_bytes - lane.region_bytes(now) + cache.held(unit.task, unit.shard) - need;
   return cache.trim(room, pinned, planned, [&](int task, int shard) {
     return steps.shards[static_cast<size_t>(task)][static_cast<size_t>(shard)].issued;
   });
@@ -203,19 +204,19 @@ double state_in(const SimulationConfig& config, CopyLane& lane, const Unit& unit
   if (!steps_on_device(config, unit)) return -1.0;
   double room_at = 0.0;
   if (config.arena_bytes >= 0) {
-    std::erase_if(lane.states, [&](const CopyLane::State& state) { return state.home <= now; });
-    std::vector<CopyLane::State> in_turn = lane.states;
+    std::erase_if(lane.regions, [&](const CopyLane::Region& region) { return region.home <= now; });
+    std::vector<CopyLane::Region> in_turn = lane.regions;
     std::sort(in_turn.begin(), in_turn.end(),
-              [](const CopyLane::State& a, const CopyLane::State& b) { return a.home < b.home; });
+              [](const CopyLane::Region& a, const CopyLane::Region& b) { return a.home < b.home; });
     const int64_t need = config.steps[static_cast<size_t>(unit.task)].state_bytes[static_cast<size_t>(unit.shard)];
-    int64_t held = lane.state_bytes(now);
-    for (const CopyLane::State& state : in_turn) {
+    int64_t held = lane.region_bytes(now);
+    for (const CopyLane::Region& region : in_turn) {
       if (held + need <= config.arena_bytes) break;
-      room_at = state.home;
-      held -= state.bytes;
+      room_at = region.home;
+      held -= region.bytes;
     }
-    lane.states.push_back({std::numeric_limits<double>::infinity(), need});
-    taken = static_cast<int>(lane.states.size()) - 1;
+    lane.regions.push_back({std::numeric_limits<double>::infinity(), need});
+    taken = static_cast<int>(lane.regions.size()) - 1;
   }
   return lane.copy(now, lanes_of(config, unit).state_in, result, room_at);
 }
@@ -264,8 +265,8 @@ SimulationResult simulate_scheduled(const SimulationConfig& config, std::vector<
                                     copies_out[static_cast<size_t>(d)], steps, result, gradient_out);
       // The step's state leaves the arena once it is home; a gradient going out holds its room until it has left
       // (the unit's working set has room for the next one's).
-      if (state >= 0) lane.states[static_cast<size_t>(state)].home = steps.of(*unit).ready;
-      if (cache && gradient_out > end) lane.states.push_back({gradient_out, weight_bytes(config, *unit)});
+      if (state >= 0) lane.regions[static_cast<size_t>(state)].home = steps.of(*unit).ready;
+      if (cache && gradient_out > end) lane.regions.push_back({gradient_out, weight_bytes(config, *unit)});
       // A device step rewrites the copy the device keeps of the weights it stepped.
       if (cache && steps_on_device(config, *unit))
         cache->rewrite(unit->task, unit->shard, steps.of(*unit).issued, steps.of(*unit).stepped);
@@ -354,19 +355,6 @@ void validate(const SimulationConfig& config) {
 }
 
 }  // namespace
-
-SimulationConfig lane_simulation(const std::vector<TaskShape>& tasks, const Placement& placement,
-                                 const LaneRates& rates, const StepBytes& bytes, int num_devices,
-                                 int64_t arena_bytes) {
-  SimulationConfig config;
-  config.tasks = task_specs(tasks);
-  config.compute = [tasks](int task, int shard, Phase phase) { return unit_seconds(tasks, task, shard, phase); };
-  config.num_devices = num_devices;
-  config.prefetch = Prefetch::kAlongPlan;
-  config.steps = step_schedules(tasks, placement, rates, bytes);
-  config.arena_bytes = arena_bytes;
-  return config;
-}
 
 SimulationResult simulate(const SimulationConfig& config) {
   validate(config);

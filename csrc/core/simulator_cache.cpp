@@ -1,20 +1,21 @@
 #include "core/simulator_cache.h"
 
 #include <algorithm>
-#include <limits>
-#include <optional>
+#include <deque>
+#include <numeric>
+
+#include "core/eviction.h"
 
 namespace hydra::core::simulated {
 
 namespace {
 
-bool names(const Unit& unit, const WeightCache::Entry& entry) {
-  return unit.task == entry.task && unit.shard == entry.shard;
+bool is_pinned(const std::vector<Unit>& pinned, const WeightCache::Entry& entry) {
+  return std::any_of(pinned.begin(), pinned.end(),
+                     [&](const Unit& unit) { return unit.task == entry.task && unit.shard == entry.shard; });
 }
 
-bool is_pinned(const std::vector<Unit>& pinned, const WeightCache::Entry& entry) {
-  return std::any_of(pinned.begin(), pinned.end(), [&](const Unit& unit) { return names(unit, entry); });
-}
+int64_t key(int task, int shard) { return (int64_t{task} << 32) | static_cast<uint32_t>(shard); }
 
 }  // namespace
 
@@ -53,33 +54,26 @@ int64_t WeightCache::bytes() const {
   return total;
 }
 
-int64_t WeightCache::unpinned_bytes(const std::vector<Unit>& pinned) const {
-  int64_t total = 0;
-  for (const Entry& entry : entries_)
-    if (!is_pinned(pinned, entry)) total += entry.bytes;
-  return total;
-}
-
-void WeightCache::evict_one(const std::vector<Unit>& pinned, const std::vector<Unit>& upcoming,
+bool WeightCache::evict_one(const std::vector<Unit>& pinned, const std::vector<Unit>& upcoming,
                             const std::vector<bool>& stale) {
-  // Rank: stale first, then next use furthest ahead (never: furthest of all), then least recently used.
-  auto next_use = [&](const Entry& entry) {
-    for (size_t i = 0; i < upcoming.size(); ++i)
-      if (names(upcoming[i], entry)) return i;
-    return std::numeric_limits<size_t>::max();
-  };
-  std::optional<size_t> victim;
-  auto worse = [&](size_t a, size_t b) {  // entry a is a better victim than entry b
-    if (stale[a] != stale[b]) return static_cast<bool>(stale[a]);
-    const size_t use_a = next_use(entries_[a]), use_b = next_use(entries_[b]);
-    if (use_a != use_b) return use_a > use_b;
-    return entries_[a].used < entries_[b].used;
-  };
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    if (is_pinned(pinned, entries_[i])) continue;
-    if (!victim || worse(i, *victim)) victim = i;
+  // The engine's rule (core/eviction.h) over the stale copies, else over all: the candidates least recently used
+  // first, which it takes first among those never used along the plan.
+  std::vector<size_t> by_use(entries_.size());
+  std::iota(by_use.begin(), by_use.end(), size_t{0});
+  std::sort(by_use.begin(), by_use.end(), [&](size_t a, size_t b) { return entries_[a].used < entries_[b].used; });
+  std::deque<int64_t> next;
+  for (const Unit& unit : upcoming) next.push_back(key(unit.task, unit.shard));
+  for (bool only_stale : {true, false}) {
+    std::vector<EvictionCandidate> candidates;
+    for (size_t i : by_use)
+      if (!only_stale || stale[i])
+        candidates.push_back({key(entries_[i].task, entries_[i].shard), is_pinned(pinned, entries_[i])});
+    if (const std::optional<int64_t> victim = furthest_next_use(candidates, next)) {
+      std::erase_if(entries_, [&](const Entry& entry) { return key(entry.task, entry.shard) == *victim; });
+      return true;
+    }
   }
-  if (victim) entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*victim));
+  return false;
 }
 
 }  // namespace hydra::core::simulated

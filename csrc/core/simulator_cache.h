@@ -39,9 +39,8 @@ class WeightCache {
   int64_t held(int task, int shard) const;
 
  private:
-  void evict_one(const std::vector<Unit>& pinned, const std::vector<Unit>& upcoming,
-                 const std::vector<bool>& stale);
-  int64_t unpinned_bytes(const std::vector<Unit>& pinned) const;
+  // Evicts one copy not `pinned`, stale ones (`stale`, per entry) first; false where every copy is pinned.
+  bool evict_one(const std::vector<Unit>& pinned, const std::vector<Unit>& upcoming, const std::vector<bool>& stale);
   int64_t bytes() const;
 
   std::vector<Entry> entries_;
@@ -52,10 +51,9 @@ template <typename Current>
 bool WeightCache::trim(int64_t capacity, const std::vector<Unit>& pinned, const std::vector<Unit>& upcoming,
                        Current current) {
   while (bytes() > capacity) {
-    if (unpinned_bytes(pinned) == 0) return false;
     std::vector<bool> stale;
     for (const Entry& entry : entries_) stale.push_back(entry.step < current(entry.task, entry.shard));
-    evict_one(pinned, upcoming, stale);
+    if (!evict_one(pinned, upcoming, stale)) return false;
   }
   return true;
 }
