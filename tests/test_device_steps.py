@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import hydra_torch as ht
+from hydra_torch import testing
+from hydra_torch.run import lane_choice
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 import placed_training
 from placed_training import SEED, adamw, params
@@ -157,6 +159,58 @@ def test_a_tied_embedding_and_head_step_on_the_device_together(budget_fraction, 
     assert results[0].losses == pytest.approx(reference_losses, rel=1e-5)
     assert max_relative_error(models[0], reference) <= 1e-5
     assert models[0][0].weight is models[0][-1].weight
+
+
+# Per task: a tie split both ways. Task 0 steps the embedding (shard 0) on the device and the head that borrows it
+# (shard 6, which trains the final norm) on the host; task 1 the head on the device and the embedding on the host.
+SPLIT = [["device"] * 4 + ["host"] * 3, ["host"] * 5 + ["device"] * 2]
+
+
+def train_split(monkeypatch, budget_fraction=2.0, **options):
+    """train_two under "auto" on an emulated link and host, the lane model's choice replaced by SPLIT."""
+    chosen = lane_choice.plan
+
+    def split(*args):
+        planned = chosen(*args)
+        assert planned is not None, "the lane model was asked"
+        return [list(places) for places in SPLIT], planned[1]
+    monkeypatch.setattr(lane_choice, "plan", split)
+    with testing.emulated_link(1e10), testing.emulated_host(1e10):
+        return train_two("auto", budget_fraction, **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"clip_grad_norm": 0.5}], ids=["each_backward_stepped", "clip"])
+def test_a_tie_split_between_the_device_and_the_host_trains_as_plain_pytorch(monkeypatch, options):
+    """The tied weight steps with its owner. A host-stepped head adds its gradient of the shared weight to the
+    device-stepped embedding's buffer and sends out only the norm's; a device-stepped head sends its share out to be
+    summed with the host-stepped embedding's. As plain PyTorch, and bit for bit as every shard stepped on the host."""
+    results, models, data = train_split(monkeypatch, **options)
+    assert [result.device_shards for result in results] == [[0, 1, 2, 3], [5, 6]], results.summary()
+    assert all(stats["high_water_bytes"] <= stats["budget_bytes"] for stats in results.stats)
+    host, host_models, _ = train_two("host", 2.0, **options)
+    for got, want, model, host_model in zip(results, host, models, host_models):
+        assert got.losses == want.losses
+        assert all(torch.equal(a, b) for a, b in zip(params(model), params(host_model)))
+    for name, device in (("t0", {0, 1, 2, 3}), ("t1", {5, 6})):
+        places = {(entry.shard, entry.place) for entry in results.steps if entry.task_name == name}
+        assert {shard for shard, place in places if place == "device"} == device, (name, sorted(places))
+    for i in (0, 1):
+        reference = tied_transformer(seed=i, dropout=0.0)
+        reference_losses = train_plain(reference, data[i], lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
+                                       clip=options.get("clip_grad_norm"), seed=SEED)
+        assert results[i].losses == pytest.approx(reference_losses, rel=1e-5)
+        assert max_relative_error(models[i], reference) <= 1e-5
+        assert models[i][0].weight is models[i][-1].weight
+
+
+def test_a_checkpoint_of_a_split_tie_resumes_on_the_device_whole_bit_for_bit(monkeypatch, tmp_path):
+    _, straight, _ = train_two("host", 2.0)
+    first, resumed, _ = train_split(monkeypatch, max_steps=3, checkpoint_dir=tmp_path)
+    assert first[1].device_shards == [5, 6] and first[1].steps == 3
+    results, _, _ = train_two("device", 2.0, models=resumed, checkpoint_dir=tmp_path)
+    assert [result.steps for result in results] == [6, 6] and results[1].device_shards == list(range(7))
+    for model, reference in zip(resumed, straight):
+        assert all(torch.equal(a, b) for a, b in zip(params(model), params(reference)))
 
 
 def test_a_checkpoint_of_a_tie_stepped_on_the_device_resumes_on_the_host_bit_for_bit(tmp_path):

@@ -57,6 +57,33 @@ def test_a_fixed_task_keeps_its_start_and_the_others_are_placed_around_it():
     assert free[1] == start[1] and free[0] != start[0]
 
 
+# An embedding (shard 0, 100 elements) whose head (shard 2, 30 of its own) borrows 40 of them.
+TIED = ([(0.05, 0.1, 100, 100, 100, -1), (0.05, 0.1, 100, 100, 100, -1), (0.05, 0.1, 140, 70, 30, 0)], 8, 1, False)
+
+
+def test_a_tie_the_budget_split_is_forecast_as_split_and_a_task_so_placed_is_kept_so():
+    """The engine's budget may step a tie's owner on the device and its borrower on the host (a task already
+    training so is the start of a later choice): the head's gradient out then holds only what it owns, and the host
+    sums nothing of the tied weight."""
+    split = [["device", "host", "host"]]
+    whole = [["device", "host", "device"]]
+    host = [["host"] * 3]
+    forecasts = {name: _C.lane_forecast([TIED], SLOW_HOST, placement=p)
+                 for name, p in (("split", split), ("whole", whole), ("host", host))}
+    busy = {name: f["busy_seconds"] for name, f in forecasts.items()}
+    assert forecasts["split"]["placement"] == split
+    assert busy["whole"]["host"] < busy["split"]["host"] < busy["host"]["host"]
+    # Off the host: the embedding's 8 steps, and the 40 borrowed elements the head's steps no longer sum there (the
+    # landed gradient read, the sum read and written).
+    assert busy["host"]["host"] - busy["split"]["host"] == pytest.approx(
+        8 * (100 * 28 + 40 * (2 + 8)) / SLOW_HOST[2], rel=1e-6)
+    kept = _C.lane_forecast([TIED, SHAPE], SLOW_HOST, room=1 << 30, start=[split[0], ["host"] * 3],
+                            fixed=[True, False])
+    assert kept["placement"][0] == split[0]
+    with pytest.raises(ValueError, match="resident both or neither"):
+        _C.lane_forecast([TIED], SLOW_HOST, placement=[["resident", "host", "host"]])
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]),
      "'host', 'device' or 'resident'"),

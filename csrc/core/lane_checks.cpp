@@ -49,10 +49,13 @@ void validate_placement(const std::vector<TaskShape>& tasks, const Placement& pl
     require(placement[t].size() == tasks[t].shards.size(),
             "task " + std::to_string(t) + ": the placement's shard count differs from the shape's");
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
+      // A tie's gradient sums where its owner steps, on the device or the host; a resident shard's weights are its
+      // home's, which a spilled borrower's copy would not read.
       const int tied = tasks[t].shards[s].tied_to;
-      require(tied < 0 || placement[t][s] == placement[t][static_cast<size_t>(tied)],
+      require(tied < 0 || (placement[t][s] == StepPlace::kResident) ==
+                              (placement[t][static_cast<size_t>(tied)] == StepPlace::kResident),
               "task " + std::to_string(t) + ": tied shards " + std::to_string(s) + " and " + std::to_string(tied) +
-                  " step in different places");
+                  " are resident both or neither");
     }
   }
 }

@@ -21,10 +21,11 @@ std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, co
     StepSchedule schedule{tasks[t].accumulate, placement[t], {}, {}, {}};
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
       const ShardShape& shard = tasks[t].shards[s];
-      schedule.lanes.push_back(shard_lanes(shard, placement[t][s], tasks[t].accumulate > 1, rates, bytes));
+      const bool apart = tie_apart(tasks[t], placement[t], static_cast<int>(s));
+      schedule.lanes.push_back(shard_lanes(shard, placement[t][s], tasks[t].accumulate > 1, rates, bytes, apart));
       const double weight_bytes = std::ceil(bytes.weight * static_cast<double>(shard.weights));
       schedule.weight_bytes.push_back(static_cast<int64_t>(weight_bytes));
-      schedule.state_bytes.push_back(step_room(shard, placement[t][s], bytes, tasks[t].sums_backwards()));
+      schedule.state_bytes.push_back(step_room(shard, placement[t][s], bytes, tasks[t].sums_backwards(), apart));
     }
     schedules.push_back(std::move(schedule));
   }

@@ -41,7 +41,7 @@ TaskLanes task_lanes(const TaskShape& task, const std::vector<StepPlace>& places
   for (int s = 0; s < n; ++s) {
     const ShardShape& shard = task.shards[static_cast<size_t>(s)];
     const StepPlace place = places[static_cast<size_t>(s)];
-    const ShardLanes lanes = shard_lanes(shard, place, accumulates, rates, bytes);
+    const ShardLanes lanes = shard_lanes(shard, place, accumulates, rates, bytes, tie_apart(task, places, s));
     const double per_micro_batch = shard.forward_seconds + shard.backward_seconds;
     own_compute += static_cast<double>(mb) * per_micro_batch + static_cast<double>(steps) * lanes.device_step;
     if (place != StepPlace::kResident) {
@@ -123,26 +123,32 @@ const char* step_place_name(StepPlace place) {
 }
 
 ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
-                       const StepBytes& bytes) {
+                       const StepBytes& bytes, bool tie_apart) {
   ShardLanes lanes;
   const auto p = static_cast<double>(shard.params);
+  // A borrowed (tied) weight's gradient: where the owner steps on the host, summed into its owner's there, read as
+  // landed and the sum read and written.
+  const auto borrowed = static_cast<double>(std::max<int64_t>(0, shard.grads - shard.params));
+  const double summed_on_host = (place == StepPlace::kHost) != tie_apart ? borrowed : 0.0;
   if (place != StepPlace::kResident)
     lanes.weights_in = static_cast<double>(shard.weights) * bytes.weight / rates.host_to_device;
   switch (place) {
     case StepPlace::kHost:
-      lanes.gradient_out = static_cast<double>(shard.grads) * bytes.weight / rates.device_to_host;
-      lanes.host_accumulate = accumulates ? static_cast<double>(shard.grads) * bytes.host_accumulate / rates.host : 0.0;
-      // With accumulation the step reads the host's sum and zeroes it besides. A borrowed (tied) weight's gradient
-      // is summed into its owner's on the host: read as landed, and the sum read and written.
+      lanes.gradient_out = (p + summed_on_host) * bytes.weight / rates.device_to_host;
+      lanes.host_accumulate = accumulates ? (p + summed_on_host) * bytes.host_accumulate / rates.host : 0.0;
+      // With accumulation the step reads the host's sum and zeroes it besides.
       lanes.host_step = (p * (bytes.host_step + (accumulates ? 2 * bytes.host_accumulate : 0.0)) +
-                         static_cast<double>(std::max<int64_t>(0, shard.grads - shard.params)) *
-                             (bytes.weight + bytes.host_accumulate)) /
+                         summed_on_host * (bytes.weight + bytes.host_accumulate)) /
                         rates.host;
       break;
     case StepPlace::kDevice:
       lanes.state_in = p * bytes.state_in() / rates.host_to_device;
       lanes.device_step = p * bytes.device_step / rates.device_memory;
       lanes.state_out = p * bytes.state_out() / rates.device_to_host;
+      // Its share of a tied weight a kHost owner steps goes out after every backward and is summed there.
+      lanes.gradient_out = summed_on_host * bytes.weight / rates.device_to_host;
+      lanes.host_accumulate = accumulates ? summed_on_host * bytes.host_accumulate / rates.host : 0.0;
+      lanes.host_step = summed_on_host * (bytes.weight + bytes.host_accumulate) / rates.host;
       break;
     case StepPlace::kResident:
       lanes.device_step = p * bytes.device_step / rates.device_memory;
@@ -162,13 +168,14 @@ int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& by
   return 0;
 }
 
-int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards) {
+int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards,
+                  bool tie_apart) {
   if (place != StepPlace::kDevice) return 0;
   // The engine's step regions: what the step sends home, fp32 master and moments, and the new weights' staging in
   // bf16. Beside the working set every room counts (a shard's weights and gradients): a unit whose gradients are
-  // held apart leaves that much of it to the step.
+  // held apart leaves that much of it to the step, unless its region holds a tied weight's gradient going out.
   const double regions = static_cast<double>(shard.params) * bytes.state_out();
-  const double apart = sums_backwards ? static_cast<double>(shard.weights) * bytes.weight : 0.0;
+  const double apart = sums_backwards && !tie_apart ? static_cast<double>(shard.weights) * bytes.weight : 0.0;
   return static_cast<int64_t>(std::ceil(std::max(0.0, regions - apart)));
 }
 
@@ -182,6 +189,12 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
   for (size_t t = 0; t < tasks.size(); ++t)
     per_task.push_back(task_lanes(tasks[t], placement[t], rates, bytes, num_devices == 1));
   return combine(per_task, num_devices);
+}
+
+bool tie_apart(const TaskShape& task, const std::vector<StepPlace>& places, int s) {
+  const ShardShape& shard = task.shards.at(static_cast<size_t>(s));
+  return shard.tied_to >= 0 && shard.grads > shard.params &&
+         places.at(static_cast<size_t>(shard.tied_to)) != places.at(static_cast<size_t>(s));
 }
 
 std::vector<int> tie_group(const TaskShape& task, int s) {
@@ -230,17 +243,20 @@ struct StepRooms {
 };
 
 // Where each backward is followed by its step, the gradient buffers a task's device-stepped ties keep for the run
-// all the same: each owner's, where its borrowers' gradients wait for its own backward (held_bytes counts them
-// where a step sums backwards).
+// all the same (held_bytes counts them where a step sums backwards): each kDevice owner's, where its borrowers'
+// gradients wait for its own backward, and each kDevice borrower's of a kHost owner, whose unit's region holds only
+// the gradient that goes out.
 int64_t tie_buffer_bytes(const TaskShape& task, const std::vector<StepPlace>& places, const StepBytes& bytes) {
   if (task.sums_backwards()) return 0;
-  std::vector<bool> owner(task.shards.size());
-  for (size_t s = 0; s < task.shards.size(); ++s)
-    if (places[s] == StepPlace::kDevice && task.shards[s].tied_to >= 0)
-      owner[static_cast<size_t>(task.shards[s].tied_to)] = true;
+  std::vector<bool> keeps(task.shards.size());
+  for (size_t s = 0; s < task.shards.size(); ++s) {
+    const int tied = task.shards[s].tied_to;
+    if (tied >= 0 && places[static_cast<size_t>(tied)] == StepPlace::kDevice) keeps[static_cast<size_t>(tied)] = true;
+    if (places[s] == StepPlace::kDevice && tie_apart(task, places, static_cast<int>(s))) keeps[s] = true;
+  }
   int64_t held = 0;
   for (size_t s = 0; s < task.shards.size(); ++s)
-    if (owner[s]) held += static_cast<int64_t>(std::ceil(task.shards[s].params * bytes.weight));
+    if (keeps[s]) held += static_cast<int64_t>(std::ceil(task.shards[s].params * bytes.weight));
   return held;
 }
 
@@ -248,7 +264,8 @@ StepRooms device_steps_rooms(const std::vector<TaskShape>& tasks, const Placemen
   StepRooms rooms;
   for (size_t t = 0; t < tasks.size(); ++t)
     for (size_t s = 0; s < tasks[t].shards.size(); ++s)
-      rooms.add(step_room(tasks[t].shards[s], placement[t][s], bytes, tasks[t].sums_backwards()));
+      rooms.add(step_room(tasks[t].shards[s], placement[t][s], bytes, tasks[t].sums_backwards(),
+                          tie_apart(tasks[t], placement[t], static_cast<int>(s))));
   return rooms;
 }
 

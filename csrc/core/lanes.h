@@ -8,16 +8,17 @@
 //
 // Where a shard of a spilled model steps (StepPlace):
 //   kHost      its gradient goes out after every backward (summed on the host when a step accumulates, and, for a
-//              tied weight it borrows, into the owner's), the host steps it, and its next visit copies the
-//              stepped weights in. The fp32 master and the optimizer moments never leave the host.
+//              tied weight it borrows, into the owner's, unless the owner is kDevice: that part then sums in the
+//              owner's buffer on the device), the host steps it, and its next visit copies the stepped weights in.
+//              The fp32 master and the optimizer moments never leave the host.
 //   kDevice    its gradient stays on the device (held there for the whole run where a step sums several backwards,
-//              or where it owns a tied weight whose borrowers are kDevice too (their gradients of it sum in its
-//              buffer, and a tie steps in one place), else from its backward to its step, in the unit's working set
-//              as a kHost shard's is); after
-//              the step's last backward its master and moments come in (prefetched while that backward
-//              computes), the device steps them, and master, moments and the new weights go back out. No host
-//              arithmetic, about 12 bytes a parameter each way on the copy lanes, and no round trip through the
-//              host before its next visit.
+//              where it owns a tied weight (every borrower's gradient of it sums in its buffer), or where it borrows
+//              one from a kHost owner; else from its backward to its step, in the unit's working set as a kHost
+//              shard's is); after the step's last backward its master and moments come in (prefetched while that
+//              backward computes), the device steps them, and master, moments and the new weights go back out. No
+//              host arithmetic, about 12 bytes a parameter each way on the copy lanes, and no round trip through the
+//              host before its next visit. Its gradient of a tied weight a kHost owner steps goes out after every
+//              backward, summed on the host as a kHost borrower's is.
 //   kResident  weights, gradient, master and moments live on the device for the whole run and step there: no copy,
 //              for 16 bytes a parameter (bf16 with AdamW) of device memory.
 // The bound counts a weight copy at every visit of a kHost or kDevice shard: an upper estimate of the copy lanes where
@@ -66,7 +67,7 @@ struct ShardShape {
   int64_t weights = 0;  // elements its visit reads and copies in (a tied weight it borrows included)
   int64_t grads = 0;    // gradient elements its backward produces (a borrowed tied weight's included)
   int64_t params = 0;   // elements it owns and steps
-  int tied_to = -1;     // a shard of the same task whose weights it borrows: the two step in one place
+  int tied_to = -1;     // a shard of the same task whose weights it borrows: resident both or neither
 };
 
 struct TaskShape {
@@ -93,8 +94,12 @@ struct ShardLanes {
   double state_out = 0.0;        // each step (kDevice)
 };
 
+// `tie_apart`: the shard borrows a trainable tied weight whose owner steps in the other of kHost and kDevice
+// (tie_apart below): its gradient of it sums where the owner steps.
 ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
-                       const StepBytes& bytes);
+                       const StepBytes& bytes, bool tie_apart = false);
+// Whether shard `s` borrows a trainable tied weight (gradients beyond what it owns) from a shard placed apart from it.
+bool tie_apart(const TaskShape& task, const std::vector<StepPlace>& places, int s);
 
 // Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer of what it
 // owns where its task's steps sum several backwards, `sums_backwards`; a tie's owner's otherwise is counted by
@@ -102,7 +107,8 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
 // set of a unit (its weights and gradients) that every room leaves out (kDevice: master, moments and the new
 // weights' staging, less the gradients' share of the working set where they are held apart).
 int64_t held_bytes(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards);
-int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards);
+int64_t step_room(const ShardShape& shard, StepPlace place, const StepBytes& bytes, bool sums_backwards,
+                  bool tie_apart = false);
 
 struct LaneBound {
   double compute = 0.0;         // busiest device's lanes, with tasks spread evenly: totals / devices
@@ -131,7 +137,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
                            int num_devices, int64_t room, double headroom = 1.0, const Placement& start = {},
                            bool homes = true, int step_rooms = 2);
 Placement host_placement(const std::vector<TaskShape>& tasks);
-// The shards that step in one place with `shard`: those tied to it, and to them, in order.
+// The shards tied to `shard`, and to them, in order: the lane model moves them as one.
 std::vector<int> tie_group(const TaskShape& task, int shard);
 
 // Device memory a placement asks: held bytes (beyond what `start`'s shards hold, where given) plus its device steps'

@@ -167,6 +167,12 @@ double after_unit(const SimulationConfig& config, const Unit& unit, double end, 
       return end;
     }
     case StepPlace::kDevice: {
+      if (lanes.gradient_out > 0.0) {  // its share of a tied weight a host-stepped owner steps: summed there
+        gradient_out = out(landing_free(steps, unit.task, end), lanes.gradient_out);
+        const double seconds = step ? lanes.host_step : lanes.host_accumulate;
+        result.host_seconds += seconds;
+        queue_host_job(steps, HostJob{unit.task, unit.shard, gradient_out, seconds, false, false});
+      }
       if (!step) return end;
       // The step runs once its state has landed, on the device's step lane: the compute goes on with other units
       // meanwhile (it pays the step's own time, not the wait), and the shard's next visit waits for the step.

@@ -47,28 +47,45 @@ int64_t cache_need(const ShardStore& store, const std::vector<int>& homed, int64
 }
 
 // The shards a spilled model steps on the device beside its resident `homed` ones: every shard of `wanted` that is
-// not resident and has something to train, with the shards it shares a tied weight with (all wanted, else none of
-// them; and none on several devices, `ties` false: the tie's gradient sums in a buffer of one device), less the
-// last ones (a tie with its last) while their gradient buffers and the model's working set do not fit in `room`
-// beside the other models' working set `may_spill` (the first shards' steps are the ones the next step's first
-// units wait for).
+// not resident and has something of its own to train (a tie's owner and borrowers each as wished: the tied weight
+// steps with its owner), and each borrower with nothing of its own whose tied weights' owners are among them (it
+// steps with them); on several devices (`ties` false) none that shares a tied weight (its gradient would sum in a
+// buffer of one device). Less the last ones, each with the shards it shares a tied weight with, while their gradient
+// buffers and the model's working set do not fit in `room` beside the other models' working set `may_spill` (the
+// first shards' steps are the ones the next step's first units wait for). A tie at the budget's edge goes as one:
+// the split that kept the embedding's step on the device ran 4% longer (benchmarks/RESULTS.md).
 std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& wanted,
                                     const std::vector<int>& homed, const ShardStore* base, int64_t may_spill,
                                     int64_t room, bool ties) {
   auto in = [](const std::vector<int>& list, int s) { return std::find(list.begin(), list.end(), s) != list.end(); };
+  auto tied = [&](int s) { return closed_under_ties(store, {s}).size() > 1; };
+  auto lends_to = [&](int owner, int b) {
+    const std::vector<ParamEntry>& layout = store.layout(b);
+    return std::any_of(layout.begin(), layout.end(),
+                       [&](const ParamEntry& e) { return e.owner == owner && e.trainable; });
+  };
   std::vector<int> shards;
-  for (int s = 0; s < store.num_shards(); ++s) {
-    if (!in(wanted, s) || in(shards, s)) continue;
-    const std::vector<int> tie = closed_under_ties(store, {s});
-    if ((tie.size() > 1 && !ties) || !std::all_of(tie.begin(), tie.end(), [&](int t) { return in(wanted, t); }))
-      continue;
-    if (!SpilledModel::device_shards_error(store, homed, tie).empty()) continue;
-    shards.insert(shards.end(), tie.begin(), tie.end());
+  for (int s = 0; s < store.num_shards(); ++s)
+    if (in(wanted, s) && !in(homed, s) && store.trainable_numel(s) > 0 && (ties || !tied(s))) shards.push_back(s);
+  // A borrower with nothing of its own steps where its owners do, wanted or not.
+  const std::vector<int> chosen = shards;
+  for (int b = 0; b < store.num_shards(); ++b) {
+    if (store.trainable_numel(b) > 0 || in(homed, b)) continue;
+    bool lent = false, all = true;
+    for (int o = 0; o < store.num_shards(); ++o) {
+      if (o == b || !lends_to(o, b)) continue;
+      lent = true;
+      all = all && in(chosen, o);
+    }
+    if (lent && all) shards.push_back(b);
   }
   std::sort(shards.begin(), shards.end());
-  while (!shards.empty() && SpilledModel::held_grads_need(store, shards) +
-                                    std::max(may_spill, SpilledModel::spilled_need(store, homed, base, shards)) >
-                                room) {
+  auto fits = [&](const std::vector<int>& chosen) {
+    return SpilledModel::held_grads_need(store, chosen) +
+               std::max(may_spill, SpilledModel::spilled_need(store, homed, base, chosen)) <=
+           room;
+  };
+  while (!shards.empty() && (!fits(shards) || !SpilledModel::device_shards_error(store, homed, shards).empty())) {
     const std::vector<int> tie = closed_under_ties(store, {shards.back()});
     std::erase_if(shards, [&](int s) { return in(tie, s); });
   }

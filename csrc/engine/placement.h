@@ -23,8 +23,10 @@
 // off the host, hydra_torch/run/lane_choice.py), model i, if spilled, on one device also keeps resident each shard
 // of `wishes[i].resident` (with the shards tied to it, in the order asked) whose home and its working set still fit
 // beside every other model's working set, and steps on the device each shard of `wishes[i].device` that is not
-// resident, with the shards it shares a tied weight with where all of them are wished (SpilledModel's
-// device-stepped shards), less the last ones while their gradient buffers and its working set do not fit. Unlike the
+// resident and has something of its own to train (a tie's owner and borrowers each where wished: the tied weight
+// steps with its owner; a borrower with nothing of its own with its owner, SpilledModel's device-stepped shards),
+// less the last ones (each with the shards it shares a tied weight with) while their gradient buffers and its working
+// set do not fit. Unlike the
 // resident ends, the wishes are not held to every spilled shard's weights staying cached: the lane model that makes
 // them has weighed what its homes and steps' regions cost the weights the arena keeps. On several devices it keeps
 // no resident shard and steps on the device (whichever ran the shard's backward) the untied shards of

@@ -29,6 +29,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
   trainable_numel_.assign(n, 0);
   device_numel_.assign(n, 0);
   gradient_numel_.assign(n, 0);
+  summed_on_device_ = std::vector<std::atomic<bool>>(n);
   steps_.assign(n, 0);
   versions_ = std::vector<std::atomic<int64_t>>(n);
   last_steps_.resize(n);
@@ -133,6 +134,7 @@ ShardStore::ShardStore(const std::vector<std::vector<at::Tensor>>& shard_params,
 }
 
 void ShardStore::pin_states(const std::vector<int>& shards) {
+  std::lock_guard<std::mutex> lock(pin_mutex_);
   if (!pinned_) return;
   // In fp32 the master is pinned already: it crosses as the weights.
   std::vector<at::Tensor*> buffers;
@@ -279,14 +281,30 @@ void ShardStore::keep_grads(int shard, const at::Tensor& device_layout_grad) {
   kept(shard).copy_(device_layout_grad.narrow(0, 0, trainable_numel_[shard]));
 }
 
-void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step) {
-  TORCH_CHECK(device_layout_grad.device().is_cpu() && device_layout_grad.numel() >= gradient_numel_.at(shard) &&
-                  device_layout_grad.numel() <= device_numel_.at(shard),
-              "accumulate_grads: expected a host tensor of ", gradient_numel_.at(shard), " to ", device_numel_.at(shard),
-              " elements");
+void ShardStore::set_summed_on_device(const std::vector<int>& owners) {
+  std::vector<bool> summed(num_shards());
+  for (int s : owners) summed.at(s) = true;
+  for (int s = 0; s < num_shards(); ++s) summed_on_device_[s].store(summed[s], std::memory_order_release);
+}
+
+int64_t ShardStore::host_gradient_numel(int shard) const {
+  int64_t numel = trainable_numel_.at(shard);
+  for (const ParamEntry& e : layouts_[shard])
+    if (e.owner != shard && e.trainable && !summed_on_device(e.owner))
+      numel = std::max(numel, aligned(e.device_offset + e.numel));
+  return numel;
+}
+
+void ShardStore::accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step, int64_t first) {
+  const int64_t end = first + device_layout_grad.numel();
+  TORCH_CHECK(device_layout_grad.device().is_cpu() && first >= 0 && first <= owned_numel_.at(shard) &&
+                  end >= host_gradient_numel(shard) && end <= device_numel_.at(shard),
+              "accumulate_grads: expected a host tensor of the device layout from element ", first, " up to ",
+              host_gradient_numel(shard), " to ", device_numel_.at(shard), " of shard ", shard, ", got ",
+              device_layout_grad.numel(), " elements");
   for (const ParamEntry& e : layouts_[shard]) {
-    if (e.owner == shard || !e.trainable) continue;
-    const at::Tensor part = device_layout_grad.narrow(0, e.device_offset, e.numel);
+    if (e.owner == shard || !e.trainable || summed_on_device(e.owner)) continue;
+    const at::Tensor part = device_layout_grad.narrow(0, e.device_offset - first, e.numel);
     if (ends_step && keeps_borrowed_as_landed_ && !has_grad(e.owner)) {
       kept(e.owner).narrow(0, e.master_offset, e.numel).copy_(part);
       borrowed_waiting_[e.owner][e.owner_index] = 1;

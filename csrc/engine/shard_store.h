@@ -70,6 +70,15 @@ class ShardStore {
   // The device layout's prefix that holds every trainable gradient (owned and borrowed): what a spilled shard's
   // gradient copy moves. Frozen parameters sorted to the end of the owned part are never copied back.
   int64_t gradient_numel(int shard) const { return gradient_numel_.at(shard); }
+  // The owners whose tied weights' gradients sum on the device, in a buffer of the owner's there (a device-stepped
+  // owner, SpilledModel): a borrower's gradient that lands on the host holds nothing of theirs, and
+  // accumulate_borrowed passes them over. Set where the model is placed (replacing what was set); none at first.
+  // Each flag is atomic: the engines of several devices place a model at once, and host jobs read them.
+  void set_summed_on_device(const std::vector<int>& owners);
+  bool summed_on_device(int owner) const { return summed_on_device_.at(owner).load(std::memory_order_acquire); }
+  // The device layout's prefix holding the trainable gradients that sum on the host: the owned ones, and the
+  // borrowed ones whose owner's do not sum on the device. What a host-stepped shard's gradient copy moves.
+  int64_t host_gradient_numel(int shard) const;
   int64_t device_numel(int shard) const { return device_numel_.at(shard); }
   int64_t total_owned_numel() const;
   int64_t total_trainable_numel() const;  // what has optimizer state
@@ -200,9 +209,12 @@ class ShardStore {
   // the owned part in one pass, each borrowed parameter into its owner's buffer.
   void accumulate_grads(int shard, const at::Tensor& device_layout_grad);
   // Only the borrowed parameters' part of it, into their owners' accumulators (the owned part is stepped from
-  // where it landed). `ends_step`: this micro-batch ends the step, and where the owner has no accumulator and
-  // keeps_borrowed_as_landed(), the part waits in the owner's kept buffer instead.
-  void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step = false);
+  // where it landed), but those of owners summed_on_device. `ends_step`: this micro-batch ends the step, and where
+  // the owner has no accumulator and keeps_borrowed_as_landed(), the part waits in the owner's kept buffer instead.
+  // `first`: the device layout's element that the gradient's first is (a device-stepped shard sends only its
+  // borrowed part, from owned_numel on).
+  void accumulate_borrowed(int shard, const at::Tensor& device_layout_grad, bool ends_step = false,
+                           int64_t first = 0);
   // The owned part into the kept gradient (see kept), the borrowed part into the owners' accumulators.
   void keep_grads(int shard, const at::Tensor& device_layout_grad);
   // One owned parameter's host training state, for checkpoints: the parameter, views shaped like it of its
@@ -242,6 +254,7 @@ class ShardStore {
   std::vector<std::vector<int64_t>> param_steps_;
   // Per shard, per owned entry: a borrower's gradient of it waits in kept (keeps_borrowed_as_landed).
   std::vector<std::vector<uint8_t>> borrowed_waiting_;
+  std::vector<std::atomic<bool>> summed_on_device_;  // per shard: set_summed_on_device
   bool keeps_borrowed_as_landed_ = false;
   // Per shard, per entry: its learning rate and weight decay (the optimizer's unless set_param_options).
   struct ParamOptions {
@@ -263,6 +276,7 @@ class ShardStore {
   // The transfer sources of all shards are one block when pinned (host_buffers), and pin_states's shards another.
   std::vector<at::Tensor> master_, grad_, kept_, shadow_;
   std::vector<uint8_t> state_pinned_;  // per shard: pin_states moved its master and states
+  std::mutex pin_mutex_;  // the engines of several devices add a model at once, each pinning its states
   std::vector<std::vector<at::Tensor>> state_;
 };
 

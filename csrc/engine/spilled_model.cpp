@@ -39,12 +39,22 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
                                this->store().total_trainable_numel() == 0),
               "a frozen base has no trainable weights, no resident shards and no device-stepped ones");
   for (int s : resident_shards_) homed_[s] = true;
+  ShardStore& own = this->store();
   for (int s : device_shards_) {
     device_stepped_[s] = true;
-    holds_grads_[s] = keeps_gradient_buffer(this->store(), device_shards_, s);
-    device_grad_owners_[s] = borrowed_grad_owners(this->store(), s);
+    holds_grads_[s] = keeps_gradient_buffer(own, device_shards_, s);
+    sends_borrowed_[s] = sends_borrowed_grads(own, device_shards_, s);
   }
-  this->store().pin_states(device_shards_);
+  // A tied weight whose owner is device-stepped sums its gradient in the owner's buffer, from every borrower.
+  std::vector<int> summed_here;
+  for (int b = 0; b < own.num_shards(); ++b)
+    for (int owner : borrowed_grad_owners(own, b))
+      if (device_stepped_[owner]) {
+        device_grad_owners_[b].push_back(owner);
+        summed_here.push_back(owner);
+      }
+  own.set_summed_on_device(summed_here);
+  own.pin_states(device_shards_);
 }
 
 bool SpilledModel::homed(int shard) const { return homed_.at(shard); }
@@ -177,17 +187,18 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
       load(shard, DeviceEngine::Need::kMust);
       ++stats.acquire_loads;
     }
-    // A device-stepped borrower with nothing of its own to train writes every gradient into its owners' buffers.
+    // A device-stepped borrower with nothing of its own to train writes every gradient into its owners' buffers;
+    // one that sends some out holds them in its unit's region.
     const bool own_grads = !device_stepped_[shard] || store().trainable_numel(shard) > 0;
-    if (with_grads && own_grads && !w.grads.valid() && !holds_grads(shard)) {
+    if (with_grads && own_grads && !w.grads.valid() && (!holds_grads(shard) || sends_borrowed_[shard])) {
       const auto allocating = std::chrono::steady_clock::now();
       allocate_grads(shard);
       stats.grad_wait_seconds += seconds_since(allocating);
     }
     w.ready.order_before(engine_.compute_stream());
     w.device_step_queued = false;  // the compute now comes after the step that wrote these weights
-    // The buffers its backward adds to are those the last steps read and zeroed: its own, and the owners' of the
-    // tied weights it borrows where it is device-stepped.
+    // The buffers its backward adds to are those the last steps read and zeroed: its own, and the device-stepped
+    // owners' of the tied weights it borrows.
     const bool borrows_here = with_grads && !device_grad_owners_[shard].empty();
     if (with_grads && holds_grads(shard)) held_grads_ready_[shard].order_before(engine_.compute_stream());
     if (borrows_here)
@@ -198,12 +209,15 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
     const at::Tensor grads = !with_grads || !own_grads ? at::Tensor()
                              : holds_grads(shard)     ? held_grads(shard)
                                                       : grad_view(shard);
-    // Every parameter the shard uses is in its own copy, tied ones included; a device-stepped shard's gradient of a
-    // tied weight it borrows sums in the owner's buffer, where the owner's step reads it.
+    const at::Tensor unit_grads = w.grads.valid() ? grad_view(shard) : at::Tensor();
+    // Every parameter the shard uses is in its own copy, tied ones included; its gradient of a tied weight it
+    // borrows sums in the owner's buffer where the owner is device-stepped (the owner's step reads it there), and
+    // else waits in the unit's region to go out with (or, device-stepped, apart from) its own.
     bind(shard, with_grads, [&](const ParamEntry& e) {
-      if (borrows_here && e.owner != shard && e.trainable)
+      if (e.owner == shard || !e.trainable) return Place{weights, grads, e.device_offset};
+      if (borrows_here && device_stepped_[e.owner])
         return Place{weights, held_grads(e.owner), e.device_offset, e.master_offset};
-      return Place{weights, grads, e.device_offset};
+      return Place{weights, with_grads ? unit_grads : at::Tensor(), e.device_offset};
     });
   } catch (...) {
     if (!had_grads && w.grads.valid()) {
@@ -260,6 +274,7 @@ void SpilledModel::after_release(int shard) {
 void SpilledModel::backward_done(int shard, bool step, double lr_scale, bool keep) {
   if (homed_.at(shard) || device_stepped_.at(shard)) {  // its gradients stay on the device: summed and stepped there
     note_gradients(shard);
+    if (sends_borrowed_[shard]) send_borrowed_grads(shard, step);  // but those of weights stepped on the host
     // A unit's own gradient region would be given back at release, before any step read it.
     TORCH_CHECK(step || homed_[shard] || holds_grads(shard) || store().trainable_numel(shard) == 0,
                 "backward_done: shard ", shard, " of model ", id(),

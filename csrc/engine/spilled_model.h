@@ -17,10 +17,13 @@
 // once they have landed (the compute goes on meanwhile) and they go back out with the new weights, which a cached
 // copy takes on the device too (spilled_model_device_steps.cpp): no gradient copy, no host arithmetic. Where
 // the host's memory bandwidth binds a run, that moves its busiest lane's work to the device and the link's other
-// direction. A tied weight steps in one place: its owner and borrowers are all device-stepped or none is. Its owner
-// then keeps a gradient buffer on the device for the run, into which each borrower's backward adds its share
-// before the owner's own backward (backward runs from the last shard to the first), so the owner's step sees their
-// sum; a borrower's step steps what it owns. Every unit of such a model runs on one device (the buffer is there).
+// direction. A tied weight steps once, in its owner's step, wherever that is; each borrower steps what it owns where
+// it is placed. A device-stepped owner keeps a gradient buffer on the device for the run, into which every
+// borrower's backward, device- or host-stepped, adds its share before the owner's own backward (backward runs from
+// the last shard to the first), so the owner's step sees their sum; a host-stepped borrower's copy out then leaves
+// that part behind. A device-stepped borrower of a host-stepped owner keeps its own gradients in a buffer and sends
+// its share of the tied weight's out after each backward, to be summed on the host as a host-stepped borrower's is.
+// Every unit of a model with a tie so split or stepped on the device runs on one device (the buffers are there).
 #pragma once
 
 #include <string>
@@ -44,8 +47,9 @@ class SpilledModel final : public DeviceModel {
   // weight with users on both sides), or empty when they can.
   static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
   // Why `shards` cannot be a spilled model's device-stepped shards beside `resident_shards` (out of range,
-  // repeated, resident, sharing a trainable tied weight with a shard not among them, or with nothing to train), or
-  // empty when they can.
+  // repeated, resident, with nothing to train, or a borrower with nothing of its own to train apart from the owner
+  // of the tied weight it borrows: its step is the count alone, and its gradient is all the owner's), or empty when
+  // they can.
   static std::string device_shards_error(const ShardStore& store, const std::vector<int>& resident_shards,
                                          const std::vector<int>& shards);
   // What the resident shards' homes take of the budget.
@@ -53,11 +57,15 @@ class SpilledModel final : public DeviceModel {
   // What the device-stepped shards' gradient buffers take of the budget, for good (keeps_gradient_buffer).
   static int64_t held_grads_need(const ShardStore& store, const std::vector<int>& shards);
   // Whether `shard`, among the device-stepped `shards`, keeps its gradients in a buffer of its own for the run:
-  // where a step sums several backwards (not ShardStore::steps_after_each_backward), and where a device-stepped
-  // shard borrows a trainable tied weight from it (that backward's gradient waits there for the owner's). Else a
+  // where a step sums several backwards (not ShardStore::steps_after_each_backward), where another shard borrows a
+  // trainable tied weight from it (that backward's gradient waits there for the owner's), and where it borrows one
+  // from a host-stepped owner (sends_borrowed_grads: its unit's region holds only the share that goes out). Else a
   // unit's gradients take an arena region, given back once its step has read them. The buffer spans the shard's
   // trainable weights: a borrowed weight's gradient is in its owner's.
   static bool keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard);
+  // Whether `shard`, among the device-stepped `shards`, borrows a trainable tied weight from a shard not among them:
+  // its backward's gradient of that weight goes out to be summed on the host.
+  static bool sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard);
   // The regions one device step of `shard` brings in for its length: fp32 master, optimizer states and, in bf16,
   // the new weights' staging, aligned.
   static int64_t device_step_need(const ShardStore& store, int shard);
@@ -149,9 +157,18 @@ class SpilledModel final : public DeviceModel {
     int64_t version = 0;  // of the store's shards it was copied from
   };
   void allocate_grads(int shard);
+  // Copies `device_grad` out to a buffer of the model's landing ring, after everything issued on the compute stream
+  // so far: leased by the copy into `*landing`, given back when the host job is done with it (or when both jobs are
+  // gone, however they ended). While the model has none free, the lane copies other models' gradients that can land.
+  using Landing = std::shared_ptr<std::unique_ptr<StagingRing::Lease>>;
+  Fence land(const at::Tensor& device_grad, const Landing& landing);
   // backward_done for a host-stepped shard (spilled_model_host_steps.cpp): its gradient goes out to a staging
   // buffer, and a host job sums or keeps it and, with `step`, steps the shard.
   void send_gradients(int shard, bool step, double lr_scale, bool keep);
+  // backward_done's part for a device-stepped shard that sends_borrowed_grads: its unit's region, which holds only
+  // its gradients of the weights it borrows from host-stepped owners, goes out, and a host job adds them to the
+  // owners' (ends_step `step`), as a host-stepped borrower's would be.
+  void send_borrowed_grads(int shard, bool step);
   // The shard's optimizer step over its accumulated (or kept) gradients, queued on the model's host jobs after
   // `norm`: scaled by it, or skipped where it is not finite.
   void step(int shard, std::shared_ptr<const ClipNorm> norm, double lr_scale);
@@ -198,10 +215,11 @@ class SpilledModel final : public DeviceModel {
   std::vector<bool> device_stepped_ = std::vector<bool>(store().num_shards());
   // Per shard, as the store said when the model was added (which its budget counted: a later change of
   // steps_after_each_backward does not move them): it keeps a gradient buffer (keeps_gradient_buffer); and, where it
-  // is device-stepped, the owners of the trainable tied weights it borrows (borrowed_grad_owners: its gradients of
-  // them go to their buffers).
+  // borrows trainable tied weights from device-stepped owners, those owners (its gradients of them go to their
+  // buffers, whichever way it is stepped).
   std::vector<bool> holds_grads_ = std::vector<bool>(store().num_shards());
   std::vector<std::vector<int>> device_grad_owners_ = std::vector<std::vector<int>>(store().num_shards());
+  std::vector<bool> sends_borrowed_ = std::vector<bool>(store().num_shards());  // sends_borrowed_grads
   std::vector<Region> held_grads_;  // per shard once uploaded: a device-stepped shard's gradient buffer
   std::vector<StateVisit> state_visits_ = std::vector<StateVisit>(store().num_shards());
   std::vector<Fence> held_grads_ready_ = std::vector<Fence>(store().num_shards());  // after the step that zeroes them

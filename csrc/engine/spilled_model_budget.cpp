@@ -45,8 +45,9 @@ int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<in
     const int64_t numel = in(resident_shards, s) ? 0 : store.device_numel(s);
     const int64_t weights = numel * store.element_bytes() + 512;
     // Weights and gradients; a device-stepped shard's step's regions come in, and its gradients are held apart
-    // where it keeps a gradient buffer.
-    const int64_t held_apart = keeps_gradient_buffer(store, device_shards, s) ? weights : 0;
+    // where it keeps a gradient buffer, unless its unit's region takes those of the tied weights it sends out.
+    const bool apart = keeps_gradient_buffer(store, device_shards, s) && !sends_borrowed_grads(store, device_shards, s);
+    const int64_t held_apart = apart ? weights : 0;
     const int64_t own = numel == 0             ? 0
                         : in(device_shards, s) ? 2 * weights - held_apart + device_step_need(store, s)
                                                : 2 * weights;

@@ -9,8 +9,10 @@
 // copy of the shard's weights is updated on the device too, so its next visit need not wait for the trip home.
 //
 // A tied weight (an embedding and the head that borrows it) steps once, in its owner's step, over the sum of every
-// shard's gradient of it: a borrower's backward adds its share to the owner's gradient buffer on the device, which
-// the owner's backward, the last of the step, adds to. So the whole tie is device-stepped or none of it is.
+// shard's gradient of it. Where the owner is device-stepped, each borrower's backward (device- or host-stepped) adds
+// its share to the owner's gradient buffer on the device, which the owner's backward, the last of the step, adds to.
+// Where the owner is stepped on the host, a device-stepped borrower sends its share there after each backward, and
+// it is summed as a host-stepped borrower's is. A borrower with nothing of its own to train steps with its owner.
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
@@ -51,21 +53,34 @@ std::string SpilledModel::device_shards_error(const ShardStore& store, const std
     // A borrower of a trainable tied weight with nothing of its own (a head alone) takes its tie's gradient there.
     if (store.trainable_numel(s) == 0 && borrowed_grad_owners(store, s).empty()) return name + " has nothing to train";
   }
-  // A tied weight's gradient sums on the device only where its owner's buffer is there, and its step is the owner's.
-  for (int b = 0; b < n; ++b)
+  // Such a borrower's step is the count alone and its gradient all its owners': it steps where they do.
+  for (int b = 0; b < n; ++b) {
+    if (store.trainable_numel(b) > 0) continue;
     for (int owner : borrowed_grad_owners(store, b))
       if (in[b] != in[owner])
-        return "device-stepped shard " + std::to_string(in[b] ? b : owner) + " shares a tied weight with shard " +
-               std::to_string(in[b] ? owner : b) + ", which is not device-stepped: a tied weight steps in one place";
+        return in[b] ? "device-stepped shard " + std::to_string(b) +
+                           " has nothing of its own to train and borrows a tied weight from shard " +
+                           std::to_string(owner) + ", which is not device-stepped: such a borrower steps with its owner"
+                     : "device-stepped shard " + std::to_string(owner) + " lends a tied weight to shard " +
+                           std::to_string(b) + ", which has nothing of its own to train and is not device-stepped: "
+                           "such a borrower steps with its owner";
+  }
   return {};
+}
+
+bool SpilledModel::sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard) {
+  auto in = [&](int s) { return std::find(shards.begin(), shards.end(), s) != shards.end(); };
+  if (!in(shard)) return false;
+  const std::vector<int> owners = borrowed_grad_owners(store, shard);
+  return std::any_of(owners.begin(), owners.end(), [&](int owner) { return !in(owner); });
 }
 
 bool SpilledModel::keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard) {
   auto in = [&](int s) { return std::find(shards.begin(), shards.end(), s) != shards.end(); };
   if (!in(shard) || store.trainable_numel(shard) == 0) return false;
-  if (!store.steps_after_each_backward()) return true;
-  for (int b = 0; b < store.num_shards(); ++b) {
-    if (b == shard || !in(b)) continue;
+  if (!store.steps_after_each_backward() || sends_borrowed_grads(store, shards, shard)) return true;
+  for (int b = 0; b < store.num_shards(); ++b) {  // a borrower of any placement adds its share to the buffer
+    if (b == shard) continue;
     const std::vector<int> owners = borrowed_grad_owners(store, b);
     if (std::find(owners.begin(), owners.end(), shard) != owners.end()) return true;
   }

@@ -96,22 +96,10 @@ int64_t step_bytes(const ShardStore& store, int shard, int64_t grad_bytes) {
 
 }  // namespace
 
-void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool keep) {
-  Weights& w = weights_.at(shard);
-  TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
-  note_gradients(shard);
-  // Kept for clip_and_step, whose step is next and makes this copy stale: it goes at release (after_release).
-  if (keep) w.step_queued_next = true;
-  std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
-  // Only the prefix holding trainable gradients goes out: a frozen tail (a LoRA model's base weights) stays.
-  const int64_t numel = store().gradient_numel(shard);
-  const at::Tensor device_grad = grad_view(shard).narrow(0, 0, numel);
-  const at::ScalarType dtype = store().compute_dtype();
+Fence SpilledModel::land(const at::Tensor& device_grad, const Landing& landing) {
+  const int64_t numel = device_grad.numel();
   const int64_t bytes = numel * store().element_bytes();
-  // The model's landing buffer the gradient lands in: leased by the copy, given back when the host job is done
-  // with it (or when both jobs are gone, however they ended). While the model has none free, the lane copies
-  // other models' gradients that can land.
-  auto landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
+  const at::ScalarType dtype = store().compute_dtype();
   CopyLane& lane = engine_.to_host_;
   std::shared_ptr<StagingRing> ring = landing_;
   auto copy_out = [=, &lane]() -> DeviceEvent {
@@ -122,6 +110,23 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
       track(lane.submit_when({engine_.compute_point()}, copy_out, id(), [ring] { return ring->has_free(); }));
   ++engine_.stats_.device_to_host_copies;
   engine_.stats_.device_to_host_bytes += bytes;
+  return landed;
+}
+
+void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool keep) {
+  Weights& w = weights_.at(shard);
+  TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
+  note_gradients(shard);
+  // Kept for clip_and_step, whose step is next and makes this copy stale: it goes at release (after_release).
+  if (keep) w.step_queued_next = true;
+  std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
+  // Only the prefix holding trainable gradients summed on the host goes out: a frozen tail (a LoRA model's base
+  // weights) stays, and so does a tied weight's whose owner sums it on the device (it is not in this region).
+  const int64_t numel = store().host_gradient_numel(shard);
+  const at::ScalarType dtype = store().compute_dtype();
+  const Landing landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
+  const Fence landed = land(grad_view(shard).narrow(0, 0, numel), landing);
+  std::shared_ptr<StagingRing> ring = landing_;
   const std::vector<Fence> readers = store().readers(shard);  // the step rewrites the buffer they read
   // Taken now, on this thread: later micro-batches note their gradients for the next step meanwhile.
   const std::vector<StepRange> ranges = step ? store().take_step(shard) : std::vector<StepRange>{};
@@ -130,9 +135,6 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
   DeviceEngine& engine = engine_;
   const int model = id();
   const int lowest_host_stepped = this->lowest_host_stepped();
-  // A device-stepped shard stepped here instead (no room for its step's regions): its gradients of the tied weights
-  // it borrows are in their owners' buffers on the device, and what landed of them here is nothing.
-  const bool borrowed_on_device = !device_grad_owners_[shard].empty();
   Fence done = submit([=, &engine]() -> DeviceEvent {
     landed.wait();
     if (gate && !gate->open()) {  // landed after the loss on the same stream: no wait here
@@ -146,10 +148,10 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
     // The step's only gradient of this shard (no accumulator yet: one micro-batch, no clipping, nothing
     // borrowed from it) is stepped from where it landed: one pass, and no fp32 copy of it on the host.
     const bool single_pass = step && !owner->has_grad(shard);
-    const int64_t landed_bytes = owner->gradient_numel(shard) * owner->element_bytes();
+    const int64_t landed_bytes = numel * owner->element_bytes();
     int64_t touched = 0;
     if (single_pass) {
-      if (!borrowed_on_device) owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
+      owner->accumulate_borrowed(shard, gradient, /*ends_step=*/true);
     } else if (keep && owner->bf16() && !owner->has_grad(shard)) {
       owner->keep_grads(shard, gradient);  // for clip_and_step, as landed: half an accumulator's bytes
       touched += landed_bytes + owner->trainable_numel(shard) * 2;
@@ -186,6 +188,33 @@ void SpilledModel::send_gradients(int shard, bool step, double lr_scale, bool ke
     store().set_last_step(shard, done);
     store().bump_version(shard);  // the device copy predates the step: dropped on release
   }
+}
+
+void SpilledModel::send_borrowed_grads(int shard, bool step) {
+  Weights& w = weights_.at(shard);
+  TORCH_CHECK(w.grads.valid(), "backward_done: shard ", shard, " was not acquired with gradients");
+  std::shared_ptr<const LossGate> gate = step ? store().loss_gate() : nullptr;
+  const int64_t first = store().owned_numel(shard);  // borrowed weights follow the owned ones
+  const int64_t numel = store().host_gradient_numel(shard) - first;
+  const at::ScalarType dtype = store().compute_dtype();
+  const int64_t bytes = numel * store().element_bytes();
+  const Landing landing = std::make_shared<std::unique_ptr<StagingRing::Lease>>();
+  const Fence landed = land(grad_view(shard).narrow(0, first, numel), landing);
+  std::shared_ptr<ShardStore> owner = store_ptr();
+  DeviceEngine& engine = engine_;
+  // Among the jobs of the shard and its owners (sources): before the owners' next, which sum or step the gradient.
+  submit([=, &engine]() -> DeviceEvent {
+    landed.wait();
+    if (!gate || gate->open()) {  // else the step is skipped, the owners' too: nothing to sum
+      const int64_t start = steady_ns();
+      owner->accumulate_borrowed(shard, (*landing)->view(dtype, numel), /*ends_step=*/step, first);
+      engine.count_host_job(bytes + numel * 8, start);
+    }
+    landing->reset();
+    return nullptr;
+  }, [landed] { return landed.ready(); }, store().sources(shard));
+  engine_.pool_.release(w.grads, landed);
+  w.grads = Region{};
 }
 
 std::shared_ptr<ClipNorm> SpilledModel::clip_and_step(double max_norm, double lr_scale) {

@@ -492,7 +492,9 @@ TEST(Lanes, PlacementLeavesAnIdleHostAlone) {
 TEST(Lanes, BadInputIsRefused) {
   const StepBytes bytes;
   const std::vector<TaskShape> tasks{task({shard(1, 2, 100), shard(1, 2, 100, 0)}, 2)};
-  EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost, StepPlace::kDevice}}, kRates, bytes, 1), std::invalid_argument);
+  EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost, StepPlace::kResident}}, kRates, bytes, 1), std::invalid_argument)
+      << "a tie resident on one side only";
+  EXPECT_NO_THROW(lane_bound(tasks, {{StepPlace::kHost, StepPlace::kDevice}}, kRates, bytes, 1)) << "a tie split";
   EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost}}, kRates, bytes, 1), std::invalid_argument);
   EXPECT_THROW(lane_bound(tasks, host_placement(tasks), kRates, bytes, 0), std::invalid_argument);
   EXPECT_THROW(lane_bound(tasks, host_placement(tasks), LaneRates{0, 1, 1, 1}, bytes, 1), std::invalid_argument);

@@ -5,7 +5,7 @@
 #include <tuple>
 
 #include "core/lanes.h"
-#include "device_engine_helpers.h"
+#include "device_steps_helpers.h"
 #include "engine/clip_norm.h"
 #include "engine/placement.h"
 #include "engine/spilled_model.h"
@@ -18,72 +18,6 @@ using hydra::engine::place_models;
 using hydra::engine::ShardWishes;
 using hydra::engine::SpilledModel;
 
-// Four shards, none tied; shard 1 ends in a frozen parameter (its trainable prefix is shorter than its weights).
-std::vector<std::vector<at::Tensor>> untied_shards() {
-  std::vector<at::Tensor> second = linear_shard(1, 12);
-  second.push_back(param({5}, 2.0, /*trainable=*/false));
-  return {{param({10, 4}, 1.0), param({7}, 3.0)}, second, linear_shard(2, 20), {param({6}, 6.0)}};
-}
-
-using Shards = std::vector<std::vector<at::Tensor>>;
-
-// Shard 3 borrows shard 0's first weight (a tied embedding and head).
-Shards tied_shards() {
-  const at::Tensor e = param({10, 4}, 1.0);
-  return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({6}, 6.0), e}};
-}
-
-// As tied_shards, with the head alone in the last shard: it has nothing of its own to train.
-Shards tied_head_alone() {
-  const at::Tensor e = param({10, 4}, 1.0);
-  return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {e}};
-}
-
-// As tied_shards, with the borrower owning the largest weight: its step's regions are the largest.
-Shards tied_shards_large_head() {
-  const at::Tensor e = param({10, 4}, 1.0);
-  return {{e, param({7}, 3.0)}, linear_shard(1, 12), linear_shard(2, 20), {param({40, 8}, 6.0), e}};
-}
-
-// Each shard's `steps` steps logged once each (engine/step_log.h), numbered from 1, where the model steps the shard.
-void expect_logged(const DeviceEngine& engine, int model, int shards, int steps, const std::vector<int>& resident,
-                   const std::vector<int>& device) {
-  using hydra::engine::StepPlace;
-  auto holds = [](const std::vector<int>& list, int s) { return std::find(list.begin(), list.end(), s) != list.end(); };
-  std::vector<std::tuple<int, int64_t, StepPlace>> logged, expected;
-  for (const hydra::engine::StepRecord& r : engine.step_log()) {
-    EXPECT_EQ(r.model, model);
-    EXPECT_LE(r.start_ns, r.end_ns);
-    logged.emplace_back(r.shard, r.step, r.place);
-  }
-  for (int s = 0; s < shards; ++s)
-    for (int k = 1; k <= steps; ++k)
-      expected.emplace_back(s, k, holds(resident, s) ? StepPlace::kResident
-                                  : holds(device, s) ? StepPlace::kDevice
-                                                     : StepPlace::kHost);
-  std::sort(logged.begin(), logged.end());
-  EXPECT_EQ(logged, expected);
-  EXPECT_EQ(engine.task_of(model), -1) << "added without a task";
-}
-
-// Three steps of two micro-batches (the last clipped when `clip`), with the given shards resident and device-stepped.
-Trained train(bool bf16, const std::vector<int>& resident, const std::vector<int>& device, bool clip,
-              Shards (*shards)() = untied_shards) {
-  auto store = make_store(shards(), bf16, adamw_spec());
-  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
-  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, resident, -1, device);
-  EXPECT_EQ(engine.device_shards(m), device);
-  for (int step = 0; step < 3; ++step) {
-    const bool clipped = clip && step == 2;
-    run_step(engine, m, *store, 2, /*check_values=*/false, /*step=*/!clipped, 0.5, false, add_grads);
-    if (clipped) engine.clip_and_step(m, 0.5, 0.5)->value();
-  }
-  EXPECT_EQ(engine.stats().device_steps, static_cast<int64_t>(3 * device.size()));
-  Trained trained = finish_and_copy(engine, m, *store);
-  expect_logged(engine, m, store->num_shards(), 3, resident, device);
-  return trained;
-}
-
 TEST(DeviceSteps, AModelWithDeviceSteppedShardsEndsAsOneWithEveryShardOnTheHost) {
   ASSERT_TRUE(op_registered("hydra::adam_step")) << "the engine tests link the op registrations";
   for (bool clip : {false, true}) {
@@ -95,21 +29,6 @@ TEST(DeviceSteps, AModelWithDeviceSteppedShardsEndsAsOneWithEveryShardOnTheHost)
   }
 }
 
-// One micro-batch a step, each backward followed by its step: a device-stepped shard's gradients take an arena region
-// from its backward to its step (as a host-stepped shard's do until they are copied out) when the store says so.
-Trained train_stepping_after_each_backward(bool bf16, bool steps_after_each_backward, const std::vector<int>& device,
-                                           Shards (*shards)() = untied_shards) {
-  auto store = make_store(shards(), bf16, adamw_spec());
-  store->set_steps_after_each_backward(steps_after_each_backward);
-  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
-  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
-  for (int step = 0; step < 3; ++step)
-    run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 0.5, false, add_grads);
-  EXPECT_EQ(engine.stats().device_steps, static_cast<int64_t>(3 * device.size()));
-  Trained trained = finish_and_copy(engine, m, *store);
-  expect_logged(engine, m, store->num_shards(), 3, {}, device);
-  return trained;
-}
 
 TEST(DeviceSteps, WhereEachBackwardIsFollowedByItsStepTheirGradientsComeAndGoWithTheUnit) {
   for (bool bf16 : {false, true}) {
@@ -451,72 +370,6 @@ TEST(DeviceSteps, StatePrefetchedForAStepThatDoesNotComeIsGivenBack) {
   engine.finish(m);
 }
 
-TEST(DeviceSteps, ASplitTieARepeatedResidentOrMissingShardIsRefusedChangingNothing) {
-  auto tied = make_store(tied_shards());
-  auto untied = make_store(untied_shards());
-  DeviceEngine engine(kCpu, DeviceEngine::resident_need(*tied) * 4);
-  const int64_t free = engine.free_bytes();
-  for (const std::vector<int>& bad : {std::vector<int>{0}, {3}, {1, 3}, {1, 1}, {4}, {-1}})
-    EXPECT_THROW(engine.add_model(tied, DeviceEngine::Residency::kSpilled, -1, {}, -1, bad), c10::Error);
-  EXPECT_THROW(engine.add_model(untied, DeviceEngine::Residency::kSpilled, -1, {1}, -1, {1, 2}), c10::Error)
-      << "a shard is resident or device-stepped, not both";
-  auto frozen = make_store({linear_shard(0, 4), {param({5}, 2.0, /*trainable=*/false)}});
-  EXPECT_EQ(SpilledModel::device_shards_error(*frozen, {}, {1}), "device-stepped shard 1 has nothing to train");
-  EXPECT_THROW(engine.add_model(untied, DeviceEngine::Residency::kAuto, -1, {}, -1, {1}), c10::Error)
-      << "device-stepped shards are a spilled model's";
-  EXPECT_EQ(engine.free_bytes(), free);
-  EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {3}),
-            "device-stepped shard 3 shares a tied weight with shard 0, which is not device-stepped: a tied weight "
-            "steps in one place");
-  EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {0, 1}),
-            "device-stepped shard 0 shares a tied weight with shard 3, which is not device-stepped: a tied weight "
-            "steps in one place");
-  EXPECT_EQ(SpilledModel::device_shards_error(*tied, {}, {3, 0}), "") << "the whole tie";
-  // A tied weight that is frozen has no gradient to sum: its shards step apart.
-  const at::Tensor untrained = param({10, 4}, 1.0, /*trainable=*/false);
-  auto frozen_tie = make_store(std::vector<std::vector<at::Tensor>>{
-      {untrained, param({7}, 3.0)}, linear_shard(1, 12), {param({6}, 6.0), untrained}});
-  EXPECT_EQ(SpilledModel::device_shards_error(*frozen_tie, {}, {2}), "");
-}
-
-// A tied weight device-stepped: the borrower's backward adds its gradient to the owner's buffer on the device, and
-// the owner's step steps their sum, as the host sums them; the borrower steps what it owns. A head alone in its shard
-// (tied_head_alone) owns nothing to train: its step is the count alone (logged on the device, as a host-stepped
-// one's is on the host).
-TEST(DeviceSteps, ATieSteppedOnTheDeviceEndsAsOnTheHost) {
-  for (Shards (*shards)() : {tied_shards, tied_head_alone}) {
-    for (bool clip : {false, true}) {
-      SCOPED_TRACE(clip ? "clipped" : "not clipped");
-      const Trained host = train(false, {}, {}, clip, shards);
-      expect_same(train(false, {}, {0, 3}, clip, shards), host);
-      expect_same(train(false, {}, {0, 1, 2, 3}, clip, shards), host);
-      expect_same(train(false, {0, 3}, {1, 2}, clip, shards), host);
-    }
-    const Trained host = train_stepping_after_each_backward(false, true, {}, shards);
-    expect_same(train_stepping_after_each_backward(false, true, {0, 3}, shards), host);
-    expect_same(train_stepping_after_each_backward(false, true, {0, 1, 2, 3}, shards), host);
-  }
-  auto alone = make_store(tied_head_alone(), false, adamw_spec());
-  EXPECT_EQ(alone->trainable_numel(3), 0);
-  EXPECT_EQ(SpilledModel::device_shards_error(*alone, {}, {0, 3}), "");
-  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*alone, {0, 3}, 3)) << "nothing of its own to hold";
-  EXPECT_EQ(SpilledModel::held_grads_need(*alone, {0, 3}), alone->trainable_numel(0) * 4 + 512);
-}
-
-TEST(DeviceSteps, ATiesOwnerKeepsAGradientBufferForTheRunItsBorrowerNone) {
-  auto store = make_store(tied_shards(), false, adamw_spec());
-  store->set_steps_after_each_backward(true);
-  EXPECT_TRUE(SpilledModel::keeps_gradient_buffer(*store, {0, 3}, 0)) << "the borrower's gradient waits there";
-  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*store, {0, 3}, 3));
-  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*store, {1, 2}, 1));
-  EXPECT_FALSE(SpilledModel::keeps_gradient_buffer(*store, {1, 2}, 0)) << "not device-stepped";
-  EXPECT_EQ(SpilledModel::held_grads_need(*store, {0, 3}), store->trainable_numel(0) * 4 + 512);
-  store->set_steps_after_each_backward(false);
-  // Summing backwards, every device-stepped shard keeps one, of what it owns: the borrowed gradient is the owner's.
-  EXPECT_EQ(SpilledModel::held_grads_need(*store, {0, 3}),
-            store->trainable_numel(0) * 4 + 512 + store->trainable_numel(3) * 4 + 512);
-  EXPECT_LT(store->trainable_numel(3), store->gradient_numel(3));
-}
 
 TEST(DeviceSteps, TheirGradientBuffersCountAgainstTheBudgetAndAreGivenBackOnRelease) {
   auto store = make_store(untied_shards(), false, adamw_spec());
@@ -622,28 +475,6 @@ TEST(Placement, DeviceStepsTakeEveryWantedUntiedShardThatFitsFirstShardsFirst) {
   EXPECT_EQ(free_left[0] - placed_working_set, placed_alike.free_bytes());
 }
 
-TEST(Placement, ATieStepsOnTheDeviceWholeOrNotAtAllAndOnOneDeviceOnly) {
-  auto tied = make_store(tied_shards(), false, adamw_spec());  // shards 0 and 3 share a tied weight
-  const std::vector<int> every{0, 1, 2, 3};
-  const int64_t all =
-      SpilledModel::held_grads_need(*tied, every) + SpilledModel::spilled_need(*tied, {}, nullptr, every);
-  ASSERT_LT(all, DeviceEngine::resident_need(*tied)) << "the model must not fit whole";
-  DeviceEngine roomy(kCpu, all);
-  auto placed = place_models({&roomy}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
-  EXPECT_EQ(placed[0].device_shards, every);
-  EXPECT_EQ(roomy.device_shards(0), every);
-  DeviceEngine half(kCpu, all);
-  placed = place_models({&half}, {tied}, {"t"}, {}, {}, {}, {{{}, {1, 3}}});
-  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1})) << "shard 3 wished without its tie's owner";
-  DeviceEngine tight(kCpu, all - 1);  // the last shard goes, and the tie with it
-  placed = place_models({&tight}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
-  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2}));
-  // On several devices a tie's gradient would sum in one device's buffer while its units run on either.
-  tied->set_steps_after_each_backward(true);
-  DeviceEngine a(kCpu, all), b(kCpu, all);
-  placed = place_models({&a, &b}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
-  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2}));
-}
 
 TEST(Placement, WishedResidentShardsAreKeptWhereTheyFitNeverTheWholeModel) {
   auto store = make_store({linear_shard(0, 30), linear_shard(1, 30), linear_shard(2, 30), linear_shard(3, 30)},
