@@ -59,11 +59,6 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
                                     int64_t room, bool ties) {
   auto in = [](const std::vector<int>& list, int s) { return std::find(list.begin(), list.end(), s) != list.end(); };
   auto tied = [&](int s) { return closed_under_ties(store, {s}).size() > 1; };
-  auto lends_to = [&](int owner, int b) {
-    const std::vector<ParamEntry>& layout = store.layout(b);
-    return std::any_of(layout.begin(), layout.end(),
-                       [&](const ParamEntry& e) { return e.owner == owner && e.trainable; });
-  };
   std::vector<int> shards;
   for (int s = 0; s < store.num_shards(); ++s)
     if (in(wanted, s) && !in(homed, s) && store.trainable_numel(s) > 0 && (ties || !tied(s))) shards.push_back(s);
@@ -71,18 +66,14 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
   const std::vector<int> chosen = shards;
   for (int b = 0; b < store.num_shards(); ++b) {
     if (store.trainable_numel(b) > 0 || in(homed, b)) continue;
-    bool lent = false, all = true;
-    for (int o = 0; o < store.num_shards(); ++o) {
-      if (o == b || !lends_to(o, b)) continue;
-      lent = true;
-      all = all && in(chosen, o);
-    }
-    if (lent && all) shards.push_back(b);
+    const std::vector<int> owners = SpilledModel::borrowed_grad_owners(store, b);
+    if (!owners.empty() && std::all_of(owners.begin(), owners.end(), [&](int o) { return in(chosen, o); }))
+      shards.push_back(b);
   }
   std::sort(shards.begin(), shards.end());
-  auto fits = [&](const std::vector<int>& chosen) {
-    return SpilledModel::held_grads_need(store, chosen) +
-               std::max(may_spill, SpilledModel::spilled_need(store, homed, base, chosen)) <=
+  auto fits = [&](const std::vector<int>& stepped) {
+    return SpilledModel::held_grads_need(store, stepped) +
+               std::max(may_spill, SpilledModel::spilled_need(store, homed, base, stepped)) <=
            room;
   };
   while (!shards.empty() && (!fits(shards) || !SpilledModel::device_shards_error(store, homed, shards).empty())) {

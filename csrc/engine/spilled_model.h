@@ -63,6 +63,8 @@ class SpilledModel final : public DeviceModel {
   // unit's gradients take an arena region, given back once its step has read them. The buffer spans the shard's
   // trainable weights: a borrowed weight's gradient is in its owner's.
   static bool keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard);
+  // The shards owning a trainable tied weight that `shard` borrows (its gradient sums in theirs), each once.
+  static std::vector<int> borrowed_grad_owners(const ShardStore& store, int shard);
   // Whether `shard`, among the device-stepped `shards`, borrows a trainable tied weight from a shard not among them:
   // its backward's gradient of that weight goes out to be summed on the host.
   static bool sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard);
@@ -181,8 +183,6 @@ class SpilledModel final : public DeviceModel {
   // Device-stepped shards (spilled_model_device_steps.cpp). Their gradient buffers (keeps_gradient_buffer), made
   // at the first use.
   bool holds_grads(int shard) const { return holds_grads_[shard]; }
-  // The shards owning a trainable tied weight that `shard` borrows (its gradient sums in theirs), each once.
-  static std::vector<int> borrowed_grad_owners(const ShardStore& store, int shard);
   void upload_held_grads();
   at::Tensor held_grads(int shard) const;
   // The shard's optimizer step on the device over its gradients, scaled by `grad_scale`: master and states
