@@ -38,8 +38,11 @@ def make_tasks(args, data):
         torch.manual_seed(i)
         config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
                             n_head=4, bos_token_id=0, eos_token_id=0)
+        # One shard a piece (the embeddings, each block, the tied head), or the last `head_blocks` blocks with the head.
+        head_blocks = getattr(args, "head_blocks", 0)
+        shards = list(range(args.layers + 2 - head_blocks)) if head_blocks else args.layers + 2
         tasks.append(ht.ModelTask(GPT2LMHeadModel(config), data=data, optimizer=ht.optim.AdamW(lr=1e-3),
-                                  shards=args.layers + 2, name=f"m{i}", clip_grad_norm=getattr(args, "clip", None),
+                                  shards=shards, name=f"m{i}", clip_grad_norm=getattr(args, "clip", None),
                                   precision=getattr(args, "precision", None)))
     return tasks
 

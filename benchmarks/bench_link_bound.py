@@ -27,12 +27,14 @@ cached, as P2's budget on the GPU box does: the engine then grants "auto" its re
 models (bf16 keeps the models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the
 models train on N virtual CPU devices, each with its own emulated link and a share of the cores: the bound then
 counts the compute spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a
-device's share, "copies in s" all devices' together.
+device's share, "copies in s" all devices' together. With `--head-blocks K` the last shard holds the last K blocks
+besides the tied head, and with `--resident-room first` the budget holds the first shard's home instead of both
+ends': "auto" then keeps the embedding resident alone, its head spilled.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
                                           [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto device]
                                           [--host-speed S] [--forecast] [--precision bf16] [--cache-all]
-                                          [--devices N]
+                                          [--devices N] [--head-blocks K] [--resident-room ends|first]
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import hydra_torch as ht
 from bench_emulated_link import make_tasks, parse_workload
 from hydra_torch import testing
 from hydra_torch._loader import native as _C
-from hydra_torch.run import workers
+from hydra_torch.run import lane_choice, workers
 
 
 def train(args, data, budget, bandwidth=None, placement="host"):
@@ -60,8 +62,10 @@ def train(args, data, budget, bandwidth=None, placement="host"):
         if args.far:  # prefetch along the plan into all free memory, not only the next planned shard
             stack.enter_context(mock.patch.object(workers, "PREFETCH_BEYOND_NEXT_BYTES", -1))
         stack.enter_context(mock.patch.object(workers, "COMMITTED_UNITS", args.commit))
+        if placement == "owner":
+            stack.enter_context(mock.patch.object(lane_choice, "plan", first_shard_resident))
         results = ht.train(tasks, devices=["cpu"] * args.devices, memory_budget=budget, progress=False,
-                           placement=placement)
+                           placement="auto" if placement == "owner" else placement)
     assert all(r.error is None for r in results), (placement, [r.error for r in results])
     placements.setdefault(placement, [r.placement for r in results])
     return results
@@ -70,11 +74,21 @@ def train(args, data, budget, bandwidth=None, placement="host"):
 placements: dict[str, list[str]] = {}  # what each placement gave the models, in the first round
 
 
+def first_shard_resident(runners, stores, *args):
+    """The "owner" placement's lane plan: every model's first shard (the tied embedding) resident alone."""
+    return [["resident"] + ["host"] * (store.num_shards - 1) for store in stores], None
+
+
 def ends_bytes(shard_bytes, optimizer_states: int = 2) -> int:
     """What a model's first and last shards' homes take on the device: weights, gradients and AdamW's two
     moments of each (the head's weight is the embedding's, tied: counted once, in the first shard), with room
     for the regions' alignment."""
     return (2 + optimizer_states) * (shard_bytes[0] + shard_bytes[-1]) + 2 * 5 * 512
+
+
+def first_home_bytes(shard_bytes, optimizer_states: int = 2) -> int:
+    """What a model's first shard's home takes on the device (a tied embedding resident without its head)."""
+    return (2 + optimizer_states) * shard_bytes[0] + 5 * 512
 
 
 def span(results) -> float:
@@ -162,9 +176,10 @@ def main():
                         help="every model clips its gradients' global norm (clip_grad_norm)")
     parser.add_argument("--by-unit", action="store_true",
                         help="also where the span beyond memory speed goes: each kind of unit's extra seconds")
-    parser.add_argument("--placements", nargs="+", default=["host"], choices=["host", "auto", "device"],
+    parser.add_argument("--placements", nargs="+", default=["host"], choices=["host", "auto", "device", "owner"],
                         help="ht.train's placement, each run in every round (auto: resident first and last shards, "
-                             "and the lane model's choice for the others; device: the others stepped on the device)")
+                             "and the lane model's choice for the others; device: the others stepped on the device; "
+                             "owner: auto with the lane model's choice replaced by the first shard resident alone)")
     parser.add_argument("--host-speed", type=float, default=None,
                         help="emulate a host memory bandwidth of this many times the link's (default: the machine's)")
     parser.add_argument("--forecast", action="store_true",
@@ -175,6 +190,10 @@ def main():
                         help="virtual CPU devices, each with its own emulated link and a share of the cores")
     parser.add_argument("--cache-all", action="store_true",
                         help="room in the budget to keep every model's weights cached (as P2's budget on the GPU)")
+    parser.add_argument("--head-blocks", type=int, default=0,
+                        help="the last shard holds this many of the last blocks besides the head")
+    parser.add_argument("--resident-room", choices=["ends", "first"], default="ends",
+                        help="with auto or device, room in the budget for both ends' homes or the first shard's only")
     args, data, shard_bytes = parse_workload(parser)
     copied = 0.5 if args.precision == "bf16" else 1.0  # of the fp32 bytes, what a weight copy moves
     block_bytes = shard_bytes[1] * copied
@@ -188,7 +207,8 @@ def main():
             budget += 3 * max(shard_bytes) + 65536
     else:
         if "auto" in args.placements or "device" in args.placements:
-            budget += args.models * ends_bytes(shard_bytes)
+            budget += args.models * (ends_bytes(shard_bytes) if args.resident_room == "ends"
+                                     else first_home_bytes(shard_bytes))
         if "device" in args.placements:  # the middle shards' fp32 gradients, and a step's master and moments (12
             budget += args.models * sum(shard_bytes[1:-1]) + 3 * max(shard_bytes) + 65536  # bytes a parameter)
     if args.cache_all:

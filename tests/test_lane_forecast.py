@@ -80,8 +80,22 @@ def test_a_tie_the_budget_split_is_forecast_as_split_and_a_task_so_placed_is_kep
     kept = _C.lane_forecast([TIED, SHAPE], SLOW_HOST, room=1 << 30, start=[split[0], ["host"] * 3],
                             fixed=[True, False])
     assert kept["placement"][0] == split[0]
-    with pytest.raises(ValueError, match="resident both or neither"):
-        _C.lane_forecast([TIED], SLOW_HOST, placement=[["resident", "host", "host"]])
+    with pytest.raises(ValueError, match="its owner is resident too"):
+        _C.lane_forecast([TIED], SLOW_HOST, placement=[["host", "host", "resident"]])
+
+
+def test_a_resident_owner_lends_its_tie_to_a_spilled_borrower_that_copies_none_of_it():
+    """An embedding resident, its head on the host: the head's visits copy in all it reads but the 40 tied elements,
+    and its gradient out holds only its own 30 (the tie's sums in the embedding's home)."""
+    resident_owner = [["resident", "host", "host"]]
+    forecast = _C.lane_forecast([TIED], SLOW_HOST, placement=resident_owner)
+    assert forecast["placement"] == resident_owner
+    head = forecast["busy_seconds"]
+    both = _C.lane_forecast([TIED], SLOW_HOST, placement=[["resident", "host", "resident"]])["busy_seconds"]
+    # Against the head resident too, what differs is the head's 8 visits in (140 elements less the 40 tied) and 8
+    # gradients out (30), in bf16.
+    assert head["host_to_device"] - both["host_to_device"] == pytest.approx(8 * 100 * 2 / SLOW_HOST[0], rel=1e-6)
+    assert head["device_to_host"] - both["device_to_host"] == pytest.approx(8 * 30 * 2 / SLOW_HOST[1], rel=1e-6)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -36,8 +36,9 @@ def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_
     shard = 1
     places = [e.place for e in sorted(results.steps, key=lambda e: e.step)
               if e.task_name == "long" and e.shard == shard]
+    # Long's first step is placed beside short; which step boundary first follows short's end depends on the pace.
     switched = places.index("device")
-    assert len(places) == 10 and switched >= 2 and places == ["host"] * switched + ["device"] * (10 - switched)
+    assert len(places) == 10 and switched >= 1 and places == ["host"] * switched + ["device"] * (10 - switched)
     short_end = max(e.end for e in results.trace if e.task_name == "short")
     first_device_step = min(e.start for e in results.steps
                             if e.task_name == "long" and e.shard == shard and e.place == "device")

@@ -148,12 +148,16 @@ def test_placement_is_checked_before_anything_runs():
     assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
 
 
-def test_resident_shards_that_split_a_tied_weight_are_refused_by_the_engine():
+def test_resident_shards_that_split_a_tied_weight_badly_are_refused_by_the_engine():
+    # The head (shard 7) owns nothing: it is resident with the embedding it borrows from, or both spill.
     model = tied_transformer()
     task = ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(2))
     store = ht._C.ShardStore(task.shard_params, task.optimizer.spec(), False, False)
     engine = ht._C.DeviceEngine("cpu", 100 * model_bytes(model))
-    with pytest.raises(RuntimeError, match="shards 7 and 0 share a tied weight"):
+    with pytest.raises(RuntimeError, match="resident shard 7 borrows a tied weight from shard 0, which is spilled"):
+        engine.add_model(store, allow_resident=False, resident_shards=[7])
+    with pytest.raises(RuntimeError, match="shard 7 has nothing of its own to train and borrows a tied weight from "
+                                           "resident shard 0"):
         engine.add_model(store, allow_resident=False, resident_shards=[0])
     with pytest.raises(RuntimeError, match="every shard resident"):
         engine.add_model(store, allow_resident=False, resident_shards=list(range(8)))

@@ -49,13 +49,20 @@ void validate_placement(const std::vector<TaskShape>& tasks, const Placement& pl
     require(placement[t].size() == tasks[t].shards.size(),
             "task " + std::to_string(t) + ": the placement's shard count differs from the shape's");
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
-      // A tie's gradient sums where its owner steps, on the device or the host; a resident shard's weights are its
-      // home's, which a spilled borrower's copy would not read.
-      const int tied = tasks[t].shards[s].tied_to;
-      require(tied < 0 || (placement[t][s] == StepPlace::kResident) ==
-                              (placement[t][static_cast<size_t>(tied)] == StepPlace::kResident),
-              "task " + std::to_string(t) + ": tied shards " + std::to_string(s) + " and " + std::to_string(tied) +
-                  " are resident both or neither");
+      // A tie's gradient sums where its owner steps, on the device or the host, and its weight lives where its
+      // owner does: a resident owner's borrowers read it in its home, but a resident borrower would hold a second
+      // copy of a spilled owner's. A borrower with nothing of its own to train steps with a resident owner.
+      const ShardShape& shard = tasks[t].shards[s];
+      const int tied = shard.tied_to;
+      if (tied < 0) continue;
+      const bool resident = placement[t][s] == StepPlace::kResident;
+      const bool owner_resident = placement[t][static_cast<size_t>(tied)] == StepPlace::kResident;
+      const std::string where = "task " + std::to_string(t) + ": shard " + std::to_string(s);
+      require(!resident || owner_resident, where + " is resident and borrows a tied weight from shard " +
+                                               std::to_string(tied) + ", which is not: its owner is resident too");
+      require(resident || !owner_resident || shard.params > 0,
+              where + " has nothing of its own to train and borrows a tied weight from resident shard " +
+                  std::to_string(tied) + ": it is resident with its owner");
     }
   }
 }

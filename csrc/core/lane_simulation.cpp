@@ -20,7 +20,8 @@ std::vector<StepSchedule> step_schedules(const std::vector<TaskShape>& tasks, co
   for (size_t t = 0; t < tasks.size(); ++t) {
     StepSchedule schedule{tasks[t].accumulate, placement[t], {}, {}, {}};
     for (size_t s = 0; s < tasks[t].shards.size(); ++s) {
-      const ShardShape& shard = tasks[t].shards[s];
+      // A visit's region holds what it copies in: a resident owner's tied weight is read in its home.
+      const ShardShape shard = as_placed(tasks[t], placement[t], static_cast<int>(s));
       const bool apart = tie_apart(tasks[t], placement[t], static_cast<int>(s));
       schedule.lanes.push_back(shard_lanes(shard, placement[t][s], tasks[t].accumulate > 1, rates, bytes, apart));
       const double weight_bytes = std::ceil(bytes.weight * static_cast<double>(shard.weights));

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/lane_checks.h"
+#include "core/lane_ties.h"
 
 namespace hydra::core {
 
@@ -41,7 +42,8 @@ TaskLanes task_lanes(const TaskShape& task, const std::vector<StepPlace>& places
   for (int s = 0; s < n; ++s) {
     const ShardShape& shard = task.shards[static_cast<size_t>(s)];
     const StepPlace place = places[static_cast<size_t>(s)];
-    const ShardLanes lanes = shard_lanes(shard, place, accumulates, rates, bytes, tie_apart(task, places, s));
+    const ShardLanes lanes =
+        shard_lanes(as_placed(task, places, s), place, accumulates, rates, bytes, tie_apart(task, places, s));
     const double per_micro_batch = shard.forward_seconds + shard.backward_seconds;
     own_compute += static_cast<double>(mb) * per_micro_batch + static_cast<double>(steps) * lanes.device_step;
     if (place != StepPlace::kResident) {
@@ -191,32 +193,6 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
   return combine(per_task, num_devices);
 }
 
-bool tie_apart(const TaskShape& task, const std::vector<StepPlace>& places, int s) {
-  const ShardShape& shard = task.shards.at(static_cast<size_t>(s));
-  return shard.tied_to >= 0 && shard.grads > shard.params &&
-         places.at(static_cast<size_t>(shard.tied_to)) != places.at(static_cast<size_t>(s));
-}
-
-std::vector<int> tie_group(const TaskShape& task, int s) {
-  const int n = static_cast<int>(task.shards.size());
-  std::vector<bool> in(static_cast<size_t>(n));
-  in[static_cast<size_t>(s)] = true;
-  for (bool grew = true; grew;) {
-    grew = false;
-    for (int i = 0; i < n; ++i) {
-      const int tied = task.shards[static_cast<size_t>(i)].tied_to;
-      if (tied >= 0 && in[static_cast<size_t>(i)] != in[static_cast<size_t>(tied)]) {
-        in[static_cast<size_t>(i)] = in[static_cast<size_t>(tied)] = true;
-        grew = true;
-      }
-    }
-  }
-  std::vector<int> group;
-  for (int i = 0; i < n; ++i)
-    if (in[static_cast<size_t>(i)]) group.push_back(i);
-  return group;
-}
-
 Placement host_placement(const std::vector<TaskShape>& tasks) {
   Placement placement;
   for (const TaskShape& task : tasks) placement.emplace_back(task.shards.size(), StepPlace::kHost);
@@ -242,30 +218,12 @@ struct StepRooms {
   int64_t total(int step_rooms) const { return step_rooms == 0 ? 0 : step_rooms == 1 ? largest : largest + second; }
 };
 
-// Where each backward is followed by its step, the gradient buffers a task's device-stepped ties keep for the run
-// all the same (held_bytes counts them where a step sums backwards): each kDevice owner's, where its borrowers'
-// gradients wait for its own backward, and each kDevice borrower's of a kHost owner, whose unit's region holds only
-// the gradient that goes out.
-int64_t tie_buffer_bytes(const TaskShape& task, const std::vector<StepPlace>& places, const StepBytes& bytes) {
-  if (task.sums_backwards()) return 0;
-  std::vector<bool> keeps(task.shards.size());
-  for (size_t s = 0; s < task.shards.size(); ++s) {
-    const int tied = task.shards[s].tied_to;
-    if (tied >= 0 && places[static_cast<size_t>(tied)] == StepPlace::kDevice) keeps[static_cast<size_t>(tied)] = true;
-    if (places[s] == StepPlace::kDevice && tie_apart(task, places, static_cast<int>(s))) keeps[s] = true;
-  }
-  int64_t held = 0;
-  for (size_t s = 0; s < task.shards.size(); ++s)
-    if (keeps[s]) held += static_cast<int64_t>(std::ceil(task.shards[s].params * bytes.weight));
-  return held;
-}
-
 StepRooms device_steps_rooms(const std::vector<TaskShape>& tasks, const Placement& placement, const StepBytes& bytes) {
   StepRooms rooms;
   for (size_t t = 0; t < tasks.size(); ++t)
     for (size_t s = 0; s < tasks[t].shards.size(); ++s)
-      rooms.add(step_room(tasks[t].shards[s], placement[t][s], bytes, tasks[t].sums_backwards(),
-                          tie_apart(tasks[t], placement[t], static_cast<int>(s))));
+      rooms.add(step_room(as_placed(tasks[t], placement[t], static_cast<int>(s)), placement[t][s], bytes,
+                          tasks[t].sums_backwards(), tie_apart(tasks[t], placement[t], static_cast<int>(s))));
   return rooms;
 }
 
@@ -316,12 +274,15 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
   for (const TaskShape& task : tasks)
     for (const ShardShape& shard : task.shards)
       reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes, task.sums_backwards()));
-  // Each tie group once, by its first shard: what one move changes.
-  std::vector<std::vector<std::vector<int>>> groups(tasks.size());
+  // Each tie group once, by its first shard: what one move changes (and, for a tie, its owners alone).
+  std::vector<std::vector<std::vector<std::vector<int>>>> move_choices(tasks.size());
   for (size_t t = 0; t < tasks.size(); ++t)
     for (int s = 0; s < static_cast<int>(tasks[t].shards.size()); ++s) {
       std::vector<int> group = tie_group(tasks[t], s);
-      if (group.front() == s) groups[t].push_back(std::move(group));
+      if (group.front() != s) continue;
+      std::vector<std::vector<int>> choices{group};
+      if (std::vector<int> owners = owners_alone(tasks[t], group); !owners.empty()) choices.push_back(owners);
+      move_choices[t].push_back(std::move(choices));
     }
   int64_t held = 0;  // beyond the start's
   // Its device steps' rooms; a shard moved on to kResident keeps its step's room counted (moves only add rooms).
@@ -338,37 +299,43 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
     };
     std::optional<Move> best;
     Ranking best_rank = current;
-    for (size_t t = 0; t < tasks.size(); ++t) {
+    // Moves the shards of `choice` not yet at `to` there, where that fits the room, and keeps it if it is the best.
+    auto consider = [&](size_t t, const std::vector<int>& choice, StepPlace to) {
       const TaskShape& task = tasks[t];
-      if (task.fixed) continue;
-      for (const std::vector<int>& group : groups[t]) {
-        const StepPlace now = placement[t][static_cast<size_t>(group.front())];
-        for (StepPlace to : {StepPlace::kDevice, StepPlace::kResident}) {
-          if (to <= now || (to == StepPlace::kResident && (!one_device || !homes))) continue;
-          std::vector<StepPlace> places = placement[t];
-          for (int g : group) places[static_cast<size_t>(g)] = to;
-          int64_t group_held =
-              held + tie_buffer_bytes(task, places, bytes) - tie_buffer_bytes(task, placement[t], bytes);
-          StepRooms group_steps = steps;
-          for (int g : group) {
-            const ShardShape& shard = task.shards[static_cast<size_t>(g)];
-            const bool sums = task.sums_backwards();
-            group_held += held_bytes(shard, to, bytes, sums) - held_bytes(shard, now, bytes, sums);
-            group_steps.add(step_room(shard, to, bytes, sums));
-          }
-          const int64_t asked =
-              group_held + (reserve <= room ? std::max(group_steps.total(step_rooms), reserve)
-                                            : group_steps.total(step_rooms));
-          if (asked > room) continue;
-          TaskLanes lanes = task_lanes(task, places, rates, bytes, one_device);
-          std::swap(per_task[t], lanes);
-          const Ranking rank = ranking(combine(per_task, num_devices), headroom);
-          std::swap(per_task[t], lanes);  // `lanes` is the task's with the move made again
-          if (better(rank, best_rank)) {
-            best_rank = rank;
-            best = Move{t, group, to, group_held, group_steps, lanes};
-          }
-        }
+      std::vector<int> group;
+      for (int g : choice)
+        if (placement[t][static_cast<size_t>(g)] < to) group.push_back(g);
+      if (group.empty()) return;
+      std::vector<StepPlace> places = placement[t];
+      for (int g : group) places[static_cast<size_t>(g)] = to;
+      int64_t group_held = held + tie_buffer_bytes(task, places, bytes) - tie_buffer_bytes(task, placement[t], bytes);
+      StepRooms group_steps = steps;
+      for (int g : group) {
+        const ShardShape& shard = task.shards[static_cast<size_t>(g)];
+        const StepPlace now = placement[t][static_cast<size_t>(g)];
+        const bool sums = task.sums_backwards();
+        group_held += held_bytes(shard, to, bytes, sums) - held_bytes(shard, now, bytes, sums);
+        group_steps.add(step_room(as_placed(task, places, g), to, bytes, sums));
+      }
+      const int64_t asked = group_held + (reserve <= room ? std::max(group_steps.total(step_rooms), reserve)
+                                                          : group_steps.total(step_rooms));
+      if (asked > room) return;
+      TaskLanes lanes = task_lanes(task, places, rates, bytes, one_device);
+      std::swap(per_task[t], lanes);
+      const Ranking rank = ranking(combine(per_task, num_devices), headroom);
+      std::swap(per_task[t], lanes);  // `lanes` is the task's with the move made again
+      if (better(rank, best_rank)) {
+        best_rank = rank;
+        best = Move{t, group, to, group_held, group_steps, lanes};
+      }
+    };
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      if (tasks[t].fixed) continue;
+      for (const std::vector<std::vector<int>>& choices : move_choices[t]) {
+        consider(t, choices.front(), StepPlace::kDevice);  // a tie moves as one
+        if (!one_device || !homes) continue;
+        // To kResident its owners may also move alone, borrowers with weights of their own staying where they are.
+        for (const std::vector<int>& choice : choices) consider(t, choice, StepPlace::kResident);
       }
     }
     if (!best) return placement;

@@ -67,7 +67,7 @@ struct ShardShape {
   int64_t weights = 0;  // elements its visit reads and copies in (a tied weight it borrows included)
   int64_t grads = 0;    // gradient elements its backward produces (a borrowed tied weight's included)
   int64_t params = 0;   // elements it owns and steps
-  int tied_to = -1;     // a shard of the same task whose weights it borrows: resident both or neither
+  int tied_to = -1;     // a shard of the same task whose weights it borrows: resident only where that one is
 };
 
 struct TaskShape {
@@ -94,12 +94,16 @@ struct ShardLanes {
   double state_out = 0.0;        // each step (kDevice)
 };
 
-// `tie_apart`: the shard borrows a trainable tied weight whose owner steps in the other of kHost and kDevice
+// `tie_apart`: the shard borrows a trainable tied weight whose owner steps on the other side of host and device
 // (tie_apart below): its gradient of it sums where the owner steps.
 ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulates, const LaneRates& rates,
                        const StepBytes& bytes, bool tie_apart = false);
-// Whether shard `s` borrows a trainable tied weight (gradients beyond what it owns) from a shard placed apart from it.
+// Whether shard `s` borrows a trainable tied weight (gradients beyond what it owns) from a shard placed apart from it:
+// one stepped on the host, the other on the device (kDevice or kResident).
 bool tie_apart(const TaskShape& task, const std::vector<StepPlace>& places, int s);
+// Shard `s` as its placement copies it: a spilled borrower of a kResident owner reads the tied weight in the owner's
+// home, and copies in and holds only the rest (`weights` less the trainable tie's elements, grads - params).
+ShardShape as_placed(const TaskShape& task, const std::vector<StepPlace>& places, int s);
 
 // Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer of what it
 // owns where its task's steps sum several backwards, `sums_backwards`; a tie's owner's otherwise is counted by
@@ -124,7 +128,8 @@ LaneBound lane_bound(const std::vector<TaskShape>& tasks, const Placement& place
                      const StepBytes& bytes, int num_devices);
 
 // A placement with the smallest bound found: from `start` (empty: every shard on kHost), one move at a time (a shard,
-// with the shards tied to it, towards kDevice or kResident) while the lanes, largest first, fall; within `room` bytes a
+// with the shards tied to it, towards kDevice or kResident; to kResident also a tie's owners alone, where each borrower
+// has weights of its own to train: owners_alone) while the lanes, largest first, fall; within `room` bytes a
 // device for homes, kept gradients and `step_rooms` device steps' rooms (two: the two largest, one step's state goes
 // home as the next one's comes in; one: the largest, the steps take turns) beyond what the start's shards hold (homes
 // leave room for one step). kResident only with one device, where a

@@ -54,7 +54,8 @@ int DeviceEngine::add_model(std::shared_ptr<ShardStore> store, Residency residen
   const int64_t resident = resident_need(*store);
   // A device-stepped shard's gradient buffer stays for the whole run, as a home does.
   const int64_t homes =
-      SpilledModel::homes_need(*store, resident_shards) + SpilledModel::held_grads_need(*store, device_shards);
+      SpilledModel::homes_need(*store, resident_shards) +
+      SpilledModel::held_grads_need(*store, device_shards, resident_shards);
   const int64_t spilled = SpilledModel::spilled_need(*store, resident_shards, base_of, device_shards);
   const int64_t reserve = std::max(spilled_reserve_, spilled);
   // Resident, its units still hold their base shards.

@@ -25,9 +25,32 @@ std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> sha
   return closed;
 }
 
+std::vector<int> with_tied_owners(const ShardStore& store, std::vector<int> shards) {
+  const int n = store.num_shards();
+  std::vector<bool> in(n);
+  for (int s : shards) in.at(s) = true;
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (int s = 0; s < n; ++s) {
+      for (int source : store.sources(s))
+        if (in[s] && !in[source]) in[source] = grew = true;
+      const std::vector<int>& owners = store.sources(s);
+      if (!in[s] && store.trainable_numel(s) == 0 &&
+          std::any_of(owners.begin(), owners.end(), [&](int owner) { return in[owner]; }))
+        in[s] = grew = true;
+    }
+  }
+  std::vector<int> closed;
+  for (int s = 0; s < n; ++s)
+    if (in[s]) closed.push_back(s);
+  return closed;
+}
+
 namespace {
 
-// The resident shards "auto" tries for a spilled model, best first: both ends, the first, the last.
+// The resident shards "auto" tries for a spilled model, best first: both ends, the first, the last, each closed
+// under ties. A tied embedding resident without its head is the lane model's call (its wishes, more_homes): where
+// the head's shard holds blocks, the room it would take may serve device steps better (benchmarks/RESULTS.md).
 std::vector<std::vector<int>> resident_end_choices(const ShardStore& store) {
   const int last = store.num_shards() - 1;
   std::vector<std::vector<int>> choices;
@@ -72,7 +95,7 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
   }
   std::sort(shards.begin(), shards.end());
   auto fits = [&](const std::vector<int>& stepped) {
-    return SpilledModel::held_grads_need(store, stepped) +
+    return SpilledModel::held_grads_need(store, stepped, homed) +
                std::max(may_spill, SpilledModel::spilled_need(store, homed, base, stepped)) <=
            room;
   };
@@ -83,7 +106,7 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
   return shards;
 }
 
-// The resident `homed` shards grown by `wanted` ones (each with the shards tied to it), first shards first, while
+// The resident `homed` shards grown by `wanted` ones (each with_tied_owners), first shards first, while
 // the homes and the model's working set fit in `room` beside the other models' working set `may_spill`; never the
 // whole model (whether a model is resident is the rule's call).
 std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, const std::vector<int>& wanted,
@@ -92,7 +115,7 @@ std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, con
     if (s < 0 || s >= store.num_shards() || std::find(homed.begin(), homed.end(), s) != homed.end()) continue;
     std::vector<int> grown = homed;
     grown.push_back(s);
-    grown = closed_under_ties(store, std::move(grown));
+    grown = with_tied_owners(store, std::move(grown));
     if (static_cast<int>(grown.size()) == store.num_shards() ||
         SpilledModel::homes_need(store, grown) + std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) >
             room)
@@ -220,7 +243,7 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
                                                            static_cast<int>(i), homed, base_id(i), stepped);
         p.home_device = device;
         free[device] -=
-            SpilledModel::homes_need(*stores[i], homed) + SpilledModel::held_grads_need(*stores[i], stepped);
+            SpilledModel::homes_need(*stores[i], homed) + SpilledModel::held_grads_need(*stores[i], stepped, homed);
         p.resident_shards = std::move(homed);
         p.device_shards = std::move(stepped);
         continue;

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace hydra::engine {
@@ -39,20 +40,22 @@ SpilledModel::SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardSt
                                this->store().total_trainable_numel() == 0),
               "a frozen base has no trainable weights, no resident shards and no device-stepped ones");
   for (int s : resident_shards_) homed_[s] = true;
+  for (int s = 0; s < this->store().num_shards(); ++s)
+    visit_numel_[s] = visit_numel(this->store(), resident_shards_, s);
   ShardStore& own = this->store();
   for (int s : device_shards_) {
     device_stepped_[s] = true;
-    holds_grads_[s] = keeps_gradient_buffer(own, device_shards_, s);
-    sends_borrowed_[s] = sends_borrowed_grads(own, device_shards_, s);
+    holds_grads_[s] = keeps_gradient_buffer(own, device_shards_, s, resident_shards_);
+    sends_borrowed_[s] = sends_borrowed_grads(own, device_shards_, s, resident_shards_);
   }
-  // A tied weight whose owner is device-stepped sums its gradient in the owner's buffer, from every borrower.
+  // A tied weight whose owner is device-stepped sums its gradient in the owner's buffer, from every borrower; one
+  // whose owner is resident, in the owner's home.
   std::vector<int> summed_here;
   for (int b = 0; b < own.num_shards(); ++b)
-    for (int owner : borrowed_grad_owners(own, b))
-      if (device_stepped_[owner]) {
-        device_grad_owners_[b].push_back(owner);
-        summed_here.push_back(owner);
-      }
+    for (int owner : borrowed_grad_owners(own, b)) {
+      if (device_stepped_[owner]) device_grad_owners_[b].push_back(owner);
+      if (device_stepped_[owner] || homed_[owner]) summed_here.push_back(owner);
+    }
   own.set_summed_on_device(summed_here);
   own.pin_states(device_shards_);
 }
@@ -68,10 +71,10 @@ void SpilledModel::upload() {
 
 void SpilledModel::copy_home() { homes_.copy_home(store()); }
 
-int64_t SpilledModel::weight_bytes(int shard) const { return store().device_numel(shard) * store().element_bytes(); }
+int64_t SpilledModel::weight_bytes(int shard) const { return visit_numel_[shard] * store().element_bytes(); }
 
 at::Tensor SpilledModel::grad_view(int shard) const {
-  return engine_.pool_.view(weights_[shard].grads, store().compute_dtype(), store().device_numel(shard));
+  return engine_.pool_.view(weights_[shard].grads, store().compute_dtype(), visit_numel_[shard]);
 }
 
 int64_t SpilledModel::input_version(int shard) const {
@@ -122,7 +125,7 @@ void SpilledModel::evict(int shard) {
 bool SpilledModel::load(int shard, DeviceEngine::Need need) {
   ShardStore& store = this->store();
   Weights& w = weights_[shard];
-  const int64_t numel = store.device_numel(shard);
+  const int64_t numel = visit_numel_[shard];
   Allocation allocation = engine_.allocate(id(), shard, weight_bytes(shard), need);
   if (!allocation.region.valid()) return false;
   w.weights = allocation.region;
@@ -131,14 +134,17 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
   w.device_step_queued = false;
   w.version = input_version(shard);
   at::Tensor target = engine_.pool_.view(w.weights, store.compute_dtype(), numel);
-  // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer.
+  // Owned parameters travel as one copy; each borrowed (tied) one is copied from its owner's buffer, unless the
+  // owner is resident (the unit reads it in the owner's home).
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
   copies.emplace_back(target.narrow(0, 0, store.owned_numel(shard)),
                       store.transfer_source(shard).narrow(0, 0, store.owned_numel(shard)));
   for (const ParamEntry& e : store.layout(shard))
-    if (e.owner != shard)
+    if (e.owner != shard && !homed_[e.owner])
       copies.emplace_back(target.narrow(0, e.device_offset, e.numel),
                           store.transfer_source(e.owner).narrow(0, e.master_offset, e.numel));
+  int64_t copied = 0;
+  for (const auto& copy : copies) copied += copy.first.numel() * store.element_bytes();
   std::vector<Fence> after = std::move(allocation.after);
   // The copy reads what the shard's last step (and its tied parameters' owners' steps) wrote: where one is still to
   // run on the host, the model's host jobs go first there, as the copy lane waits for them.
@@ -155,10 +161,11 @@ bool SpilledModel::load(int shard, DeviceEngine::Need need) {
   w.ready = track(lane.submit(
       std::move(after), [copies = std::move(copies), &lane]() -> DeviceEvent { return lane.copy(copies); }, urgent));
   w.last_use = w.ready;
-  for (int source : store.sources(shard)) store.add_reader(source, w.ready);
+  for (int source : store.sources(shard))
+    if (!homed_[source]) store.add_reader(source, w.ready);
   count_load(shard);
   ++engine_.stats_.host_to_device_copies;
-  engine_.stats_.host_to_device_bytes += weight_bytes(shard);
+  engine_.stats_.host_to_device_bytes += copied;
   return true;
 }
 
@@ -205,15 +212,22 @@ void SpilledModel::make_computable(int shard, bool with_grads) {
       for (int owner : device_grad_owners_[shard]) held_grads_ready_[owner].order_before(engine_.compute_stream());
     stats.acquire_wait_seconds += seconds_since(waiting);
     if (frozen_base_) return;  // its users' parameters are bound by bind_frozen
-    const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), store().device_numel(shard));
+    const at::Tensor weights = engine_.pool_.view(w.weights, store().compute_dtype(), visit_numel_[shard]);
     const at::Tensor grads = !with_grads || !own_grads ? at::Tensor()
                              : holds_grads(shard)     ? held_grads(shard)
                                                       : grad_view(shard);
     const at::Tensor unit_grads = w.grads.valid() ? grad_view(shard) : at::Tensor();
-    // Every parameter the shard uses is in its own copy, tied ones included; its gradient of a tied weight it
-    // borrows sums in the owner's buffer where the owner is device-stepped (the owner's step reads it there), and
-    // else waits in the unit's region to go out with (or, device-stepped, apart from) its own.
+    // Every parameter the shard uses is in its own copy, tied ones included, but those of a resident owner: they
+    // are read in its home, where their gradient sums. Its gradient of a tied weight it borrows sums in the owner's
+    // buffer where the owner is device-stepped (the owner's step reads it there), and else waits in the unit's
+    // region to go out with (or, device-stepped, apart from) its own.
+    const bool reads_homes = std::any_of(store().sources(shard).begin(), store().sources(shard).end(),
+                                         [&](int source) { return homed_[source]; });
+    TORCH_CHECK(!reads_homes || homes_.uploaded(), "shard ", shard, " of model ", id(),
+                " acquired before the model's upload");
     bind(shard, with_grads, [&](const ParamEntry& e) {
+      if (e.owner != shard && homed_[e.owner])
+        return Place{homes_.weights(store(), e.owner), homes_.grads(store(), e.owner), e.master_offset};
       if (e.owner == shard || !e.trainable) return Place{weights, grads, e.device_offset};
       if (borrows_here && device_stepped_[e.owner])
         return Place{weights, held_grads(e.owner), e.device_offset, e.master_offset};
@@ -235,7 +249,7 @@ void SpilledModel::bind_frozen(int shard, const std::vector<at::Tensor>& params)
   TORCH_CHECK(params.size() == layout.size(), "bind_frozen: ", params.size(), " parameters for the ", layout.size(),
               " of shard ", shard);
   const at::Tensor weights =
-      engine_.pool_.view(weights_[shard].weights, store().compute_dtype(), store().device_numel(shard));
+      engine_.pool_.view(weights_[shard].weights, store().compute_dtype(), visit_numel_[shard]);
   for (size_t i = 0; i < layout.size(); ++i)
     params[i].set_data(weights.narrow(0, layout[i].device_offset, layout[i].numel).view(params[i].sizes()));
 }

@@ -9,7 +9,9 @@
 // Some shards may be *resident* instead: their whole state has a home on the device (engine/shard_homes.h)
 // and steps there, as a ResidentModel's shards do, with no copy at all. The first shard resident takes the
 // step boundary's round trip (its gradient out, its host step, its weights back in before the next forward)
-// off the model's chain. A tied weight's owner and borrowers are all resident or all spilled.
+// off the model's chain. A tied weight lives where its owner does: a resident owner's borrowers may be spilled (their
+// units read the weight in its home and sum their gradient of it there, copying none of it), but a resident
+// borrower's owner is resident.
 //
 // Others may be *device-stepped*: spilled, their weights visit as any spilled shard's, but their gradients stay on
 // the device in a buffer of their own (summed there over a step's micro-batches, as a resident shard's), and
@@ -43,8 +45,9 @@ class SpilledModel final : public DeviceModel {
   // `device_shards`: the shards stepped on the device (device_shards_error).
   SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store, std::vector<int> resident_shards = {},
                bool frozen_base = false, std::vector<int> device_shards = {});
-  // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or a tied
-  // weight with users on both sides), or empty when they can.
+  // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or a resident
+  // borrower of a tied weight whose owner is spilled), or empty when they can. A resident owner may lend to a spilled
+  // borrower: the borrower's unit reads the weight in the owner's home, and its gradient of it sums there.
   static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
   // Why `shards` cannot be a spilled model's device-stepped shards beside `resident_shards` (out of range,
   // repeated, resident, with nothing to train, or a borrower with nothing of its own to train apart from the owner
@@ -54,20 +57,26 @@ class SpilledModel final : public DeviceModel {
                                          const std::vector<int>& shards);
   // What the resident shards' homes take of the budget.
   static int64_t homes_need(const ShardStore& store, const std::vector<int>& shards);
+  // The elements a visit of spilled `shard` holds beside `resident_shards`: its device layout, less a tail of tied
+  // weights it borrows from resident owners (read in their homes).
+  static int64_t visit_numel(const ShardStore& store, const std::vector<int>& resident_shards, int shard);
   // What the device-stepped shards' gradient buffers take of the budget, for good (keeps_gradient_buffer).
-  static int64_t held_grads_need(const ShardStore& store, const std::vector<int>& shards);
+  static int64_t held_grads_need(const ShardStore& store, const std::vector<int>& shards,
+                                 const std::vector<int>& resident_shards = {});
   // Whether `shard`, among the device-stepped `shards`, keeps its gradients in a buffer of its own for the run:
   // where a step sums several backwards (not ShardStore::steps_after_each_backward), where another shard borrows a
   // trainable tied weight from it (that backward's gradient waits there for the owner's), and where it borrows one
   // from a host-stepped owner (sends_borrowed_grads: its unit's region holds only the share that goes out). Else a
   // unit's gradients take an arena region, given back once its step has read them. The buffer spans the shard's
   // trainable weights: a borrowed weight's gradient is in its owner's.
-  static bool keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard);
+  static bool keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard,
+                                    const std::vector<int>& resident_shards = {});
   // The shards owning a trainable tied weight that `shard` borrows (its gradient sums in theirs), each once.
   static std::vector<int> borrowed_grad_owners(const ShardStore& store, int shard);
-  // Whether `shard`, among the device-stepped `shards`, borrows a trainable tied weight from a shard not among them:
-  // its backward's gradient of that weight goes out to be summed on the host.
-  static bool sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard);
+  // Whether `shard`, among the device-stepped `shards`, borrows a trainable tied weight from a shard among neither
+  // them nor `resident_shards`: its backward's gradient of that weight goes out to be summed on the host.
+  static bool sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard,
+                                   const std::vector<int>& resident_shards = {});
   // The regions one device step of `shard` brings in for its length: fp32 master, optimizer states and, in bf16,
   // the new weights' staging, aligned.
   static int64_t device_step_need(const ShardStore& store, int shard);
@@ -210,6 +219,7 @@ class SpilledModel final : public DeviceModel {
   void drop_state(int shard, const Fence& issued);
   void free_held_grads(const Fence& issued);
   std::vector<Weights> weights_ = std::vector<Weights>(store().num_shards());
+  std::vector<int64_t> visit_numel_ = std::vector<int64_t>(store().num_shards());  // visit_numel, per shard
   std::vector<int> resident_shards_;
   std::vector<int> device_shards_;
   std::vector<bool> device_stepped_ = std::vector<bool>(store().num_shards());

@@ -19,14 +19,34 @@ std::string SpilledModel::resident_shards_error(const ShardStore& store, const s
   }
   if (!shards.empty() && static_cast<int>(shards.size()) == n)
     return "every shard resident: the model is resident, not spilled";
-  // A resident shard's weights live in its home and step on the device; a spilled one's copy reads the host's.
-  // A tied weight used on both sides would be two weights.
+  // A tied weight lives where its owner does. A resident owner's is in its home, where a spilled borrower reads it and
+  // sums its gradient; a spilled owner's is on the host, and a resident borrower's home would hold a second copy.
   for (int s = 0; s < n; ++s)
     for (int source : store.sources(s))
-      if (in[source] != in[s])
-        return "shards " + std::to_string(s) + " and " + std::to_string(source) +
-               " share a tied weight: both must be resident or both spilled";
+      if (in[s] && !in[source])
+        return "resident shard " + std::to_string(s) + " borrows a tied weight from shard " + std::to_string(source) +
+               ", which is spilled: a resident borrower's owner is resident too";
+  // A borrower with nothing of its own to train steps the count alone (its gradient, if any, all its owners'), and
+  // its visit would hold nothing: it stays with them.
+  for (int b = 0; b < n; ++b) {
+    if (in[b] || store.trainable_numel(b) > 0) continue;
+    for (int owner : store.sources(b))
+      if (in[owner])
+        return "shard " + std::to_string(b) + " has nothing of its own to train and borrows a tied weight from "
+               "resident shard " + std::to_string(owner) + ": such a borrower is resident with its owner";
+  }
   return {};
+}
+
+int64_t SpilledModel::visit_numel(const ShardStore& store, const std::vector<int>& resident_shards, int shard) {
+  auto resident = [&](int s) {
+    return std::find(resident_shards.begin(), resident_shards.end(), s) != resident_shards.end();
+  };
+  int64_t end = store.owned_numel(shard);
+  for (const ParamEntry& e : store.layout(shard))
+    if (e.owner == shard || !resident(e.owner)) end = std::max(end, e.device_offset + e.numel);
+  const int64_t align = ShardStore::kAlignElements;
+  return std::min(store.device_numel(shard), (end + align - 1) / align * align);
 }
 
 int64_t SpilledModel::homes_need(const ShardStore& store, const std::vector<int>& shards) {
@@ -42,11 +62,12 @@ int64_t SpilledModel::spilled_need(const ShardStore& store, const std::vector<in
   };
   int64_t need = 0;
   for (int s = 0; s < store.num_shards(); ++s) {
-    const int64_t numel = in(resident_shards, s) ? 0 : store.device_numel(s);
+    const int64_t numel = in(resident_shards, s) ? 0 : visit_numel(store, resident_shards, s);
     const int64_t weights = numel * store.element_bytes() + 512;
     // Weights and gradients; a device-stepped shard's step's regions come in, and its gradients are held apart
     // where it keeps a gradient buffer, unless its unit's region takes those of the tied weights it sends out.
-    const bool apart = keeps_gradient_buffer(store, device_shards, s) && !sends_borrowed_grads(store, device_shards, s);
+    const bool apart = keeps_gradient_buffer(store, device_shards, s, resident_shards) &&
+                       !sends_borrowed_grads(store, device_shards, s, resident_shards);
     const int64_t held_apart = apart ? weights : 0;
     const int64_t own = numel == 0             ? 0
                         : in(device_shards, s) ? 2 * weights - held_apart + device_step_need(store, s)
@@ -70,7 +91,7 @@ int64_t SpilledModel::cached_need(const ShardStore& store, const std::vector<int
   int64_t bytes = 0;
   for (int s = 0; s < store.num_shards(); ++s)
     if (std::find(resident_shards.begin(), resident_shards.end(), s) == resident_shards.end())
-      bytes += store.device_numel(s) * store.element_bytes() + 512;
+      bytes += visit_numel(store, resident_shards, s) * store.element_bytes() + 512;
   return bytes;
 }
 

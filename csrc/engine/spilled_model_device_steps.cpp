@@ -68,17 +68,22 @@ std::string SpilledModel::device_shards_error(const ShardStore& store, const std
   return {};
 }
 
-bool SpilledModel::sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard) {
-  auto in = [&](int s) { return std::find(shards.begin(), shards.end(), s) != shards.end(); };
-  if (!in(shard)) return false;
+bool SpilledModel::sends_borrowed_grads(const ShardStore& store, const std::vector<int>& shards, int shard,
+                                       const std::vector<int>& resident_shards) {
+  auto in = [](const std::vector<int>& among, int s) {
+    return std::find(among.begin(), among.end(), s) != among.end();
+  };
+  if (!in(shards, shard)) return false;
   const std::vector<int> owners = borrowed_grad_owners(store, shard);
-  return std::any_of(owners.begin(), owners.end(), [&](int owner) { return !in(owner); });
+  return std::any_of(owners.begin(), owners.end(),
+                     [&](int owner) { return !in(shards, owner) && !in(resident_shards, owner); });
 }
 
-bool SpilledModel::keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard) {
+bool SpilledModel::keeps_gradient_buffer(const ShardStore& store, const std::vector<int>& shards, int shard,
+                                         const std::vector<int>& resident_shards) {
   auto in = [&](int s) { return std::find(shards.begin(), shards.end(), s) != shards.end(); };
   if (!in(shard) || store.trainable_numel(shard) == 0) return false;
-  if (!store.steps_after_each_backward() || sends_borrowed_grads(store, shards, shard)) return true;
+  if (!store.steps_after_each_backward() || sends_borrowed_grads(store, shards, shard, resident_shards)) return true;
   for (int b = 0; b < store.num_shards(); ++b) {  // a borrower of any placement adds its share to the buffer
     if (b == shard) continue;
     const std::vector<int> owners = borrowed_grad_owners(store, b);
@@ -87,10 +92,12 @@ bool SpilledModel::keeps_gradient_buffer(const ShardStore& store, const std::vec
   return false;
 }
 
-int64_t SpilledModel::held_grads_need(const ShardStore& store, const std::vector<int>& shards) {
+int64_t SpilledModel::held_grads_need(const ShardStore& store, const std::vector<int>& shards,
+                                      const std::vector<int>& resident_shards) {
   int64_t need = 0;
   for (int s : shards)
-    if (keeps_gradient_buffer(store, shards, s)) need += aligned(store.trainable_numel(s) * store.element_bytes());
+    if (keeps_gradient_buffer(store, shards, s, resident_shards))
+      need += aligned(store.trainable_numel(s) * store.element_bytes());
   return need;
 }
 

@@ -493,7 +493,9 @@ TEST(Lanes, BadInputIsRefused) {
   const StepBytes bytes;
   const std::vector<TaskShape> tasks{task({shard(1, 2, 100), shard(1, 2, 100, 0)}, 2)};
   EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost, StepPlace::kResident}}, kRates, bytes, 1), std::invalid_argument)
-      << "a tie resident on one side only";
+      << "a resident borrower of a spilled owner";
+  EXPECT_NO_THROW(lane_bound(tasks, {{StepPlace::kResident, StepPlace::kHost}}, kRates, bytes, 1))
+      << "a resident owner of a spilled borrower";
   EXPECT_NO_THROW(lane_bound(tasks, {{StepPlace::kHost, StepPlace::kDevice}}, kRates, bytes, 1)) << "a tie split";
   EXPECT_THROW(lane_bound(tasks, {{StepPlace::kHost}}, kRates, bytes, 1), std::invalid_argument);
   EXPECT_THROW(lane_bound(tasks, host_placement(tasks), kRates, bytes, 0), std::invalid_argument);

@@ -1,10 +1,12 @@
 // A tie split between kHost and kDevice in the lane model: the tied weight's gradient sums where its owner steps, so
 // a kHost borrower of a kDevice owner sends out only what it owns, and a kDevice borrower of a kHost owner sends its
-// share of the tie out after every backward, to be summed on the host.
+// share of the tie out after every backward, to be summed on the host. A resident owner lends to a spilled borrower.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
+#include "core/lane_ties.h"
 #include "core/lanes.h"
 #include "core/simulator.h"
 
@@ -78,8 +80,81 @@ TEST(SplitTies, KeepTheEnginesGradientBuffers) {
   const Placement head_on_device{{StepPlace::kHost, StepPlace::kHost, StepPlace::kDevice}};
   EXPECT_EQ(placement_bytes(tasks, owner_on_device, bytes, {}, 0), owner) << "the head's share sums in it";
   EXPECT_EQ(placement_bytes(tasks, head_on_device, bytes, {}, 0), head) << "the head's own, its unit's holds the share";
-  const Placement resident_apart{{StepPlace::kResident, StepPlace::kHost, StepPlace::kDevice}};
-  EXPECT_THROW(lane_bound(tasks, resident_apart, kRates, bytes, 1), std::invalid_argument);
+}
+
+// A resident owner's tie: a spilled borrower reads it in the owner's home and sums its gradient there, whichever way
+// the borrower steps; it copies in and sends out only what it owns.
+TEST(ResidentOwnerTies, ASpilledBorrowerCopiesNothingOfTheTie) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks = tied_task(4, 2);
+  const Placement host_head{{StepPlace::kResident, StepPlace::kHost, StepPlace::kHost}};
+  const Placement device_head{{StepPlace::kResident, StepPlace::kHost, StepPlace::kDevice}};
+  EXPECT_TRUE(tie_apart(tasks[0], host_head[0], 2)) << "stepped on the host, its tie on the device";
+  EXPECT_FALSE(tie_apart(tasks[0], device_head[0], 2));
+  for (const Placement& placement : {host_head, device_head})
+    EXPECT_EQ(as_placed(tasks[0], placement[0], 2).weights, 30) << "its own weights alone come in";
+  EXPECT_EQ(as_placed(tasks[0], host_placement(tasks)[0], 2).weights, 70);
+  EXPECT_EQ(as_placed(tasks[0], {StepPlace::kDevice, StepPlace::kHost, StepPlace::kHost}, 2).weights, 70);
+  EXPECT_EQ(as_placed(tasks[0], host_head[0], 1).weights, 50) << "untied";
+  // What goes out: shard 1's gradients, and the head's own (host-stepped) or its step's state (device-stepped).
+  const ShardLanes middle = shard_lanes(tasks[0].shards[1], StepPlace::kHost, true, kRates, bytes);
+  const ShardLanes host =
+      shard_lanes(as_placed(tasks[0], host_head[0], 2), StepPlace::kHost, true, kRates, bytes, /*tie_apart=*/true);
+  const ShardLanes device =
+      shard_lanes(as_placed(tasks[0], device_head[0], 2), StepPlace::kDevice, true, kRates, bytes);
+  EXPECT_DOUBLE_EQ(host.gradient_out, 30 * bytes.weight / kRates.device_to_host);
+  EXPECT_DOUBLE_EQ(device.gradient_out, 0.0);
+  EXPECT_NEAR(lane_bound(tasks, host_head, kRates, bytes, 1).device_to_host,
+              4 * (middle.gradient_out + host.gradient_out), 1e-9);
+  EXPECT_NEAR(lane_bound(tasks, device_head, kRates, bytes, 1).device_to_host,
+              4 * middle.gradient_out + 2 * device.state_out, 1e-9);
+  // Its gradient buffer, where a step sums several backwards, holds what it owns: the tie's sums in the home.
+  EXPECT_EQ(placement_bytes(tasks, device_head, bytes, {}, 0) - placement_bytes(tasks, host_head, bytes, {}, 0),
+            30 * 2);
+}
+
+TEST(ResidentOwnerTies, AResidentBorrowerOfASpilledOwnerOrAHeadAloneApartFromItsOwnerIsRefused) {
+  const StepBytes bytes;
+  const std::vector<TaskShape> tasks = tied_task(4, 1);
+  const Placement resident_head{{StepPlace::kHost, StepPlace::kHost, StepPlace::kResident}};
+  EXPECT_THROW(lane_bound(tasks, resident_head, kRates, bytes, 1), std::invalid_argument);
+  const Placement both{{StepPlace::kResident, StepPlace::kHost, StepPlace::kResident}};
+  EXPECT_NO_THROW(lane_bound(tasks, both, kRates, bytes, 1));
+  std::vector<TaskShape> alone = tasks;
+  alone[0].shards[2] = ShardShape{1.0, 2.0, 40, 40, 0, 0};  // the head alone: nothing of its own to train
+  EXPECT_THROW(lane_bound(alone, {{StepPlace::kResident, StepPlace::kHost, StepPlace::kHost}}, kRates, bytes, 1),
+               std::invalid_argument);
+  EXPECT_NO_THROW(lane_bound(alone, both, kRates, bytes, 1));
+  alone[0].shards[2] = ShardShape{1.0, 2.0, 40, 0, 0, 0};  // a frozen tie alone: nothing to train either
+  EXPECT_THROW(lane_bound(alone, {{StepPlace::kResident, StepPlace::kHost, StepPlace::kHost}}, kRates, bytes, 1),
+               std::invalid_argument);
+  EXPECT_TRUE(owners_alone(alone[0], {0, 2}).empty());
+}
+
+// Where the room holds the embedding's home but not the head's beside it, the lane model may make the owner alone
+// resident; with room for both it may take the head too.
+TEST(ResidentOwnerTies, TheLaneModelMayMakeTheOwnerAloneResident) {
+  const StepBytes bytes;
+  const LaneRates slow_link{10.0, 10.0, 1e6, 1e6};  // the copies bind: a home saves most
+  const std::vector<TaskShape> tasks = tied_task(8, 1);
+  const int64_t owner = held_bytes(tasks[0].shards[0], StepPlace::kResident, bytes, false);
+  const int64_t head = held_bytes(tasks[0].shards[2], StepPlace::kResident, bytes, false);
+  int64_t reserve = 0;
+  for (const ShardShape& shard : tasks[0].shards)
+    reserve = std::max(reserve, step_room(shard, StepPlace::kDevice, bytes, false));
+  const Placement alone = choose_placement(tasks, slow_link, bytes, 1, owner + reserve, 1.0, {}, true, 1);
+  EXPECT_EQ(alone[0][0], StepPlace::kResident);
+  EXPECT_NE(alone[0][2], StepPlace::kResident);
+  EXPECT_NO_THROW(lane_bound(tasks, alone, slow_link, bytes, 1));
+  const Placement none = choose_placement(tasks, slow_link, bytes, 1, owner + reserve - 1, 1.0, {}, true, 1);
+  EXPECT_NE(none[0][0], StepPlace::kResident);
+  const Placement whole = choose_placement(tasks, slow_link, bytes, 1, owner + head + reserve, 1.0, {}, true, 1);
+  EXPECT_EQ(whole[0][0], StepPlace::kResident);
+  EXPECT_EQ(whole[0][2], StepPlace::kResident);
+  std::vector<TaskShape> head_alone = tasks;
+  head_alone[0].shards[2] = ShardShape{1.0, 2.0, 40, 40, 0, 0};  // nothing of its own: the tie moves whole
+  const Placement refused = choose_placement(head_alone, slow_link, bytes, 1, owner + reserve, 1.0, {}, true, 1);
+  EXPECT_NE(refused[0][0], StepPlace::kResident);
 }
 
 }  // namespace

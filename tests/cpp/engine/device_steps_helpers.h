@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "device_engine_helpers.h"
@@ -83,17 +84,47 @@ inline Trained train(bool bf16, const std::vector<int>& resident, const std::vec
 // from its backward to its step (as a host-stepped shard's do until they are copied out) when the store says so.
 inline Trained train_stepping_after_each_backward(bool bf16, bool steps_after_each_backward,
                                                   const std::vector<int>& device,
-                                                  Shards (*shards)() = untied_shards) {
+                                                  Shards (*shards)() = untied_shards,
+                                                  const std::vector<int>& resident = {}) {
   auto store = make_store(shards(), bf16, adamw_spec());
   store->set_steps_after_each_backward(steps_after_each_backward);
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*store) * 2);
-  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, {}, -1, device);
+  const int m = engine.add_model(store, DeviceEngine::Residency::kSpilled, -1, resident, -1, device);
   for (int step = 0; step < 3; ++step)
     run_step(engine, m, *store, 1, /*check_values=*/false, /*step=*/true, 0.5, false, add_grads);
   EXPECT_EQ(engine.stats().device_steps, static_cast<int64_t>(3 * device.size()));
   Trained trained = finish_and_copy(engine, m, *store);
-  expect_logged(engine, m, store->num_shards(), 3, {}, device);
+  expect_logged(engine, m, store->num_shards(), 3, resident, device);
   return trained;
+}
+
+// Per placement, its resident shards and its device-stepped ones.
+using Places = std::pair<std::vector<int>, std::vector<int>>;
+
+// That a tied model ends bit for bit as with every shard on the host under each of `accumulating` (three steps of two
+// micro-batches, clipped or not) and each of `each_backward` (each backward followed by its step), for both tied
+// layouts (tied_shards, tied_shards_large_head), in fp32 and bf16.
+inline void expect_tied_placements_end_as_on_the_host(const std::vector<Places>& accumulating,
+                                                      const std::vector<Places>& each_backward) {
+  for (Shards (*shards)() : {tied_shards, tied_shards_large_head})
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+      for (bool clip : {false, true}) {
+        SCOPED_TRACE(clip ? "clipped" : "not clipped");
+        const Trained host = train(bf16, {}, {}, clip, shards);
+        for (const auto& [resident, device] : accumulating) {
+          SCOPED_TRACE("resident " + ::testing::PrintToString(resident) + ", device-stepped " +
+                       ::testing::PrintToString(device));
+          expect_same(train(bf16, resident, device, clip, shards), host);
+        }
+      }
+      const Trained host = train_stepping_after_each_backward(bf16, true, {}, shards);
+      for (const auto& [resident, device] : each_backward) {
+        SCOPED_TRACE("each backward stepped, resident " + ::testing::PrintToString(resident) + ", device-stepped " +
+                     ::testing::PrintToString(device));
+        expect_same(train_stepping_after_each_backward(bf16, true, device, shards, resident), host);
+      }
+    }
 }
 
 }  // namespace engine_test

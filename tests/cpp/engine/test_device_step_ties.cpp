@@ -76,23 +76,8 @@ TEST(DeviceSteps, ATieSteppedOnTheDeviceEndsAsOnTheHost) {
 // borrower sends its share to a host-stepped owner after each backward, where it is summed as a host-stepped
 // borrower's is. Either ends bit for bit as with every shard on the host.
 TEST(DeviceSteps, ATieSplitBetweenTheDeviceAndTheHostEndsAsOnTheHost) {
-  for (Shards (*shards)() : {tied_shards, tied_shards_large_head})
-    for (bool bf16 : {false, true}) {
-      SCOPED_TRACE(bf16 ? "bf16" : "fp32");
-      for (bool clip : {false, true}) {
-        SCOPED_TRACE(clip ? "clipped" : "not clipped");
-        const Trained host = train(bf16, {}, {}, clip, shards);
-        for (const std::vector<int>& device : {std::vector<int>{0}, {0, 1, 2}, {3}, {1, 2, 3}}) {
-          SCOPED_TRACE("device-stepped: " + ::testing::PrintToString(device));
-          expect_same(train(bf16, {}, device, clip, shards), host);
-        }
-      }
-      const Trained host = train_stepping_after_each_backward(bf16, true, {}, shards);
-      for (const std::vector<int>& device : {std::vector<int>{0}, {0, 1}, {3}, {2, 3}}) {
-        SCOPED_TRACE("each backward stepped, device-stepped: " + ::testing::PrintToString(device));
-        expect_same(train_stepping_after_each_backward(bf16, true, device, shards), host);
-      }
-    }
+  expect_tied_placements_end_as_on_the_host({{{}, {0}}, {{}, {0, 1, 2}}, {{}, {3}}, {{}, {1, 2, 3}}},
+                                            {{{}, {0}}, {{}, {0, 1}}, {{}, {3}}, {{}, {2, 3}}});
 }
 
 TEST(DeviceSteps, OfASplitTieTheHostSumsOnlyWhatItSteps) {
