@@ -29,11 +29,13 @@ models train on N virtual CPU devices, each with its own emulated link and a sha
 counts the compute spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a
 device's share, "copies in s" all devices' together. With `--head-blocks K` the last shard holds the last K blocks
 besides the tied head, and with `--resident-room first` the budget holds the first shard's home instead of both
-ends': "auto" then keeps the embedding resident alone, its head spilled.
+ends': the engine's rule then keeps no end resident, and the "owner" placement ("auto" with the lane model's choice
+replaced by the first shard resident alone) keeps the embedding resident, its head spilled.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
-                                          [--rounds 3] [--by-unit] [--clip MAX_NORM] [--placements host auto device]
-                                          [--host-speed S] [--forecast] [--precision bf16] [--cache-all]
+                                          [--rounds 3] [--by-unit] [--clip MAX_NORM]
+                                          [--placements host auto device owner] [--host-speed S] [--forecast]
+                                          [--precision bf16] [--cache-all]
                                           [--devices N] [--head-blocks K] [--resident-room ends|first]
 """
 from __future__ import annotations

@@ -32,12 +32,14 @@ std::vector<int> with_tied_owners(const ShardStore& store, std::vector<int> shar
   for (bool grew = true; grew;) {
     grew = false;
     for (int s = 0; s < n; ++s) {
-      for (int source : store.sources(s))
-        if (in[s] && !in[source]) in[source] = grew = true;
-      const std::vector<int>& owners = store.sources(s);
-      if (!in[s] && store.trainable_numel(s) == 0 &&
-          std::any_of(owners.begin(), owners.end(), [&](int owner) { return in[owner]; }))
+      const std::vector<int>& sources = store.sources(s);  // itself, then its tied weights' owners
+      if (in[s]) {
+        for (int source : sources)
+          if (!in[source]) in[source] = grew = true;
+      } else if (store.trainable_numel(s) == 0 &&
+                 std::any_of(sources.begin(), sources.end(), [&](int owner) { return in[owner]; })) {
         in[s] = grew = true;
+      }
     }
   }
   std::vector<int> closed;
