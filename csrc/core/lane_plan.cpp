@@ -2,15 +2,18 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
+
+#include "core/lane_ties.h"
 
 namespace hydra::core {
 
 namespace {
 
 // `placement` with each task's first `count` shards (each with the shards tied to it) off the host where room
-// allows: resident, else stepped on the device; shard 0 of every task first, then shard 1, ... The bound does not
-// see what that saves: the first shards' steps are the ones the next step's first units wait for, in turn, and the
-// scheduler may give the device those units at once.
+// allows: resident, else (a tie's owner) resident alone, else stepped on the device; shard 0 of every task first,
+// then shard 1, ... The bound does not see what that saves: the first shards' steps are the ones the next step's
+// first units wait for, in turn, and the scheduler may give the device those units at once.
 Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement placement, int count,
                                   const StepBytes& bytes, int num_devices, int64_t room, const Placement& start,
                                   int step_rooms) {
@@ -20,10 +23,18 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
           placement[t][static_cast<size_t>(s)] != StepPlace::kHost)
         continue;
       const std::vector<int> group = tie_group(tasks[t], s);
-      for (StepPlace to : {StepPlace::kResident, StepPlace::kDevice}) {
-        if (to == StepPlace::kResident && num_devices > 1) continue;
+      std::vector<std::pair<std::vector<int>, StepPlace>> moves;
+      if (num_devices == 1) {
+        moves.emplace_back(group, StepPlace::kResident);
+        // A tied embedding's home may fit where its head's does not (measured, benchmarks/RESULTS.md).
+        std::vector<int> owners = owners_alone(tasks[t], group);
+        if (std::find(owners.begin(), owners.end(), s) != owners.end())
+          moves.emplace_back(std::move(owners), StepPlace::kResident);
+      }
+      moves.emplace_back(group, StepPlace::kDevice);  // a tie steps on the device as one
+      for (const auto& [shards, to] : moves) {
         Placement moved = placement;
-        for (int g : group) moved[t][static_cast<size_t>(g)] = to;
+        for (int g : shards) moved[t][static_cast<size_t>(g)] = to;
         if (placement_bytes(tasks, moved, bytes, start, step_rooms) <= room) {
           placement = std::move(moved);
           break;
@@ -63,6 +74,15 @@ LanePlan plan_lanes(const std::vector<TaskShape>& tasks, const LaneRates& rates,
   std::vector<Placement> tried;
   for (double headroom : kHeadrooms) {
     std::vector<Placement> variants;
+    if (headroom == kHeadrooms[0])
+      // The leading shards given the room first: the choice by the bound may spend it on a shard whose step the
+      // next step's first units do not wait for (a block's home before a tied embedding's).
+      for (int step_rooms : {2, 1})
+        for (int count : kLeadingShards) {
+          variants.push_back(leading_shards_off_host(tasks, start.empty() ? host_placement(tasks) : start, count,
+                                                     bytes, num_devices, room, start, step_rooms));
+          variants.push_back(first_shards_stepped_on_host(tasks, variants.back()));
+        }
     for (int step_rooms : {2, 1})
       for (bool homes : {true, false}) {
         const Placement chosen =

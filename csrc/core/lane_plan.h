@@ -1,9 +1,9 @@
-// The placement a run gets: the lane model's choice (choose_placement) at several headrooms, with homes and
-// without (device steps only), with room for two device steps at once and for one, each also with each task's first
-// shards off the host, all simulated (with the weights the devices keep in the room left), the shortest simulated run
-// kept. The bound alone cannot say how much slack a copy or host lane needs, since that depends on
-// how the tasks' steps bunch up, nor what a step late off the host costs the unit that waits for it; the
-// simulator, driving the real scheduler, can.
+// The placement a run gets: the lane model's choice (choose_placement) at several headrooms, with homes and without
+// (device steps only), with room for two device steps at once and for one, each also with each task's first shards off
+// the host, and those first shards given the room before any choice, all simulated (with the weights the devices keep
+// in the room left), the shortest simulated run kept. The bound alone cannot say how much slack a copy or host lane
+// needs, since that depends on how the tasks' steps bunch up, nor what a step late off the host costs the unit that
+// waits for it; the simulator, driving the real scheduler, can.
 #pragma once
 
 #include <cstdint>

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/lane_plan.h"
 #include "core/lane_ties.h"
 #include "core/lanes.h"
 #include "core/simulator.h"
@@ -155,6 +156,29 @@ TEST(ResidentOwnerTies, TheLaneModelMayMakeTheOwnerAloneResident) {
   head_alone[0].shards[2] = ShardShape{1.0, 2.0, 40, 40, 0, 0};  // nothing of its own: the tie moves whole
   const Placement refused = choose_placement(head_alone, slow_link, bytes, 1, owner + reserve, 1.0, {}, true, 1);
   EXPECT_NE(refused[0][0], StepPlace::kResident);
+}
+
+// One tied GPT-2 (4 layers, width 256) as measured on the emulated link with the host at 4x its rate
+// (benchmarks/RESULTS.md), its last shard holding two blocks besides the head; the room holds one home. By the bound
+// a block's home ranks first (the shorter chain), but the embedding's is the one the next step's first unit waits
+// for: the plan tries the leading shards' homes first, the tie's owner alone among them, and simulates both.
+TEST(ResidentOwnerTies, ThePlanGivesTheEmbeddingItsHomeWhereThatRunsShorter) {
+  const std::vector<TaskShape> tasks{
+      TaskShape{{ShardShape{0.0007526343324570917, 0.002257902997371275, 540672, 540672, 540672, -1},
+                 ShardShape{0.009132715999536837, 0.02739814799861051, 789760, 789760, 789760, -1},
+                 ShardShape{0.010051122999963505, 0.030153368999890517, 789760, 789760, 789760, -1},
+                 ShardShape{0.0, 0.05520759399951203, 2104320, 2104320, 1580032, 0}},
+                6, 1}};
+  const LaneRates rates{383366904.9312482, 383366904.9312482, 1533467619.7249928, 86672552049.81981};
+  const StepBytes fp32{4.0, 8.0, 28.0, 8.0, 28.0};
+  const int64_t room = 17135104;
+  const Placement by_bound = choose_placement(tasks, rates, fp32, 1, room, 1.0, {}, true, 2);
+  EXPECT_EQ(by_bound[0], (std::vector<StepPlace>{StepPlace::kHost, StepPlace::kResident, StepPlace::kHost,
+                                                  StepPlace::kHost}));
+  const LanePlan plan = plan_lanes(tasks, rates, fp32, 1, room);
+  const Placement owner{{StepPlace::kResident, StepPlace::kHost, StepPlace::kHost, StepPlace::kHost}};
+  EXPECT_EQ(plan.placement, owner);
+  EXPECT_LT(plan.run.makespan, simulate(simulation_in_room(tasks, by_bound, rates, fp32, 1, room)).makespan);
 }
 
 }  // namespace
