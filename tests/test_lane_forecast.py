@@ -98,6 +98,16 @@ def test_a_resident_owner_lends_its_tie_to_a_spilled_borrower_that_copies_none_o
     assert head["device_to_host"] - both["device_to_host"] == pytest.approx(8 * 30 * 2 / SLOW_HOST[1], rel=1e-6)
 
 
+def test_the_shards_kept_stay_as_the_start_has_them_and_the_choice_is_among_the_others():
+    """A task placed mid-run steps none of its tied shards off the host (lane_choice.added_device_shards): the lane
+    model chooses among the others, so that what it forecasts is what the engine grants."""
+    free = _C.lane_forecast([TIED], SLOW_HOST, room=1 << 30)["placement"][0]
+    assert free[0] != "host"
+    kept = _C.lane_forecast([TIED], SLOW_HOST, room=1 << 30, kept=[[0, 2]])["placement"][0]
+    assert kept[0] == kept[2] == "host" and kept[1] != "host"
+    assert _C.lane_forecast([TIED], SLOW_HOST, room=1 << 30, kept=[[0, 1, 2]])["placement"] == [["host"] * 3]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]),
      "'host', 'device' or 'resident'"),
@@ -107,6 +117,8 @@ def test_a_resident_owner_lends_its_tie_to_a_spilled_borrower_that_copies_none_o
     (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, 0)], 1, 1, False)], SLOW_HOST, room=0), "tied_to names no other shard"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=-1), "room must be >= 0"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, fixed=[True, False]), "names 2 tasks of 1"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, kept=[[], []]), "`kept` names 2 tasks of 1"),
+    (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, kept=[[3]]), "names shard 3 of task 0, which has 3"),
 ])
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):

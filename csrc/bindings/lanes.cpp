@@ -65,7 +65,7 @@ void bind_lanes(py::module_& m) {
          const std::optional<std::tuple<double, double, double, double, double>>& bytes, int devices,
          const std::optional<std::vector<std::vector<std::string>>>& placement, std::optional<int64_t> room,
          const std::optional<std::vector<std::vector<std::string>>>& start,
-         const std::optional<std::vector<bool>>& fixed) {
+         const std::optional<std::vector<bool>>& fixed, const std::optional<std::vector<std::vector<int>>>& kept) {
         std::vector<core::TaskShape> shapes;
         for (const auto& [shards, micro_batches, accumulate, clipped] : tasks)
           shapes.push_back(task_shape(shards, micro_batches, accumulate, clipped));
@@ -74,6 +74,20 @@ void bind_lanes(py::module_& m) {
             throw py::value_error("lane_forecast: `fixed` names " + std::to_string(fixed->size()) + " tasks of " +
                                   std::to_string(shapes.size()));
           for (size_t t = 0; t < shapes.size(); ++t) shapes[t].fixed = (*fixed)[t];
+        }
+        if (kept) {
+          if (kept->size() != shapes.size())
+            throw py::value_error("lane_forecast: `kept` names " + std::to_string(kept->size()) + " tasks of " +
+                                  std::to_string(shapes.size()));
+          for (size_t t = 0; t < shapes.size(); ++t) {
+            shapes[t].kept.assign(shapes[t].shards.size(), false);
+            for (int s : (*kept)[t]) {
+              if (s < 0 || s >= static_cast<int>(shapes[t].shards.size()))
+                throw py::value_error("lane_forecast: `kept` names shard " + std::to_string(s) + " of task " +
+                                      std::to_string(t) + ", which has " + std::to_string(shapes[t].shards.size()));
+              shapes[t].kept[static_cast<size_t>(s)] = true;
+            }
+          }
         }
         const auto& [in, out, host, device_memory] = rates;
         const core::LaneRates lane_rates{in, out, host, device_memory};
@@ -122,15 +136,16 @@ void bind_lanes(py::module_& m) {
       },
       py::arg("tasks"), py::arg("rates"), py::arg("bytes") = py::none(), py::arg("devices") = 1,
       py::arg("placement") = py::none(), py::arg("room") = py::none(), py::arg("start") = py::none(),
-      py::arg("fixed") = py::none(),
+      py::arg("fixed") = py::none(), py::arg("kept") = py::none(),
       "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate, clipped), each shard "
       "(forward s, backward s, weights, grads, params, tied_to); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
       "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated (with "
       "`room`, as plan_lanes runs it in that room: simulation_in_room); "
       "without it plan_lanes chooses one within `room` device bytes, from `start` (placed alike; None: every shard on "
-      "the host) with `room` counted beyond what start's shards hold, and the tasks `fixed` names (per task, a bool) kept as "
-      "start places them. Returns its placement, headroom, simulated "
+      "the host) with `room` counted beyond what start's shards hold, the tasks `fixed` names (per task, a bool) "
+      "kept as start places them, and so each shard `kept` names (per task, a list of shard indices). Returns its "
+      "placement, headroom, simulated "
       "makespan (its last step done), span (its last unit done), four-lane bound and lanes' busy seconds.");
 }
 

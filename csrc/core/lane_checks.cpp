@@ -30,6 +30,7 @@ void validate(const std::vector<TaskShape>& tasks, const LaneRates& rates, const
     const std::string name = "task " + std::to_string(t);
     require(!task.shards.empty(), name + " has no shard");
     require(task.micro_batches >= 1 && task.accumulate >= 1, name + " needs micro_batches >= 1 and accumulate >= 1");
+    require(task.kept.empty() || task.kept.size() == task.shards.size(), name + ": kept names every shard or none");
     for (size_t s = 0; s < task.shards.size(); ++s) {
       const ShardShape& shard = task.shards[s];
       const std::string where = name + " shard " + std::to_string(s);

@@ -306,6 +306,8 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
       for (int g : choice)
         if (placement[t][static_cast<size_t>(g)] < to) group.push_back(g);
       if (group.empty()) return;
+      for (int g : group)
+        if (task.keeps(static_cast<size_t>(g))) return;
       std::vector<StepPlace> places = placement[t];
       for (int g : group) places[static_cast<size_t>(g)] = to;
       int64_t group_held = held + tie_buffer_bytes(task, places, bytes) - tie_buffer_bytes(task, placement[t], bytes);

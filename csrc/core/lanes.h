@@ -77,6 +77,10 @@ struct TaskShape {
   bool clipped = false;       // a clipped step waits for every shard's gradients
   bool fixed = false;         // its placement is kept as the start has it (a task already training): it loads the
                               // lanes, and no move of the lane model's choice is made on its shards
+  // Per shard (empty: none), kept as the start has it: where the engine would not move it (a task placed mid-run
+  // steps no tied shard off the host), so that the choice is of what the engine grants.
+  std::vector<bool> kept;
+  bool keeps(size_t s) const { return fixed || (!kept.empty() && kept[s]); }
   // Whether a step sums several backwards of a shard: then a kDevice shard's gradients are held between them.
   bool sums_backwards() const { return accumulate > 1 || clipped; }
 };

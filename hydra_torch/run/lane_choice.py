@@ -283,7 +283,11 @@ def added_device_shards(newcomer, store, running, uncommitted: list[int], placem
         return []
     spilled = [s for runner, s in zip(runners, stores) if not runner.resident]
     room = max(0, min(uncommitted) - max(_C.DeviceEngine.spilled_need(s) for s in spilled))
-    forecast = _C.lane_forecast(shapes, rates, bytes_, devices, None, room, start, [True] * len(running) + [False])
+    # The shards not eligible stay on the host: told so, the lane model chooses among the others and forecasts what
+    # the engine grants (were the tied embedding and head free to move, it would weigh a placement never granted).
+    kept = [[] for _ in running] + [[s for s in range(store.num_shards) if s not in eligible]]
+    forecast = _C.lane_forecast(shapes, rates, bytes_, devices, None, room, start, [True] * len(running) + [False],
+                                kept)
     # A shard the lane model would keep resident is off the host too: stepped on the device, in less room.
     return [s for s in eligible if forecast["placement"][-1][s] != "host"]
 

@@ -181,4 +181,25 @@ TEST(ResidentOwnerTies, ThePlanGivesTheEmbeddingItsHomeWhereThatRunsShorter) {
   EXPECT_LT(plan.run.makespan, simulate(simulation_in_room(tasks, by_bound, rates, fp32, 1, room)).makespan);
 }
 
+// A task placed mid-run steps none of its tied shards off the host: kept as the start has them, the choice is among
+// the others, by the bound and by the plan alike.
+TEST(KeptShards, StayAsTheStartHasThemAndTheChoiceIsAmongTheOthers) {
+  const StepBytes bytes;
+  const LaneRates slow_host{1e6, 1e6, 10.0, 1e6};  // the host binds: every step would leave it
+  std::vector<TaskShape> tasks = tied_task(8, 1);
+  const int64_t room = int64_t{1} << 40;
+  const Placement free = plan_lanes(tasks, slow_host, bytes, 1, room).placement;
+  EXPECT_NE(free[0][0], StepPlace::kHost);
+  EXPECT_NE(free[0][2], StepPlace::kHost);
+  tasks[0].kept = {true, false, true};
+  for (const Placement& placement : {choose_placement(tasks, slow_host, bytes, 1, room, 1.0, {}, true, 2),
+                                     plan_lanes(tasks, slow_host, bytes, 1, room).placement}) {
+    EXPECT_EQ(placement[0][0], StepPlace::kHost);
+    EXPECT_EQ(placement[0][2], StepPlace::kHost);
+    EXPECT_NE(placement[0][1], StepPlace::kHost);
+  }
+  tasks[0].kept = {true};
+  EXPECT_THROW(plan_lanes(tasks, slow_host, bytes, 1, room), std::invalid_argument);
+}
+
 }  // namespace
