@@ -143,7 +143,8 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> dict:
         last = s == shards - 1
         forward, backward = (0.0, unit[s, "forward_backward"]) if last else (unit[s, "forward"], unit[s, "backward"])
         read = shard_bytes[s] // 4  # fp32 elements, the tied weight included in the head's shard
-        shapes.append((forward, backward, read, read, read - tied if last else read, 0 if last else -1))
+        shapes.append((forward, backward, read, read, read - tied if last else read, 0 if last else -1,
+                       tied if last else 0))
     stats = base.stats[0]
     # At the rate the memory-speed run's host steps reached; a run whose every model is resident stepped nothing on
     # the host, and the link's rate stands in (the lane model asks a rate > 0).

@@ -108,6 +108,22 @@ def test_the_shards_kept_stay_as_the_start_has_them_and_the_choice_is_among_the_
     assert _C.lane_forecast([TIED], SLOW_HOST, room=1 << 30, kept=[[0, 1, 2]])["placement"] == [["host"] * 3]
 
 
+def test_a_frozen_tie_lent_by_a_resident_owner_is_not_copied_either():
+    """A head whose tied weight is frozen (its gradients only its own 30): told what it borrows (the 7th element), the
+    lane model takes the 40 tied elements out of its copies as the engine does; without it only a trainable tie is
+    known to be borrowed."""
+    frozen = [(0.05, 0.1, 100, 100, 100, -1), (0.05, 0.1, 100, 100, 100, -1), (0.05, 0.1, 140, 30, 30, 0)]
+    told = ([*frozen[:2], (*frozen[2], 40)], 8, 1, False)
+    resident_owner = [["resident", "host", "host"]]
+    unknown = _C.lane_forecast([(frozen, 8, 1, False)], SLOW_HOST, placement=resident_owner)["busy_seconds"]
+    known = _C.lane_forecast([told], SLOW_HOST, placement=resident_owner)["busy_seconds"]
+    assert unknown["host_to_device"] - known["host_to_device"] == pytest.approx(8 * 40 * 2 / SLOW_HOST[0], rel=1e-6)
+    # Told of a trainable tie too, the same forecast as without (grads - params is what it borrows).
+    assert _C.lane_forecast([([*TIED[0][:2], (*TIED[0][2], 40)], 8, 1, False)], SLOW_HOST,
+                            placement=resident_owner)["busy_seconds"] == \
+        _C.lane_forecast([TIED], SLOW_HOST, placement=resident_owner)["busy_seconds"]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, placement=[["host", "gpu", "host"]]),
      "'host', 'device' or 'resident'"),
@@ -119,6 +135,10 @@ def test_the_shards_kept_stay_as_the_start_has_them_and_the_choice_is_among_the_
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, fixed=[True, False]), "names 2 tasks of 1"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, kept=[[], []]), "`kept` names 2 tasks of 1"),
     (lambda: _C.lane_forecast([SHAPE], SLOW_HOST, room=0, kept=[[3]]), "names shard 3 of task 0, which has 3"),
+    (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, -1, 1)], 1, 1, False)], SLOW_HOST, room=0),
+     "borrowed must be >= 0, within its weights, and only where it is tied"),
+    (lambda: _C.lane_forecast([([(0.1, 0.1, 1, 1, 1, -1), (0.1, 0.1, 1, 1, 1, 0, 2)], 1, 1, False)], SLOW_HOST,
+                              room=0), "borrowed must be"),
 ])
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):

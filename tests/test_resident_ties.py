@@ -105,3 +105,24 @@ def test_a_checkpoint_of_a_resident_embedding_resumes_spilled_and_back_bit_for_b
     resumed, _ = train("auto", model=model, wish=OWNER, checkpoint_dir=tmp_path / "b")
     assert resumed[0].placement == OWNER_ALONE and resumed[0].steps == 6
     assert all(torch.equal(a, b) for a, b in zip(params(model), params(straight)))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_the_lane_model_is_told_what_the_head_borrows_frozen_or_not(frozen):
+    """The head's shape says how many of the elements it reads are the embedding's (its 7th element): what its
+    visits leave uncopied beside a resident embedding, though a frozen tie is not among its gradients."""
+    model = tied_transformer(dropout=0.0)
+    if frozen:
+        model[0].weight.requires_grad_(False)
+    shapes, shape = [], lane_choice.task_shape
+
+    def told(*args):
+        shapes.append(shape(*args))
+        return shapes[-1]
+    with mock.patch.object(lane_choice, "task_shape", told):
+        train("auto", model=model, wish=["host"] * 3)
+    head = shapes[0][0][-1]
+    _, grads, params, tied_to, borrowed = head[2:]
+    assert tied_to == 0 and borrowed == model[0].weight.numel()
+    assert grads - params == (0 if frozen else borrowed)
+    assert all(shard[6] == 0 for shard in shapes[0][0][:-1])

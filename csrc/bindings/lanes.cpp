@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 #include "core/lane_plan.h"
@@ -18,14 +19,22 @@ namespace {
 
 using core::StepPlace;
 
-// (forward seconds, backward seconds, weights, grads, params, tied_to) per shard.
+// (forward seconds, backward seconds, weights, grads, params, tied_to[, borrowed]) per shard.
 using ShardTuple = std::tuple<double, double, int64_t, int64_t, int64_t, int>;
+using BorrowingShardTuple = std::tuple<double, double, int64_t, int64_t, int64_t, int, int64_t>;
 
-core::TaskShape task_shape(const std::vector<ShardTuple>& shards, int64_t micro_batches, int64_t accumulate,
-                           bool clipped) {
+core::TaskShape task_shape(const std::vector<std::variant<ShardTuple, BorrowingShardTuple>>& shards,
+                           int64_t micro_batches, int64_t accumulate, bool clipped) {
   core::TaskShape task{{}, micro_batches, accumulate, clipped};
-  for (const auto& [forward, backward, weights, grads, params, tied_to] : shards)
-    task.shards.push_back(core::ShardShape{forward, backward, weights, grads, params, tied_to});
+  for (const auto& shard : shards) {
+    if (const auto* borrowing = std::get_if<BorrowingShardTuple>(&shard)) {
+      const auto& [forward, backward, weights, grads, params, tied_to, borrowed] = *borrowing;
+      task.shards.push_back(core::ShardShape{forward, backward, weights, grads, params, tied_to, borrowed});
+    } else {
+      const auto& [forward, backward, weights, grads, params, tied_to] = std::get<ShardTuple>(shard);
+      task.shards.push_back(core::ShardShape{forward, backward, weights, grads, params, tied_to});
+    }
+  }
   return task;
 }
 
@@ -60,7 +69,8 @@ py::dict bound_dict(const core::LaneBound& b) {
 void bind_lanes(py::module_& m) {
   m.def(
       "lane_forecast",
-      [](const std::vector<std::tuple<std::vector<ShardTuple>, int64_t, int64_t, bool>>& tasks,
+      [](const std::vector<std::tuple<std::vector<std::variant<ShardTuple, BorrowingShardTuple>>, int64_t, int64_t,
+                                      bool>>& tasks,
          const std::tuple<double, double, double, double>& rates,
          const std::optional<std::tuple<double, double, double, double, double>>& bytes, int devices,
          const std::optional<std::vector<std::vector<std::string>>>& placement, std::optional<int64_t> room,
@@ -138,7 +148,8 @@ void bind_lanes(py::module_& m) {
       py::arg("placement") = py::none(), py::arg("room") = py::none(), py::arg("start") = py::none(),
       py::arg("fixed") = py::none(), py::arg("kept") = py::none(),
       "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate, clipped), each shard "
-      "(forward s, backward s, weights, grads, params, tied_to); rates (host-to-device, device-to-host, host, device "
+      "(forward s, backward s, weights, grads, params, tied_to[, borrowed: elements of weights borrowed from tied_to, "
+      "frozen ones included]); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
       "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated (with "
       "`room`, as plan_lanes runs it in that room: simulation_in_room); "

@@ -37,6 +37,8 @@ void validate(const std::vector<TaskShape>& tasks, const LaneRates& rates, const
       require(finite_nonnegative(shard.forward_seconds) && finite_nonnegative(shard.backward_seconds),
               where + ": seconds must be finite and >= 0");
       require(shard.weights >= 0 && shard.grads >= 0 && shard.params >= 0, where + ": element counts must be >= 0");
+      require(shard.borrowed >= 0 && shard.borrowed <= shard.weights && (shard.tied_to >= 0 || shard.borrowed == 0),
+              where + ": borrowed must be >= 0, within its weights, and only where it is tied");
       require(shard.tied_to < static_cast<int>(task.shards.size()) && shard.tied_to != static_cast<int>(s),
               where + ": tied_to names no other shard of the task");
     }

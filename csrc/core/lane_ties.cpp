@@ -17,7 +17,7 @@ ShardShape as_placed(const TaskShape& task, const std::vector<StepPlace>& places
   ShardShape shard = task.shards.at(static_cast<size_t>(s));
   if (shard.tied_to >= 0 && places.at(static_cast<size_t>(shard.tied_to)) == StepPlace::kResident &&
       places.at(static_cast<size_t>(s)) != StepPlace::kResident)
-    shard.weights -= std::max<int64_t>(0, shard.grads - shard.params);
+    shard.weights -= shard.borrowed_weights();
   return shard;
 }
 

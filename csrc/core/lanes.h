@@ -26,6 +26,7 @@
 // simulation_in_room).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -68,6 +69,9 @@ struct ShardShape {
   int64_t grads = 0;    // gradient elements its backward produces (a borrowed tied weight's included)
   int64_t params = 0;   // elements it owns and steps
   int tied_to = -1;     // a shard of the same task whose weights it borrows: resident only where that one is
+  int64_t borrowed = 0;  // elements of `weights` borrowed from tied_to, frozen ones included (0: only the trainable
+                         // ones are known, grads - params)
+  int64_t borrowed_weights() const { return std::max(borrowed, std::max<int64_t>(0, grads - params)); }
 };
 
 struct TaskShape {
@@ -106,7 +110,7 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
 // one stepped on the host, the other on the device (kDevice or kResident).
 bool tie_apart(const TaskShape& task, const std::vector<StepPlace>& places, int s);
 // Shard `s` as its placement copies it: a spilled borrower of a kResident owner reads the tied weight in the owner's
-// home, and copies in and holds only the rest (`weights` less the trainable tie's elements, grads - params).
+// home, and copies in and holds only the rest (`weights` less what it borrows, frozen or not: borrowed_weights).
 ShardShape as_placed(const TaskShape& task, const std::vector<StepPlace>& places, int s);
 
 // Device memory a shard in `place` holds for the whole run (a home, or a kDevice shard's gradient buffer of what it

@@ -79,8 +79,10 @@ def task_shape(runner, store, seconds: list[float]) -> tuple:
         forward, backward = (0.0, seconds[s]) if last else (seconds[s] / 3, seconds[s])
         sources = store.sources(s)
         tied_to = sources[1] if len(sources) > 1 else -1  # the owner of a weight it borrows
+        # Frozen or not, the layout's tail (from one owner; from several, the trainable part alone is priced).
+        borrowed = store.device_numel(s) - store.owned_numel(s) if len(sources) == 2 else 0
         shards.append((forward, backward, store.device_numel(s), store.gradient_numel(s), store.trainable_numel(s),
-                       tied_to))
+                       tied_to, borrowed))
     accumulate = runner.task.accumulate
     return shards, STEPS_FORECAST * accumulate, accumulate, runner.task.clip_grad_norm is not None
 

@@ -202,4 +202,18 @@ TEST(KeptShards, StayAsTheStartHasThemAndTheChoiceIsAmongTheOthers) {
   EXPECT_THROW(plan_lanes(tasks, slow_host, bytes, 1, room), std::invalid_argument);
 }
 
+// A frozen tie lent by a resident owner: the borrower copies none of it, though its gradients hold none of it either
+// (`borrowed` says what it reads of the owner's); without it only a trainable tie is known to be borrowed.
+TEST(ResidentOwnerTies, AFrozenTieIsNotCopiedEitherWhereTheShapeSaysWhatIsBorrowed) {
+  std::vector<TaskShape> tasks = tied_task(8, 1);
+  tasks[0].shards[2] = ShardShape{1.0, 2.0, 70, 30, 30, 0};  // the 40 tied elements frozen
+  const Placement owner{{StepPlace::kResident, StepPlace::kHost, StepPlace::kHost}};
+  EXPECT_EQ(as_placed(tasks[0], owner[0], 2).weights, 70);
+  tasks[0].shards[2].borrowed = 40;
+  EXPECT_EQ(as_placed(tasks[0], owner[0], 2).weights, 30);
+  EXPECT_EQ(as_placed(tasks[0], {StepPlace::kHost, StepPlace::kHost, StepPlace::kHost}, 2).weights, 70);
+  tasks[0].shards[2].borrowed = 71;
+  EXPECT_THROW(lane_bound(tasks, owner, kRates, StepBytes{}, 1), std::invalid_argument);
+}
+
 }  // namespace
