@@ -3,7 +3,9 @@ is replaced by that wish), the engine keeps the embedding's state on the device,
 shared weight in its home and sum their gradient of it there, copying none of it. Training must still be plain
 PyTorch training, and the same, bit for bit, as with every shard stepped on the host; a checkpoint resumes under
 another placement."""
+import _thread
 import contextlib
+import signal
 from unittest import mock
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from hydra_torch import testing
 from hydra_torch.run import lane_choice
-from models import max_relative_error, tied_transformer, token_batches, train_plain
+from models import lm_loss, max_relative_error, tied_transformer, token_batches, train_plain
 import placed_training
 from placed_training import SEED, params
 
@@ -107,6 +109,28 @@ def test_a_checkpoint_of_a_resident_embedding_resumes_spilled_and_back_bit_for_b
     assert all(torch.equal(a, b) for a, b in zip(params(model), params(straight)))
 
 
+def test_a_frozen_embedding_resident_alone_lends_itself_to_its_head_as_on_the_host():
+    """The tie frozen (as under a LoRA recipe): the embedding's home holds only its weight, the head reads it there and
+    trains its blocks and norm as on the host, bit for bit, and as plain PyTorch."""
+    def frozen():
+        model = tied_transformer(dropout=0.0)
+        model[0].weight.requires_grad_(False)
+        return model
+    results, model = train("auto", model=frozen(), wish=OWNER)
+    assert results[0].placement == OWNER_ALONE, results.summary()
+    host, host_model = train("host", model=frozen())
+    assert results[0].losses == host[0].losses
+    assert all(torch.equal(a, b) for a, b in zip(params(model), params(host_model)))
+    assert results.stats[0]["host_to_device_bytes"] < host.stats[0]["host_to_device_bytes"]
+    reference = frozen()
+    losses = train_plain(reference, token_batches(6),
+                         lambda p: torch.optim.AdamW([q for q in p if q.requires_grad], lr=3e-3, weight_decay=0.05),
+                         seed=SEED)
+    assert results[0].losses == pytest.approx(losses, rel=1e-5)
+    assert max_relative_error(model, reference) <= 1e-5
+    assert torch.equal(model[0].weight, reference[0].weight)
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 def test_the_lane_model_is_told_what_the_head_borrows_frozen_or_not(frozen):
     """The head's shape says how many of the elements it reads are the embedding's (its 7th element): what its
@@ -122,7 +146,59 @@ def test_the_lane_model_is_told_what_the_head_borrows_frozen_or_not(frozen):
     with mock.patch.object(lane_choice, "task_shape", told):
         train("auto", model=model, wish=["host"] * 3)
     head = shapes[0][0][-1]
-    _, grads, params, tied_to, borrowed = head[2:]
+    _, grads, own, tied_to, borrowed = head[2:]
     assert tied_to == 0 and borrowed == model[0].weight.numel()
-    assert grads - params == (0 if frozen else borrowed)
+    assert grads - own == (0 if frozen else borrowed)
     assert all(shard[6] == 0 for shard in shapes[0][0][:-1])
+
+
+def ctrl_c_at(call):
+    """The LM loss, sending Ctrl-C to the process at its `call`-th call."""
+    calls = [0]
+
+    def loss(out, batch):
+        calls[0] += 1
+        if calls[0] == call:
+            _thread.interrupt_main()
+        return lm_loss(out, batch)
+    return loss
+
+
+def test_ctrl_c_brings_a_resident_embedding_home_at_a_step_boundary(monkeypatch):
+    """Ctrl-C in the third step: the task ends that step, and the embedding's home is written back to the model,
+    tied to the head as before, where the steps taken leave it on the host."""
+    monkeypatch.setattr(placed_training, "lm_loss", ctrl_c_at(3))
+    with pytest.warns(RuntimeWarning, match="stopped by Ctrl-C"):
+        results, model = train("auto", wish=OWNER)
+    result = results[0]
+    assert result.placement == OWNER_ALONE and result.cut_short == "Ctrl-C" and 3 <= result.steps < 6
+    assert model[0].weight is model[-1].weight and model[0].weight.grad is None
+    monkeypatch.setattr(placed_training, "lm_loss", lm_loss)
+    host, host_model = train("host", max_steps=result.steps)
+    assert result.losses == host[0].losses
+    assert all(torch.equal(a, b) for a, b in zip(params(model), params(host_model)))
+
+
+def test_a_second_ctrl_c_during_the_write_back_still_brings_the_embedding_home(monkeypatch):
+    from hydra_torch.run.runner import TaskRunner
+    restore, second = TaskRunner.restore_buffers, []
+
+    def interrupt_again(runner):  # on the main thread, in the write-back
+        if not second:
+            second.append(runner.task.name)
+            signal.raise_signal(signal.SIGINT)
+        restore(runner)
+    monkeypatch.setattr(TaskRunner, "restore_buffers", interrupt_again)
+    monkeypatch.setattr(placed_training, "lm_loss", ctrl_c_at(3))
+    model = tied_transformer(dropout=0.0)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # the held Ctrl-C raises
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train("auto", model=model, wish=OWNER)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert second, "the second Ctrl-C came during the write-back"
+    assert model[0].weight is model[-1].weight
+    for p in model.parameters():
+        assert p.device.type == "cpu" and p.grad is None and torch.isfinite(p).all()
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), "a view into shared memory"
