@@ -71,7 +71,8 @@ def shard_seconds(task) -> list[float] | None:
 
 
 def task_shape(runner, store, seconds: list[float]) -> tuple:
-    """(shards, micro-batches, accumulate, clipped) for the lane model. A unit's recomputing backward costs three forwards
+    """(shards, micro-batches, accumulate, clipped) for the lane model, each shard (forward s, backward s, weights,
+    grads, params, tied_to, borrowed: _C.lane_forecast's). A unit's recomputing backward costs three forwards
     (CostModel::kPhaseWeight): the probe's forward + backward, without recomputation, is three forwards too."""
     shards = []
     for s in range(store.num_shards):

@@ -3,10 +3,10 @@ it ends: hydra_torch.selection.arrivals.OpenRun.ended): the room its homes and r
 steps loaded, are free. At the task's next step boundary, on the worker about to run its next unit, its shards are
 chosen as a task joining the run would have them (hydra_torch.run.moving.added_shards: the lane model for "auto",
 every untied shard for "device"), and where that differs from where they step now, and the lane model forecasts a
-gain over the task's steps left larger than the move's cost (hydra_torch.run.lane_choice.move_pays), the task is taken off every engine and added back so
-(hydra_torch.run.moving): its state, home in the store between its steps, is not touched, so it trains on exactly as
-it would have. The cached weights go with the old registration: their next copies in cost one step's worth of the
-link.
+gain over the task's steps left larger than the move's cost (hydra_torch.run.lane_choice.move_pays), the task is
+taken off every engine and added back so (hydra_torch.run.moving): its state, home in the store between its steps,
+is not touched, so it trains on exactly as it would have. The cached weights go with the old registration: their
+next copies in cost one step's worth of the link.
 
 Only a task that keeps nothing on the devices between its steps moves: spilled, without resident shards (the sized
 arena takes no home) or a frozen base, every backward followed by its step, no tied weight stepped on the device (its
