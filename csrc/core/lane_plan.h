@@ -28,8 +28,9 @@ inline constexpr int kLeadingShards[] = {1, 2, 4, 8};
 // A placement whose device steps take turns in the room of one is chosen over the best whose steps have room for two
 // only where its simulated run is this much shorter. The simulator models the turns less closely than the engine runs
 // them (measured, benchmarks/RESULTS.md: one model on the emulated link forecast 2% shorter with three steps taking
-// turns than with one step, and 20% longer as run), where several models' steps in turns paid 1.7x.
-inline constexpr double kTurnsMargin = 0.05;
+// turns than with one step and 20% longer as run, and 6% shorter with two steps and 12% longer as run), where several
+// models' steps in turns paid 1.7x and more.
+inline constexpr double kTurnsMargin = 0.10;
 
 // The placement's run within `room` (bytes a device has beyond `start`'s shards, as choose_placement's): what its homes
 // and held gradients leave is the arena its device steps' states and kept weight copies share (lane_simulation's
