@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "core/lane_plan.h"
@@ -170,60 +171,61 @@ TEST(StepRooms, PlanStepsOnTheDeviceInTheRoomOfOneStep) {
   EXPECT_THROW(placement_bytes(tasks, all, bytes, {}, -1), std::invalid_argument);
 }
 
-// One 4.22M-parameter GPT-2 model in fp32 on the emulated link at copy / forward 0.25, the host at 1.6x the link, as
-// "auto" measured it (benchmarks/RESULTS.md): its ends resident, room for one middle shard's step. Three middle shards
-// stepped on the device, taking turns, simulate 2% shorter than one; run, they took 20% longer. The plan keeps the
-// placement whose steps have room at once, where steps in turns are not kTurnsMargin shorter.
+using P = StepPlace;
+
+// One 4.22M-parameter GPT-2 model in fp32 cut in six shards (the embeddings, four blocks, the tied head) on the
+// emulated link, the host at 1.6x the link, with each shard's (forward, backward) seconds and the lanes' rates as
+// "auto" measured them (benchmarks/RESULTS.md): its ends resident, room for one middle shard's step.
+struct MeasuredModel {
+  std::vector<TaskShape> tasks;
+  LaneRates rates;
+  StepBytes fp32{4, 8, 28, 8, 28};
+  int64_t room = 11612160;
+  Placement start{{P::kResident, P::kHost, P::kHost, P::kHost, P::kHost, P::kResident}};
+  Placement one{{P::kResident, P::kDevice, P::kHost, P::kHost, P::kHost, P::kResident}};  // one middle step
+
+  MeasuredModel(const std::vector<std::pair<double, double>>& seconds, LaneRates measured) : rates(measured) {
+    const int64_t sizes[] = {540672, 789760, 789760, 789760, 789760, 524800};
+    TaskShape model{{}, 6, 1};
+    for (size_t s = 0; s < 6; ++s) {
+      const bool head = s == 5;
+      model.shards.push_back(ShardShape{seconds[s].first, seconds[s].second, sizes[s], sizes[s],
+                                        head ? 512 : sizes[s], head ? 0 : -1});
+    }
+    tasks.push_back(std::move(model));
+  }
+  double run(const Placement& placement) const {
+    return simulate(simulation_in_room(tasks, placement, rates, fp32, 1, room, start)).makespan;
+  }
+  Placement planned() const { return plan_lanes(tasks, rates, fp32, 1, room, start).placement; }
+};
+
+// At copy / forward 0.25: three middle shards stepped on the device, taking turns, simulate 2% shorter than one; run,
+// they took 20% longer. The plan keeps the placement whose steps have room at once, where steps in turns are not
+// kTurnsMargin shorter.
 TEST(StepRooms, StepsInTurnsAreChosenOnlyWhereTheyPayClearly) {
-  const StepBytes fp32{4, 8, 28, 8, 28};
-  TaskShape model{{ShardShape{0.000586, 0.001759, 540672, 540672, 540672, -1},
-                   ShardShape{0.011126, 0.033379, 789760, 789760, 789760, -1},
-                   ShardShape{0.009345, 0.028035, 789760, 789760, 789760, -1},
-                   ShardShape{0.008489, 0.025468, 789760, 789760, 789760, -1},
-                   ShardShape{0.008937, 0.026812, 789760, 789760, 789760, -1},
-                   ShardShape{0.0, 0.000144, 524800, 524800, 512, 0}},
-                  6, 1};
-  const std::vector<TaskShape> tasks{model};
-  const LaneRates rates{6.778e8, 6.778e8, 1.0845e9, 8.256e10};
-  const int64_t room = 11612160;
-  using P = StepPlace;
-  const Placement start{{P::kResident, P::kHost, P::kHost, P::kHost, P::kHost, P::kResident}};
-  const Placement one{{P::kResident, P::kDevice, P::kHost, P::kHost, P::kHost, P::kResident}};
+  const MeasuredModel m({{0.000586, 0.001759}, {0.011126, 0.033379}, {0.009345, 0.028035}, {0.008489, 0.025468},
+                         {0.008937, 0.026812}, {0.0, 0.000144}},
+                        {6.778e8, 6.778e8, 1.0845e9, 8.256e10});
   const Placement in_turns{{P::kResident, P::kDevice, P::kDevice, P::kDevice, P::kHost, P::kResident}};
-  ASSERT_LE(placement_bytes(tasks, one, fp32, start, 2), room);
-  ASSERT_GT(placement_bytes(tasks, in_turns, fp32, start, 2), room);
-  const double one_run = simulate(simulation_in_room(tasks, one, rates, fp32, 1, room, start)).makespan;
-  const double turns_run = simulate(simulation_in_room(tasks, in_turns, rates, fp32, 1, room, start)).makespan;
-  ASSERT_LT(turns_run, one_run) << "the simulator favours the turns";
-  ASSERT_GT(turns_run, (1.0 - kTurnsMargin) * one_run) << "but not by the margin";
-  const LanePlan plan = plan_lanes(tasks, rates, fp32, 1, room, start);
-  EXPECT_LE(placement_bytes(tasks, plan.placement, fp32, start, 2), room) << "steps with room at once";
+  ASSERT_LE(placement_bytes(m.tasks, m.one, m.fp32, m.start, 2), m.room);
+  ASSERT_GT(placement_bytes(m.tasks, in_turns, m.fp32, m.start, 2), m.room);
+  ASSERT_LT(m.run(in_turns), m.run(m.one)) << "the simulator favours the turns";
+  ASSERT_GT(m.run(in_turns), (1.0 - kTurnsMargin) * m.run(m.one)) << "but not by the margin";
+  EXPECT_LE(placement_bytes(m.tasks, m.planned(), m.fp32, m.start, 2), m.room) << "steps with room at once";
 }
 
-// One GPT-2 model as measured on the emulated link at copy / forward 2, the host at 1.6x the link: two steps in turns
-// (shards 1 and 2) simulate 6% shorter than shard 1's step alone, and ran 12% longer (benchmarks/RESULTS.md): the
-// plan keeps the one step.
+// At copy / forward 2: two steps in turns (shards 1 and 2) simulate 6% shorter than shard 1's step alone, and ran 12%
+// longer: the plan keeps the one step.
 TEST(StepRooms, StepsInTurnsSixPercentShorterAreNotChosen) {
-  const StepBytes fp32{4, 8, 28, 8, 28};
-  TaskShape model{{ShardShape{0.0005754173350093575, 0.0017262520050280727, 540672, 540672, 540672, -1},
-                   ShardShape{0.009477532665187027, 0.028432597995561082, 789760, 789760, 789760, -1},
-                   ShardShape{0.008359983999980614, 0.02507995199994184, 789760, 789760, 789760, -1},
-                   ShardShape{0.008438667333393823, 0.02531600200018147, 789760, 789760, 789760, -1},
-                   ShardShape{0.008324507999835381, 0.024973523999506142, 789760, 789760, 789760, -1},
-                   ShardShape{0.0, 0.0001411440025549382, 524800, 524800, 512, 0}},
-                  6, 1};
-  const std::vector<TaskShape> tasks{model};
-  const LaneRates rates{109649738.62284076, 109649738.62284076, 175439581.79654524, 86035501254.93524};
-  const int64_t room = 11612160;
-  using P = StepPlace;
-  const Placement start{{P::kResident, P::kHost, P::kHost, P::kHost, P::kHost, P::kResident}};
-  const Placement one{{P::kResident, P::kDevice, P::kHost, P::kHost, P::kHost, P::kResident}};
+  const MeasuredModel m({{0.0005754173350093575, 0.0017262520050280727}, {0.009477532665187027, 0.028432597995561082},
+                         {0.008359983999980614, 0.02507995199994184}, {0.008438667333393823, 0.02531600200018147},
+                         {0.008324507999835381, 0.024973523999506142}, {0.0, 0.0001411440025549382}},
+                        {109649738.62284076, 109649738.62284076, 175439581.79654524, 86035501254.93524});
   const Placement in_turns{{P::kResident, P::kDevice, P::kDevice, P::kHost, P::kHost, P::kResident}};
-  ASSERT_GT(placement_bytes(tasks, in_turns, fp32, start, 2), room);
-  const double one_run = simulate(simulation_in_room(tasks, one, rates, fp32, 1, room, start)).makespan;
-  const double turns_run = simulate(simulation_in_room(tasks, in_turns, rates, fp32, 1, room, start)).makespan;
-  ASSERT_LT(turns_run, 0.95 * one_run) << "the simulator favours the turns by more than 5%";
-  EXPECT_EQ(plan_lanes(tasks, rates, fp32, 1, room, start).placement, one);
+  ASSERT_GT(placement_bytes(m.tasks, in_turns, m.fp32, m.start, 2), m.room);
+  ASSERT_LT(m.run(in_turns), 0.95 * m.run(m.one)) << "the simulator favours the turns by more than 5%";
+  EXPECT_EQ(m.planned(), m.one);
 }
 
 // A placement's run within a room: the arena is what its homes and held gradients leave; device steps' states take
