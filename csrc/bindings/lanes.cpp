@@ -148,8 +148,8 @@ void bind_lanes(py::module_& m) {
       py::arg("placement") = py::none(), py::arg("room") = py::none(), py::arg("start") = py::none(),
       py::arg("fixed") = py::none(), py::arg("kept") = py::none(),
       "The lane model's forecast of a run (core/lanes.h): tasks as (shards, micro_batches, accumulate, clipped), each "
-      "shard (forward s, backward s, weights, grads, params, tied_to[, borrowed: elements of weights borrowed from tied_to, "
-      "frozen ones included]); rates (host-to-device, device-to-host, host, device "
+      "shard (forward s, backward s, weights, grads, params, tied_to[, borrowed: elements of weights borrowed from "
+      "tied_to, frozen ones included]); rates (host-to-device, device-to-host, host, device "
       "memory) in bytes/s; bytes (weight, state, host_step, host_accumulate, device_step) per element, None: bf16 "
       "AdamW. With `placement` (per task, per shard: 'host', 'device' or 'resident') that placement is simulated (with "
       "`room`, as plan_lanes runs it in that room: simulation_in_room); "
