@@ -33,8 +33,7 @@ Placement leading_shards_off_host(const std::vector<TaskShape>& tasks, Placement
       }
       moves.emplace_back(group, StepPlace::kDevice);  // a tie steps on the device as one
       for (const auto& [shards, to] : moves) {
-        if (std::any_of(shards.begin(), shards.end(), [&](int g) { return tasks[t].keeps(static_cast<size_t>(g)); }))
-          continue;
+        if (tasks[t].keeps(shards)) continue;
         Placement moved = placement;
         for (int g : shards) moved[t][static_cast<size_t>(g)] = to;
         if (placement_bytes(tasks, moved, bytes, start, step_rooms) <= room) {
@@ -55,8 +54,7 @@ Placement first_shards_stepped_on_host(const std::vector<TaskShape>& tasks, Plac
   for (size_t t = 0; t < tasks.size(); ++t) {
     if (tasks[t].fixed || placement[t].empty() || placement[t][0] != StepPlace::kDevice) continue;
     const std::vector<int> group = tie_group(tasks[t], 0);
-    if (std::any_of(group.begin(), group.end(), [&](int g) { return tasks[t].keeps(static_cast<size_t>(g)); }))
-      continue;
+    if (tasks[t].keeps(group)) continue;
     for (int g : group) placement[t][static_cast<size_t>(g)] = StepPlace::kHost;
   }
   return placement;

@@ -130,8 +130,8 @@ ShardLanes shard_lanes(const ShardShape& shard, StepPlace place, bool accumulate
   const auto p = static_cast<double>(shard.params);
   // A borrowed (tied) weight's gradient: where the owner steps on the host, summed into its owner's there, read as
   // landed and the sum read and written.
-  const auto borrowed = static_cast<double>(std::max<int64_t>(0, shard.grads - shard.params));
-  const double summed_on_host = (place == StepPlace::kHost) != tie_apart ? borrowed : 0.0;
+  const auto borrowed_grads = static_cast<double>(std::max<int64_t>(0, shard.grads - shard.params));
+  const double summed_on_host = (place == StepPlace::kHost) != tie_apart ? borrowed_grads : 0.0;
   if (place != StepPlace::kResident)
     lanes.weights_in = static_cast<double>(shard.weights) * bytes.weight / rates.host_to_device;
   switch (place) {
@@ -305,9 +305,7 @@ Placement choose_placement(const std::vector<TaskShape>& tasks, const LaneRates&
       std::vector<int> group;
       for (int g : choice)
         if (placement[t][static_cast<size_t>(g)] < to) group.push_back(g);
-      if (group.empty()) return;
-      for (int g : group)
-        if (task.keeps(static_cast<size_t>(g))) return;
+      if (group.empty() || task.keeps(group)) return;
       std::vector<StepPlace> places = placement[t];
       for (int g : group) places[static_cast<size_t>(g)] = to;
       int64_t group_held = held + tie_buffer_bytes(task, places, bytes) - tie_buffer_bytes(task, placement[t], bytes);

@@ -84,7 +84,11 @@ struct TaskShape {
   // Per shard (empty: none), kept as the start has it: where the engine would not move it (a task placed mid-run
   // steps no tied shard off the host), so that the choice is of what the engine grants.
   std::vector<bool> kept;
-  bool keeps(size_t s) const { return fixed || (!kept.empty() && kept[s]); }
+  // Whether any of `shards` is kept so.
+  bool keeps(const std::vector<int>& shards) const {
+    return fixed || (!kept.empty() && std::any_of(shards.begin(), shards.end(),
+                                                  [&](int s) { return kept[static_cast<size_t>(s)]; }));
+  }
   // Whether a step sums several backwards of a shard: then a kDevice shard's gradients are held between them.
   bool sums_backwards() const { return accumulate > 1 || clipped; }
 };
