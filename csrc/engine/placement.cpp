@@ -25,29 +25,6 @@ std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> sha
   return closed;
 }
 
-std::vector<int> with_tied_owners(const ShardStore& store, std::vector<int> shards) {
-  const int n = store.num_shards();
-  std::vector<bool> in(n);
-  for (int s : shards) in.at(s) = true;
-  for (bool grew = true; grew;) {
-    grew = false;
-    for (int s = 0; s < n; ++s) {
-      const std::vector<int>& sources = store.sources(s);  // itself, then its tied weights' owners
-      if (in[s]) {
-        for (int source : sources)
-          if (!in[source]) in[source] = grew = true;
-      } else if (store.trainable_numel(s) == 0 &&
-                 std::any_of(sources.begin(), sources.end(), [&](int owner) { return in[owner]; })) {
-        in[s] = grew = true;
-      }
-    }
-  }
-  std::vector<int> closed;
-  for (int s = 0; s < n; ++s)
-    if (in[s]) closed.push_back(s);
-  return closed;
-}
-
 namespace {
 
 // The resident shards "auto" tries for a spilled model, best first: both ends, the first, the last, each closed
@@ -108,16 +85,16 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
   return shards;
 }
 
-// The resident `homed` shards grown by `wanted` ones (each with_tied_owners), first shards first, while
-// the homes and the model's working set fit in `room` beside the other models' working set `may_spill`; never the
-// whole model (whether a model is resident is the rule's call).
+// The resident `homed` shards grown by `wanted` ones (each SpilledModel::with_tied_owners), first shards first,
+// while the homes and the model's working set fit in `room` beside the other models' working set `may_spill`; never
+// the whole model (whether a model is resident is the rule's call).
 std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, const std::vector<int>& wanted,
                             const ShardStore* base, int64_t may_spill, int64_t room) {
   for (int s : wanted) {
     if (s < 0 || s >= store.num_shards() || std::find(homed.begin(), homed.end(), s) != homed.end()) continue;
     std::vector<int> grown = homed;
     grown.push_back(s);
-    grown = with_tied_owners(store, std::move(grown));
+    grown = SpilledModel::with_tied_owners(store, std::move(grown));
     if (static_cast<int>(grown.size()) == store.num_shards() ||
         SpilledModel::homes_need(store, grown) + std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) >
             room)

@@ -86,9 +86,5 @@ std::vector<Placement> decide_placement(const std::vector<DeviceEngine*>& engine
 
 // The shards `shards` names and every shard that shares a tied weight with one of them, sorted.
 std::vector<int> closed_under_ties(const ShardStore& store, std::vector<int> shards);
-// The shards `shards` names, the owners of the tied weights they borrow, and each shard with nothing of its own to
-// train that borrows from an owner among them, sorted: what resident shards must include
-// (SpilledModel::resident_shards_error).
-std::vector<int> with_tied_owners(const ShardStore& store, std::vector<int> shards);
 
 }  // namespace hydra::engine

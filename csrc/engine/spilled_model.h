@@ -45,10 +45,14 @@ class SpilledModel final : public DeviceModel {
   // `device_shards`: the shards stepped on the device (device_shards_error).
   SpilledModel(DeviceEngine& engine, int id, std::shared_ptr<ShardStore> store, std::vector<int> resident_shards = {},
                bool frozen_base = false, std::vector<int> device_shards = {});
-  // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or a resident
-  // borrower of a tied weight whose owner is spilled), or empty when they can. A resident owner may lend to a spilled
+  // Why `shards` cannot be a spilled model's resident shards (out of range, repeated, all of them, or against the
+  // ties' rule: a resident borrower of a tied weight whose owner is spilled, or a borrower with nothing of its own to
+  // train spilled apart from its resident owner), or empty when they can. A resident owner may lend to a spilled
   // borrower: the borrower's unit reads the weight in the owner's home, and its gradient of it sums there.
   static std::string resident_shards_error(const ShardStore& store, const std::vector<int>& shards);
+  // The shards `shards` names and those the ties' rule of resident_shards_error adds (the owners of the tied weights
+  // they borrow, and each shard with nothing of its own to train that borrows from an owner among them), sorted.
+  static std::vector<int> with_tied_owners(const ShardStore& store, const std::vector<int>& shards);
   // Why `shards` cannot be a spilled model's device-stepped shards beside `resident_shards` (out of range,
   // repeated, resident, with nothing to train, or a borrower with nothing of its own to train apart from the owner
   // of the tied weight it borrows: its step is the count alone, and its gradient is all the owner's), or empty when

@@ -2,12 +2,41 @@
 // DeviceEngine::add_model, placement and the arena's sizing read before any state is touched. Kept apart from the
 // model's copies and steps (spilled_model.cpp) because it reads the store alone.
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "engine/shard_homes.h"
 #include "engine/spilled_model.h"
 
 namespace hydra::engine {
+
+namespace {
+
+// The shard the resident set `in` lacks first, by the ties' rule, and why (none: it lacks none). A tied weight lives
+// where its owner does: a resident owner's is in its home, where a spilled borrower reads it and sums its gradient; a
+// spilled owner's is on the host, and a resident borrower's home would hold a second copy, so a resident borrower's
+// owner is resident too. A borrower with nothing of its own to train steps the count alone (its gradient, if any,
+// all its owners'), and its visit would hold nothing: it is resident with a resident owner.
+struct TieNeed {
+  int missing;      // the shard `in` must hold too
+  int resident;     // the resident shard that needs it: its borrower, or its owner
+  bool owner_of_it;  // `missing` is the owner of the tied weight `resident` borrows (else a borrower of it)
+};
+
+std::optional<TieNeed> first_tie_need(const ShardStore& store, const std::vector<bool>& in) {
+  const int n = store.num_shards();
+  for (int s = 0; s < n; ++s)
+    for (int source : store.sources(s))
+      if (in[s] && !in[source]) return TieNeed{source, s, true};
+  for (int b = 0; b < n; ++b) {
+    if (in[b] || store.trainable_numel(b) > 0) continue;
+    for (int owner : store.sources(b))
+      if (in[owner]) return TieNeed{b, owner, false};
+  }
+  return std::nullopt;
+}
+
+}  // namespace
 
 std::string SpilledModel::resident_shards_error(const ShardStore& store, const std::vector<int>& shards) {
   const int n = store.num_shards();
@@ -19,23 +48,24 @@ std::string SpilledModel::resident_shards_error(const ShardStore& store, const s
   }
   if (!shards.empty() && static_cast<int>(shards.size()) == n)
     return "every shard resident: the model is resident, not spilled";
-  // A tied weight lives where its owner does. A resident owner's is in its home, where a spilled borrower reads it and
-  // sums its gradient; a spilled owner's is on the host, and a resident borrower's home would hold a second copy.
-  for (int s = 0; s < n; ++s)
-    for (int source : store.sources(s))
-      if (in[s] && !in[source])
-        return "resident shard " + std::to_string(s) + " borrows a tied weight from shard " + std::to_string(source) +
-               ", which is spilled: a resident borrower's owner is resident too";
-  // A borrower with nothing of its own to train steps the count alone (its gradient, if any, all its owners'), and
-  // its visit would hold nothing: it stays with them.
-  for (int b = 0; b < n; ++b) {
-    if (in[b] || store.trainable_numel(b) > 0) continue;
-    for (int owner : store.sources(b))
-      if (in[owner])
-        return "shard " + std::to_string(b) + " has nothing of its own to train and borrows a tied weight from "
-               "resident shard " + std::to_string(owner) + ": such a borrower is resident with its owner";
-  }
-  return {};
+  const std::optional<TieNeed> need = first_tie_need(store, in);
+  if (!need) return {};
+  const std::string missing = std::to_string(need->missing), resident = std::to_string(need->resident);
+  if (need->owner_of_it)
+    return "resident shard " + resident + " borrows a tied weight from shard " + missing +
+           ", which is spilled: a resident borrower's owner is resident too";
+  return "shard " + missing + " has nothing of its own to train and borrows a tied weight from resident shard " +
+         resident + ": such a borrower is resident with its owner";
+}
+
+std::vector<int> SpilledModel::with_tied_owners(const ShardStore& store, const std::vector<int>& shards) {
+  std::vector<bool> in(store.num_shards());
+  for (int s : shards) in.at(s) = true;
+  while (const std::optional<TieNeed> need = first_tie_need(store, in)) in[need->missing] = true;
+  std::vector<int> closed;
+  for (int s = 0; s < store.num_shards(); ++s)
+    if (in[s]) closed.push_back(s);
+  return closed;
 }
 
 int64_t SpilledModel::visit_numel(const ShardStore& store, const std::vector<int>& resident_shards, int shard) {

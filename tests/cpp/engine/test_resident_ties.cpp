@@ -73,9 +73,9 @@ TEST(ResidentTies, AResidentBorrowerOfASpilledOwnerOrAHeadAloneApartFromItsOwner
   EXPECT_EQ(SpilledModel::resident_shards_error(*frozen_alone, {0}),
             "shard 3 has nothing of its own to train and borrows a tied weight from resident shard 0: such a "
             "borrower is resident with its owner");
-  EXPECT_EQ(hydra::engine::with_tied_owners(*frozen_alone, {0}), (std::vector<int>{0, 3}));
-  EXPECT_EQ(hydra::engine::with_tied_owners(*tied, {3}), (std::vector<int>{0, 3}));
-  EXPECT_EQ(hydra::engine::with_tied_owners(*tied, {0}), (std::vector<int>{0}));
+  EXPECT_EQ(SpilledModel::with_tied_owners(*frozen_alone, {0}), (std::vector<int>{0, 3}));
+  EXPECT_EQ(SpilledModel::with_tied_owners(*tied, {3}), (std::vector<int>{0, 3}));
+  EXPECT_EQ(SpilledModel::with_tied_owners(*tied, {0}), (std::vector<int>{0}));
   DeviceEngine engine(kCpu, DeviceEngine::resident_need(*tied) * 2);
   const int64_t free = engine.free_bytes();
   EXPECT_THROW(engine.add_model(tied, DeviceEngine::Residency::kSpilled, -1, {3}), c10::Error);
