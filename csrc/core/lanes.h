@@ -21,9 +21,10 @@
 //              backward, summed on the host as a kHost borrower's is.
 //   kResident  weights, gradient, master and moments live on the device for the whole run and step there: no copy,
 //              for 16 bytes a parameter (bf16 with AdamW) of device memory.
-// The bound counts a weight copy at every visit of a kHost or kDevice shard: an upper estimate of the copy lanes where
-// a device keeps weights between visits, as the engine's arena and the simulator in a room do (lane_plan.h's
-// simulation_in_room).
+// The bound counts a weight copy at every visit of a kHost or kDevice shard on one device (but the first shard's
+// backward and next forward back to back, where no host step comes between): an upper estimate of the copy lanes
+// where a device keeps weights between visits, as the engine's arena and the simulator in a room do (lane_plan.h's
+// simulation_in_room). On several devices it counts one a step of a kHost shard and one in all of a kDevice one.
 #pragma once
 
 #include <algorithm>
