@@ -12,20 +12,12 @@
 #include "core/lanes.h"
 #include "core/simulator.h"
 #include "core/simulator_cache.h"
+#include "lane_shapes.h"
 
 namespace {
 
 using namespace hydra::core;
-
-const LaneRates kRates{100.0, 50.0, 200.0, 1000.0};  // bytes/s: in, out, host, device memory
-
-ShardShape shard(double forward, double backward, int64_t params) {
-  return ShardShape{forward, backward, params, params, params, -1};
-}
-
-TaskShape task(std::vector<ShardShape> shards, int64_t micro_batches) {
-  return TaskShape{std::move(shards), micro_batches, 1};
-}
+using namespace hydra::core::lane_test;
 
 Unit visit(int task, int shard) { return Unit{task, 0, shard, Phase::kForward, 0}; }
 

@@ -10,12 +10,12 @@
 #include "core/lane_ties.h"
 #include "core/lanes.h"
 #include "core/simulator.h"
+#include "lane_shapes.h"
 
 namespace {
 
 using namespace hydra::core;
-
-const LaneRates kRates{100.0, 50.0, 200.0, 1000.0};  // bytes/s: in, out, host, device memory
+using namespace hydra::core::lane_test;
 
 // Shard 0 owns 100 elements, 40 of which shard 2 borrows; shard 2 owns 30 (its gradients: 70).
 std::vector<TaskShape> tied_task(int64_t micro_batches, int64_t accumulate) {
