@@ -1,5 +1,5 @@
-// Scheduler: unit mapping, policies, blocking/fail/cancel semantics, device restriction, and a
-// multi-threaded stress test whose trace must respect every chain's order (also run under TSan).
+// Scheduler: unit mapping, policies, blocking/fail/cancel semantics and device restriction (also run under TSan;
+// tasks arriving and restarting: test_scheduler_arrivals.cpp).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -13,25 +13,13 @@
 #include "core/policy.h"
 #include "core/scheduler.h"
 #include "core/unit.h"
+#include "scheduler_helpers.h"
 
 namespace {
 
 using namespace hydra::core;
 using namespace std::chrono_literals;
-
-TaskSpec spec(int shards, int64_t micro_batches, std::optional<int> device = std::nullopt) {
-  return TaskSpec{shards, micro_batches, device};
-}
-
-// Runs next(device) on another thread; fails the test instead of hanging if it does not return in time.
-std::optional<Unit> next_within(Scheduler& scheduler, int device, std::chrono::milliseconds limit = 5000ms) {
-  auto pending = std::async(std::launch::async, [&] { return scheduler.next(device); });
-  if (pending.wait_for(limit) != std::future_status::ready) {
-    scheduler.cancel();  // release the worker so the test can end
-    ADD_FAILURE() << "next(" << device << ") did not return within " << limit.count() << " ms";
-  }
-  return pending.get();
-}
+using namespace hydra::core::scheduler_test;
 
 TEST(UnitAt, FourShardsRunForwardThenForwardBackwardThenBackward) {
   const std::vector<std::pair<int, Phase>> expected = {
@@ -90,21 +78,6 @@ TEST(UnitAt, EvaluationPassesSitBetweenMicroBatches) {
 TEST(UnitAt, WithoutEvaluationTheSpecFormMatchesTheShardCountForm) {
   const TaskSpec s = spec(4, 3);
   for (int64_t i = 0; i < total_units(s); ++i) EXPECT_EQ(unit_at(1, s, i), unit_at(1, 4, i));
-}
-
-TEST(ParsePolicy, KnowsEveryNameAndListsThemOnError) {
-  for (auto kind : {PolicyKind::kLrtf, PolicyKind::kFifo, PolicyKind::kRoundRobin, PolicyKind::kRandom}) {
-    EXPECT_EQ(parse_policy(policy_name(kind)), kind);
-  }
-  try {
-    parse_policy("shortest");
-    FAIL() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& error) {
-    const std::string message = error.what();
-    for (const char* name : {"shortest", "lrtf", "fifo", "round_robin", "random"}) {
-      EXPECT_NE(message.find(name), std::string::npos) << message;
-    }
-  }
 }
 
 TEST(SchedulerConstruction, RejectsBadInputWithClearMessages) {
@@ -206,29 +179,6 @@ TEST(Scheduler, LrtfFollowsMeasuredTimes) {
   EXPECT_EQ(scheduler.next(0)->task, 0);
 }
 
-TEST(Policy, LrtfPrefersTheResidentTaskOnlyWithinOnePercent) {
-  const Policy policy(PolicyKind::kLrtf, 3, 1, 0);
-  const std::vector<Candidate> near = {{0, 100.0, 0, false}, {1, 99.5, 0, true}, {2, 50.0, 0, false}};
-  EXPECT_EQ(near[policy.choose(0, near)].task, 1);
-  const std::vector<Candidate> far = {{0, 100.0, 0, false}, {1, 98.0, 0, true}};
-  EXPECT_EQ(far[policy.choose(0, far)].task, 0);
-  const std::vector<Candidate> tie = {{2, 7.0, 0, false}, {1, 7.0, 0, false}, {0, 3.0, 0, false}};
-  EXPECT_EQ(tie[policy.choose(0, tie)].task, 1);
-}
-
-TEST(Policy, LrtfRunsATaskReadingTheCachedBaseShardWithinFivePercentFirst) {
-  const Policy policy(PolicyKind::kLrtf, 4, 1, 0);
-  // The base's reader wins over the best, and over the task that ran here last, within 5%.
-  const std::vector<Candidate> near = {
-      {0, 100.0, 0, true, false}, {1, 96.0, 0, false, true}, {2, 97.0, 0, false, true}, {3, 99.9, 0, false, false}};
-  EXPECT_EQ(near[policy.choose(0, near)].task, 2);
-  const std::vector<Candidate> far = {{0, 100.0, 0, false, false}, {1, 94.0, 0, false, true}};
-  EXPECT_EQ(far[policy.choose(0, far)].task, 0);
-  const Policy fifo(PolicyKind::kFifo, 2, 1, 0);  // only LRTF knows it
-  const std::vector<Candidate> ready = {{0, 100.0, 0, false, false}, {1, 100.0, 1, false, true}};
-  EXPECT_EQ(ready[fifo.choose(0, ready)].task, 0);
-}
-
 TEST(Scheduler, TasksOfABaseRunAShardBackToBack) {
   // Task 0 costs 5% more a unit: LRTF alone would run its next shard after its first; with a base, the
   // other tasks' first shard (the base shard just used) goes first, and the plan forecasts the same.
@@ -258,46 +208,6 @@ TEST(Scheduler, TasksOfABaseRunAShardBackToBack) {
       EXPECT_EQ(plan[1].shard, 0);
     }
   }
-}
-
-TEST(Policy, FifoTakesTheEarliestReadyThenTheResidentTask) {
-  const Policy policy(PolicyKind::kFifo, 3, 1, 0);
-  const std::vector<Candidate> waiting = {{0, 9.0, 5, true}, {1, 1.0, 2, false}, {2, 1.0, 3, false}};
-  EXPECT_EQ(waiting[policy.choose(0, waiting)].task, 1);
-  const std::vector<Candidate> tie = {{0, 0.0, 1, false}, {2, 0.0, 1, true}};
-  EXPECT_EQ(tie[policy.choose(0, tie)].task, 2);
-}
-
-TEST(Policy, RoundRobinCyclesPerDevice) {
-  Policy policy(PolicyKind::kRoundRobin, 4, 2, 0);
-  const std::vector<Candidate> all = {{0, 0, 0, false}, {1, 0, 0, false}, {2, 0, 0, false}, {3, 0, 0, false}};
-  std::vector<int> picked;
-  for (int i = 0; i < 5; ++i) {
-    const int task = all[policy.choose(0, all)].task;
-    policy.commit(0, task);
-    picked.push_back(task);
-  }
-  EXPECT_EQ(picked, (std::vector<int>{0, 1, 2, 3, 0}));
-  EXPECT_EQ(all[policy.choose(1, all)].task, 0);  // device 1 has its own position
-  const std::vector<Candidate> some = {{0, 0, 0, false}, {3, 0, 0, false}};
-  EXPECT_EQ(some[policy.choose(0, some)].task, 3);  // after 0 comes 1, 2 (absent), then 3
-}
-
-TEST(Policy, RandomIsDeterministicGivenTheSeedAndChooseHasNoSideEffects) {
-  const std::vector<Candidate> all = {{0, 0, 0, false}, {1, 0, 0, false}, {2, 0, 0, false}, {3, 0, 0, false}};
-  auto sequence = [&](uint64_t seed) {
-    Policy policy(PolicyKind::kRandom, 4, 1, seed);
-    std::vector<int> picked;
-    for (int i = 0; i < 32; ++i) {
-      const size_t first = policy.choose(0, all);
-      EXPECT_EQ(policy.choose(0, all), first);
-      policy.commit(0, all[first].task);
-      picked.push_back(all[first].task);
-    }
-    return picked;
-  };
-  EXPECT_EQ(sequence(7), sequence(7));
-  EXPECT_NE(sequence(7), sequence(8));
 }
 
 class PeekMatchesNext : public ::testing::TestWithParam<PolicyKind> {};
@@ -419,147 +329,6 @@ TEST(Scheduler, CancelReleasesEveryWaiterPromptly) {
   scheduler.complete(0, *running, 1.0);  // the running unit may still report
   EXPECT_FALSE(scheduler.next(0));
   EXPECT_FALSE(scheduler.peek(0));
-}
-
-}  // namespace
-
-namespace {
-
-TEST(SchedulerArrivals, AnOpenSchedulerWaitsForArrivingTasksAndEndsWhenClosed) {
-  Scheduler scheduler({spec(1, 1)}, 1, PolicyKind::kLrtf);
-  scheduler.set_open(true);
-  auto first = scheduler.next(0);
-  ASSERT_TRUE(first);
-  scheduler.complete(0, *first, 1e-3);
-  EXPECT_TRUE(scheduler.has_work(0));  // open: more may come
-  auto waiting = std::async(std::launch::async, [&] { return scheduler.next(0); });
-  EXPECT_EQ(waiting.wait_for(50ms), std::future_status::timeout);
-  EXPECT_EQ(scheduler.add_task(spec(2, 1)), 1);
-  ASSERT_EQ(waiting.wait_for(5000ms), std::future_status::ready);
-  EXPECT_EQ(waiting.get(), unit_at(1, 2, 0));
-  auto rest = std::async(std::launch::async, [&] {
-    std::vector<Unit> units;
-    while (auto unit = scheduler.next(0)) {
-      units.push_back(*unit);
-      scheduler.complete(0, *unit, 1e-3);
-    }
-    return units;
-  });
-  scheduler.complete(0, unit_at(1, 2, 0), 1e-3);
-  std::this_thread::sleep_for(20ms);
-  scheduler.set_open(false);
-  ASSERT_EQ(rest.wait_for(5000ms), std::future_status::ready);
-  EXPECT_EQ(rest.get(), (std::vector<Unit>{unit_at(1, 2, 1), unit_at(1, 2, 2)}));
-  EXPECT_TRUE(scheduler.finished(1));
-  EXPECT_FALSE(scheduler.has_work(0));
-}
-
-TEST(SchedulerArrivals, AnArrivingTaskIsValidatedAndJoinsThePolicy) {
-  Scheduler scheduler({spec(1, 2), spec(1, 2)}, 2, PolicyKind::kRoundRobin);
-  EXPECT_THROW(scheduler.add_task(spec(0, 1)), std::invalid_argument);
-  EXPECT_THROW(scheduler.add_task(spec(1, 1, 2)), std::invalid_argument);
-  TaskSpec bad_costs = spec(2, 1);
-  bad_costs.shard_costs = {1.0};
-  EXPECT_THROW(scheduler.add_task(bad_costs), std::invalid_argument);
-  EXPECT_EQ(scheduler.num_tasks(), 2);  // nothing was added by the refused ones
-  EXPECT_EQ(scheduler.add_task(spec(1, 2)), 2);
-  std::vector<int> order;
-  for (int i = 0; i < 6; ++i) {
-    auto unit = scheduler.next(0);
-    ASSERT_TRUE(unit);
-    order.push_back(unit->task);
-    scheduler.complete(0, *unit, 1e-3);
-  }
-  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 0, 1, 2}));  // round robin over the newcomer too
-  EXPECT_EQ(scheduler.add_task(spec(1, 0)), 3);             // an arrival with nothing to do is done at once
-  EXPECT_TRUE(scheduler.finished(3));
-}
-
-TEST(SchedulerArrivals, TasksArrivingWhileWorkersRunAreAllRunInOrder) {
-  constexpr int kDevices = 3, kArrivals = 12;
-  Scheduler scheduler({spec(2, 3)}, kDevices, PolicyKind::kLrtf);
-  scheduler.set_open(true);
-  std::mutex trace_mutex;
-  std::vector<std::vector<int64_t>> seen(1 + kArrivals);
-  std::vector<std::thread> workers;
-  for (int d = 0; d < kDevices; ++d) {
-    workers.emplace_back([&, d] {
-      while (auto unit = scheduler.next(d)) {
-        {
-          std::lock_guard lock(trace_mutex);
-          seen[static_cast<size_t>(unit->task)].push_back(unit->index);
-        }
-        scheduler.complete(d, *unit, 1e-4);
-      }
-    });
-  }
-  for (int i = 0; i < kArrivals; ++i) {
-    scheduler.add_task(spec(1 + i % 3, 2));
-    std::this_thread::sleep_for(1ms);
-  }
-  scheduler.set_open(false);
-  for (auto& worker : workers) worker.join();
-  for (int t = 0; t < 1 + kArrivals; ++t) {
-    const auto& indices = seen[static_cast<size_t>(t)];
-    const TaskSpec arrived = t == 0 ? spec(2, 3) : spec(1 + (t - 1) % 3, 2);
-    ASSERT_EQ(static_cast<int64_t>(indices.size()), total_units(arrived)) << "task " << t;
-    for (size_t i = 0; i < indices.size(); ++i) EXPECT_EQ(indices[i], static_cast<int64_t>(i)) << "task " << t;
-    EXPECT_TRUE(scheduler.finished(t));
-  }
-}
-
-}  // namespace
-
-namespace {
-
-// A task whose unit ran out of device memory is re-cut into more shards and retried from its step boundary.
-TEST(SchedulerRestart, AFailedUnitRestartsItsTaskOnANewChain) {
-  Scheduler scheduler({spec(2, 3, 0), spec(1, 2)}, 2, PolicyKind::kLrtf);
-  auto first = scheduler.next(0);
-  ASSERT_TRUE(first);
-  ASSERT_EQ(first->task, 0);  // the longer task goes first
-  scheduler.complete(0, *first, 1e-3);
-  auto failing = scheduler.next(0);
-  ASSERT_TRUE(failing);
-  ASSERT_EQ(failing->task, 0);
-  const TaskSpec finer = spec(4, 2);  // spilled now: any device
-  scheduler.restart(0, *failing, finer);
-  EXPECT_THROW(scheduler.complete(0, *failing, 1e-3), std::invalid_argument);  // it ended with the restart
-  EXPECT_EQ(scheduler.remaining_units(0), total_units(finer));
-  std::vector<Unit> seen;
-  for (int device : {1, 0}) {  // no longer pinned to device 0
-    while (auto unit = scheduler.try_next(device)) {
-      if (unit->task == 0) seen.push_back(*unit);
-      scheduler.complete(device, *unit, 1e-3);
-    }
-  }
-  ASSERT_EQ(static_cast<int64_t>(seen.size()), total_units(finer));
-  for (int64_t i = 0; i < total_units(finer); ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], unit_at(0, finer, i));
-  EXPECT_TRUE(scheduler.finished(0));
-  // Estimates follow the new chain's shards: shard 3 exists now.
-  EXPECT_GT(scheduler.estimate(unit_at(0, finer, 3)), 0.0);
-}
-
-TEST(SchedulerRestart, ARefusedRestartChangesNothing) {
-  Scheduler scheduler({spec(2, 2)}, 1, PolicyKind::kFifo);
-  auto unit = scheduler.next(0);
-  ASSERT_TRUE(unit);
-  EXPECT_THROW(scheduler.restart(0, unit_at(0, 2, 1), spec(2, 1)), std::invalid_argument);  // not the running unit
-  EXPECT_THROW(scheduler.restart(0, *unit, spec(0, 1)), std::invalid_argument);             // no shards
-  EXPECT_THROW(scheduler.restart(0, *unit, spec(2, 1, 3)), std::invalid_argument);          // no such device
-  scheduler.complete(0, *unit, 1e-3);  // still running, as before
-  EXPECT_EQ(scheduler.remaining_units(0), total_units(spec(2, 2)) - 1);
-}
-
-TEST(SchedulerRestart, ATaskFailedWhileItsUnitRanEndsInsteadOfRestarting) {
-  Scheduler scheduler({spec(2, 2)}, 1, PolicyKind::kLrtf);
-  auto unit = scheduler.next(0);
-  ASSERT_TRUE(unit);
-  scheduler.fail(0);
-  scheduler.restart(0, *unit, spec(3, 2));
-  EXPECT_TRUE(scheduler.finished(0));
-  EXPECT_FALSE(scheduler.has_work(0));
-  EXPECT_FALSE(scheduler.try_next(0));
 }
 
 }  // namespace
