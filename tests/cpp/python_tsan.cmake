@@ -33,8 +33,9 @@ dirs_exist_ok=True, ignore=shutil.ignore_patterns('*.so', '__pycache__'))"
                  ${HYDRA_ROOT}/hydra_torch ${HYDRA_TSAN_PACKAGE}/hydra_torch)
 set_tests_properties(python_tsan_stage PROPERTIES FIXTURES_SETUP python_tsan)
 
-set(HYDRA_TSAN_PYTESTS test_multi_model.py test_replan.py test_arrivals.py test_request_stop.py test_checkpoint.py
-    test_equivalence.py test_bad_input.py test_shard_placement.py test_host_lane.py test_leaving.py)
+set(HYDRA_TSAN_PYTESTS test_multi_model.py test_replan.py test_replan_placement.py test_arrivals.py
+    test_request_stop.py test_checkpoint.py test_equivalence.py test_bad_input.py test_shard_placement.py
+    test_host_lane.py test_leaving.py)
 list(TRANSFORM HYDRA_TSAN_PYTESTS PREPEND ${HYDRA_ROOT}/tests/)
 # Run from the build folder, so that the checkout's own hydra_torch (with its uninstrumented module) is not
 # the one imported: the staged package comes first on the path, which the command checks before pytest.
