@@ -21,10 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from gpu_suite_baselines import run_deepspeed, run_fsdp2  # noqa: E402
 from gpu_suite_env import GiB, Workload, build_model, machine, make_batches, pcie_bandwidth  # noqa: E402
 from gpu_suite_profile import profile_hydra  # noqa: E402
 from gpu_suite_stress import stream_stress  # noqa: E402
-from gpu_suite_systems import failure, run_deepspeed, run_fsdp2, run_hydra, run_plain  # noqa: E402
+from gpu_suite_systems import failure, run_hydra, run_plain  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The systems a run may name, besides "machine" and "stress".
