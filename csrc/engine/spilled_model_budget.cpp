@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "engine/shard_homes.h"
 #include "engine/spilled_model.h"
@@ -18,8 +19,8 @@ namespace {
 // owner is resident too. A borrower with nothing of its own to train steps the count alone (its gradient, if any,
 // all its owners'), and its visit would hold nothing: it is resident with a resident owner.
 struct TieNeed {
-  int missing;      // the shard `in` must hold too
-  int resident;     // the resident shard that needs it: its borrower, or its owner
+  int missing;       // the shard `in` must hold too
+  int resident;      // the resident shard that needs it: its borrower, or its owner
   bool owner_of_it;  // `missing` is the owner of the tied weight `resident` borrows (else a borrower of it)
 };
 
