@@ -94,7 +94,7 @@ std::vector<int> more_homes(const ShardStore& store, std::vector<int> homed, con
     if (s < 0 || s >= store.num_shards() || std::find(homed.begin(), homed.end(), s) != homed.end()) continue;
     std::vector<int> grown = homed;
     grown.push_back(s);
-    grown = SpilledModel::with_tied_owners(store, std::move(grown));
+    grown = SpilledModel::with_tied_owners(store, grown);
     if (static_cast<int>(grown.size()) == store.num_shards() ||
         SpilledModel::homes_need(store, grown) + std::max(may_spill, SpilledModel::spilled_need(store, grown, base)) >
             room)
