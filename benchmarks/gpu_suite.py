@@ -22,7 +22,6 @@ OUT/runs.jsonl appended, after every run. Exit status 0 only if nothing that ran
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from gpu_suite_args import parse_args  # noqa: E402
 from gpu_suite_env import GiB, Workload, hydra_host_bytes_per_param, meminfo, median_after, models_that_fit  # noqa: E402
 from gpu_suite_report import markdown  # noqa: E402
 
@@ -53,7 +53,6 @@ SMOKE = {"p1": dict(n_embd=64, n_layer=4, n_head=2), "p1_batches": (2,),
          "p2": dict(n_embd=64, n_layer=3, n_head=2, batch=4), "p2_max_models": 2,
          "p3": dict(n_embd=64, n_head=2, batch=1), "p3_layers": 2, "seq": 32, "vocab": 256,
          "p1_steps": (1, 2), "p2_steps": (2, 4), "baseline_steps": (2, 3), "stress_steps": 2}
-PHASES = ("p2", "p1", "stress", "p3")
 # Each phase's share of the time left when it starts, relative to the phases still to run.
 WEIGHTS = {"p2": 5.0, "p1": 3.0, "stress": 0.5, "p3": 3.0}
 # The smoke stress run is a CPU's small models in fp32 and bf16, as slow as the machine is busy: its share of
@@ -68,54 +67,6 @@ SYSTEM_OF = {"deepspeed_zero2_offload": "deepspeed_zero2", "deepspeed_zero3_offl
 def hydra_rate(result: dict) -> float | None:
     """A hydra P2 run's headline tokens/s: over its steady window, else from its median steps."""
     return result.get("window_tokens_per_s") or result.get("tokens_per_s")
-
-
-def parse_phases(text: str) -> list[str]:
-    phases = [p.strip().lower() for p in text.split(",") if p.strip()]
-    unknown = [p for p in phases if p not in PHASES]
-    if unknown or not phases:
-        raise argparse.ArgumentTypeError(f"phases are a comma-separated subset of {','.join(PHASES)}, got {text!r}")
-    return sorted(set(phases), key=PHASES.index)
-
-
-def parse_placements(text: str) -> list[str]:
-    placements = [p.strip().lower() for p in text.split(",") if p.strip()]
-    if not placements or any(p not in ("auto", "host", "device") for p in placements) or \
-            len(set(placements)) != len(placements):
-        raise argparse.ArgumentTypeError(f"placements are distinct names of auto, host, device, got {text!r}")
-    return placements
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    try:
-        warmup, timed = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"steps are WARMUP,TIMED (two integers), got {text!r}") from None
-    if warmup < 0 or timed < 1:
-        raise argparse.ArgumentTypeError(f"steps need WARMUP >= 0 and TIMED >= 1, got {text!r}")
-    return warmup, timed
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
-    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: every code path")
-    p.add_argument("--phases", type=parse_phases, default=None,
-                   help="which phases to run, e.g. p2 or p2,p1 (default p2,p1,stress; with --p3 or --smoke also p3)")
-    p.add_argument("--p3", action="store_true", help="also search the largest model hydra trains under the cap")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-time box for the whole run (default 330, smoke 50)")
-    p.add_argument("--cap-gib", type=float, default=16.0, help="GPU memory cap for every system (capped runs)")
-    p.add_argument("--p2-max-models", type=int, default=None, help="upper bound on K (time box); RAM sets the rest")
-    p.add_argument("--hydra-placements", type=parse_placements, default=["auto"],
-                   help="P2 trains hydra once per placement (ht.train's placement), e.g. auto,host; the first is "
-                        "recorded as 'hydra', the others as 'hydra_<placement>'")
-    p.add_argument("--p2-steps", type=parse_steps, default=None,
-                   help="hydra's steps a model in P2 as WARMUP,TIMED (default 2,4): more give a steadier window")
-    p.add_argument("--skip-baselines", action="store_true", help="P2 runs hydra alone (no DeepSpeed or FSDP2)")
-    args = p.parse_args(argv)
-    if args.phases is None:
-        args.phases = list(PHASES) if (args.p3 or args.smoke) else [q for q in PHASES if q != "p3"]
-    return args
 
 
 class Clock:
