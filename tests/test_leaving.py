@@ -111,12 +111,12 @@ def test_a_move_is_weighed_against_the_weights_it_copies_in_again(monkeypatch):
     weighed = []
     real = lane_choice.move_pays
 
-    def weigh(runner, running, devices, placement, lane_plan, wanted):
-        pays = real(runner, running, devices, placement, lane_plan, wanted)
+    def weigh(runner, running, uncommitted, placement, lane_plan, wanted):
+        pays = real(runner, running, uncommitted, placement, lane_plan, wanted)
         steps = runner.steps
         runner.steps = runner.task.total_steps
         try:
-            none_left = real(runner, running, devices, placement, lane_plan, wanted)
+            none_left = real(runner, running, uncommitted, placement, lane_plan, wanted)
         finally:
             runner.steps = steps
         weighed.append((runner.task.name, wanted, pays, none_left))
@@ -126,6 +126,35 @@ def test_a_move_is_weighed_against_the_weights_it_copies_in_again(monkeypatch):
     assert all(r.ok for r in results), [r.error for r in results]
     assert [(name, pays, none_left) for name, _, pays, none_left in weighed] == [("long", True, False)]
     assert results["long"].device_shards == weighed[0][1]
+
+
+def test_a_move_is_weighed_in_the_room_its_shards_were_chosen_in(monkeypatch):
+    # The first test's move: the lane model chooses "long"'s device steps in the room every device leaves
+    # (added_device_shards) and move_pays forecasts the run both ways in that same room, from where the task steps
+    # now; forecast without it (no weights kept between visits, no device step's state waiting for room) the move
+    # would be weighed by a model other than the one that chose it.
+    forecasts = []
+    real = lane_choice._C
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def lane_forecast(shapes, rates, bytes_, devices, placement=None, room=None, start=None, *rest):
+            forecasts.append((placement, room, start))
+            return real.lane_forecast(shapes, rates, bytes_, devices, placement, room, start, *rest)
+    monkeypatch.setattr(lane_choice, "_C", Recording())
+    results, _ = short_and_long_on_two_devices()
+    assert all(r.ok for r in results), [r.error for r in results]
+    chose = [f for f in forecasts if f[0] is None and len(f[2]) == 1]  # "long" added back, alone in the run
+    weighed = [f for f in forecasts if f[0] is not None and f[1] is not None]
+    assert len(chose) == 1 and len(weighed) == 2, forecasts
+    hosts = ["host"] * len(chose[0][2][0])
+    assert chose[0][2] == [hosts]
+    assert [(room, start) for _, room, start in weighed] == [(chose[0][1], [hosts])] * 2, "its room, from the host"
+    assert [placement[0] for placement, _, _ in weighed] == \
+        [hosts, ["device" if s in results["long"].device_shards else "host" for s in range(len(hosts))]]
 
 
 def test_a_move_that_does_not_pay_leaves_the_task_where_it_is(monkeypatch):

@@ -284,8 +284,7 @@ def added_device_shards(newcomer, store, running, uncommitted: list[int], placem
     bytes_, devices = step_bytes(newcomer.task), len(uncommitted)
     if devices > 1 and not _host_binds(shapes, rates, bytes_, devices, start):
         return []
-    spilled = [s for runner, s in zip(runners, stores) if not runner.resident]
-    room = max(0, min(uncommitted) - max(_C.DeviceEngine.spilled_need(s) for s in spilled))
+    room = _room_left(runners, stores, uncommitted)
     # The shards not eligible stay on the host: told so, the lane model chooses among the others and forecasts what
     # the engine grants (were the tied embedding and head free to move, it would weigh a placement never granted).
     kept = [[] for _ in running] + [[s for s in range(store.num_shards) if s not in eligible]]
@@ -295,14 +294,16 @@ def added_device_shards(newcomer, store, running, uncommitted: list[int], placem
     return [s for s in eligible if forecast["placement"][-1][s] != "host"]
 
 
-def move_pays(runner, running, devices: int, placement: str, lane_plan, wanted: list[int]) -> bool:
+def move_pays(runner, running, uncommitted: list[int], placement: str, lane_plan, wanted: list[int]) -> bool:
     """Whether a task still training (`runner`) gains, over its steps left, more by stepping `wanted` on the devices
     instead of where its shards step now (runner.device_shards) than the move costs: its weights copied in again
     (the cached copies go with the old registration). The lane model forecasts the run both ways (STEPS_FORECAST
-    steps of every task, the tasks still training, `running`, kept where they are) from the call's rates; the gain
-    is the forecasts' difference for each step the task has left. Without that weighing a task placed again after
-    each departure could go to four shards on the devices and back to two, copying its weights in each time. Only
-    "auto" weighs it ("device" moves by its rule); where the lane model cannot price the tasks, it moves."""
+    steps of every task, the tasks still training, `running`, kept where they are) from the call's rates, in the
+    room every device's `uncommitted` bytes leave (per device, measured with the task still placed as it is: the
+    room added_device_shards chose `wanted` in); the gain is the forecasts' difference for each step the task has
+    left. Without that weighing a task placed again after each departure could go to four shards on the devices and
+    back to two, copying its weights in each time. Only "auto" weighs it ("device" moves by its rule); where the
+    lane model cannot price the tasks, it moves."""
     if placement != "auto" or lane_plan is None:
         return True
     rates = tuple(lane_plan["rates"].values())
@@ -313,11 +314,12 @@ def move_pays(runner, running, devices: int, placement: str, lane_plan, wanted: 
         return True
     shapes = [task_shape(r, store, sec) for r, store, sec in zip(runners, stores, seconds)]
     others = [_placed(r) for r in running]
-    bytes_ = step_bytes(runner.task)
+    bytes_, devices = step_bytes(runner.task), len(uncommitted)
+    room, start = _room_left(runners, stores, uncommitted), others + [_placed(runner)]
 
     def span(device_shards):
         here = shard_places(runner.n, False, [], device_shards)
-        return _C.lane_forecast(shapes, rates, bytes_, devices, others + [here])["span"]
+        return _C.lane_forecast(shapes, rates, bytes_, devices, others + [here], room, start)["span"]
     gain_per_step = (span(runner.device_shards) - span(wanted)) / STEPS_FORECAST
     steps_left = max(0, runner.task.total_steps - runner.steps)  # as len(data) says (a lying one misweighs, never fails)
     weights_in = bytes_[0] * sum(stores[-1].device_numel(s) for s in range(runner.n)) / rates[0]
@@ -335,6 +337,13 @@ def added_or_host(newcomer, store, running, uncommitted: list[int], placement: s
                       f"({type(error).__name__}: {error}); it steps every shard on the host", RuntimeWarning,
                       stacklevel=stacklevel + 1)
         return []
+
+
+def _room_left(runners, stores, uncommitted: list[int]) -> int:
+    """The room the lane model places in beside tasks already placed: the least of every device's `uncommitted`
+    bytes, less the largest working set of the spilled tasks (`runners`, their `stores`)."""
+    spilled = [store for runner, store in zip(runners, stores) if not runner.resident]
+    return max(0, min(uncommitted) - max(_C.DeviceEngine.spilled_need(store) for store in spilled))
 
 
 def untied_trainable(store) -> list[int]:

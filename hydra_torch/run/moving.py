@@ -86,12 +86,21 @@ def added_shards(runner, store, slots, runners, on_every_device, stacklevel: int
     A warning from the lane model points `stacklevel` frames above this function's caller."""
     if runner.base is not None or not lifecycle.may_keep_ends(runner.task):
         return []
-    uncommitted = {}
-    if on_every_device(lambda s: uncommitted.__setitem__(s.index, s.engine.uncommitted_bytes())):
+    uncommitted = uncommitted_bytes(on_every_device)
+    if uncommitted is None:
         return []
     running = [r for r in runners if r is not runner and r.result is None and r.model_ids]
-    return lane_choice.added_or_host(runner, store, running, [uncommitted[i] for i in sorted(uncommitted)],
-                                     slots[0].placement, slots[0].lane_plan, stacklevel=stacklevel + 1)
+    return lane_choice.added_or_host(runner, store, running, uncommitted, slots[0].placement, slots[0].lane_plan,
+                                     stacklevel=stacklevel + 1)
+
+
+def uncommitted_bytes(on_every_device) -> list[int] | None:
+    """Each device's DeviceEngine.uncommitted_bytes, in device order, each read on its device's worker thread
+    (`on_every_device`, as added_shards'); None where one of them raised."""
+    uncommitted = {}
+    if on_every_device(lambda s: uncommitted.__setitem__(s.index, s.engine.uncommitted_bytes())):
+        return None
+    return [uncommitted[i] for i in sorted(uncommitted)]
 
 
 def added_back_shards(slot, runner, store) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 
 from hydra_torch.run import lane_choice, moving
+from hydra_torch.run.inbox import on_devices
 from hydra_torch.state import interrupts
 
 
@@ -53,8 +54,11 @@ def movable(slot, runner) -> bool:
 def _pays(slot, runner, wanted) -> bool:
     """lane_choice.move_pays for the task on this call's devices; a lane model that fails leaves the task as it is."""
     running = [r for r in slot.runners if r is not runner and r.result is None and r.model_ids]
+    uncommitted = moving.uncommitted_bytes(lambda job: on_devices(slot.peers, job, own=slot))
+    if uncommitted is None:  # a device's worker is gone: put_back would fail as well
+        return False
     try:
-        return lane_choice.move_pays(runner, running, len(slot.peers), slot.placement, slot.lane_plan, wanted)
+        return lane_choice.move_pays(runner, running, uncommitted, slot.placement, slot.lane_plan, wanted)
     except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
         warnings.warn(f"placement={slot.placement!r} could not weigh moving {runner.task.name!r}'s steps "
                       f"({type(error).__name__}: {error}); it trains on where it is", RuntimeWarning, stacklevel=2)
