@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--phases", type=parse_phases, default=None,
                    help="which phases to run, e.g. p2 or p2,p1 (default p2,p1,stress; with --p3 or --smoke also p3)")
     p.add_argument("--p3", action="store_true", help="also search the largest model hydra trains under the cap")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-time box for the whole run (default 330, smoke 50)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-time box for the whole run (default 330, smoke 50)")
     p.add_argument("--cap-gib", type=float, default=16.0, help="GPU memory cap for every system (capped runs)")
     p.add_argument("--p2-max-models", type=int, default=None, help="upper bound on K (time box); RAM sets the rest")
     p.add_argument("--hydra-placements", type=parse_placements, default=["auto"],

@@ -343,7 +343,7 @@ def _room_left(runners, stores, uncommitted: list[int]) -> int:
     """The room the lane model places in beside tasks already placed: the least of every device's `uncommitted`
     bytes, less the largest working set of the spilled tasks (`runners`, their `stores`)."""
     spilled = [store for runner, store in zip(runners, stores) if not runner.resident]
-    return max(0, min(uncommitted) - max(_C.DeviceEngine.spilled_need(store) for store in spilled))
+    return max(0, min(uncommitted) - max((_C.DeviceEngine.spilled_need(store) for store in spilled), default=0))
 
 
 def untied_trainable(store) -> list[int]:

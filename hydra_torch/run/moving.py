@@ -77,16 +77,19 @@ def put_back(slot, runner, store, device_shards: list[int], fallback: list[int] 
     return None
 
 
-def added_shards(runner, store, slots, runners, on_every_device, stacklevel: int = 1) -> list[int]:
+def added_shards(runner, store, slots, runners, on_every_device, stacklevel: int = 1,
+                 uncommitted: list[int] | None = None) -> list[int]:
     """The shards the task, added to the engines of `slots` (joining the run, or added back), steps on the devices:
     lane_choice.added_or_host, the other tasks of `runners` still training kept as they are. None where it shares a
     frozen base (placed beside the base's other tasks) or sums a bf16 step's micro-batches in its gradient buffers
     (lifecycle.may_keep_ends). `on_every_device(job)` runs job(slot) on each device's worker thread, which alone
     changes its engine's models, and returns the errors raised (its workers gone among them: then none either).
-    A warning from the lane model points `stacklevel` frames above this function's caller."""
+    `uncommitted`: each device's room as the caller read it (uncommitted_bytes), else read here. A warning from
+    the lane model points `stacklevel` frames above this function's caller."""
     if runner.base is not None or not lifecycle.may_keep_ends(runner.task):
         return []
-    uncommitted = uncommitted_bytes(on_every_device)
+    if uncommitted is None:
+        uncommitted = uncommitted_bytes(on_every_device)
     if uncommitted is None:
         return []
     running = [r for r in runners if r is not runner and r.result is None and r.model_ids]
@@ -103,7 +106,11 @@ def uncommitted_bytes(on_every_device) -> list[int] | None:
     return [uncommitted[i] for i in sorted(uncommitted)]
 
 
-def added_back_shards(slot, runner, store) -> list[int]:
+def added_back_shards(slot, runner, store, uncommitted: list[int] | None = None) -> list[int]:
     """added_shards for a task added back by the worker of `slot` (a re-plan, or placed again)."""
-    return added_shards(runner, store, slot.peers, slot.runners, lambda job: on_devices(slot.peers, job, own=slot),
-                        stacklevel=2)
+    return added_shards(runner, store, slot.peers, slot.runners, on_peers(slot), stacklevel=2, uncommitted=uncommitted)
+
+
+def on_peers(slot):
+    """added_shards' `on_every_device` for the worker of `slot`: every device of its call, its own job run here."""
+    return lambda job: on_devices(slot.peers, job, own=slot)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import warnings
 
 from hydra_torch.run import lane_choice, moving
-from hydra_torch.run.inbox import on_devices
 from hydra_torch.state import interrupts
 
 
@@ -27,10 +26,14 @@ def replace_if_due(slot, runner) -> str | None:
     if run is None or runner.placed_after >= run.departures or not runner.at_step_boundary():
         return None
     runner.placed_after = run.departures
-    if not movable(slot, runner):
+    if slot.placement == "host" or not movable(slot, runner):  # "host" steps every shard there, before and after
         return None
-    wanted = moving.added_back_shards(slot, runner, runner.store)
-    if sorted(wanted) == sorted(runner.device_shards) or not _pays(slot, runner, wanted):
+    # One read of the room, for the choice and for weighing it (an engine that cannot say its room: no move).
+    uncommitted = moving.uncommitted_bytes(moving.on_peers(slot))
+    if uncommitted is None:
+        return None
+    wanted = moving.added_back_shards(slot, runner, runner.store, uncommitted)
+    if sorted(wanted) == sorted(runner.device_shards) or not _pays(slot, runner, wanted, uncommitted):
         return None
     was = list(runner.device_shards)
     if slot.checkpoints is not None:
@@ -51,12 +54,10 @@ def movable(slot, runner) -> bool:
             and set(runner.device_shards) <= set(lane_choice.untied_trainable(runner.store)))
 
 
-def _pays(slot, runner, wanted) -> bool:
-    """lane_choice.move_pays for the task on this call's devices; a lane model that fails leaves the task as it is."""
+def _pays(slot, runner, wanted, uncommitted: list[int]) -> bool:
+    """lane_choice.move_pays for the task on this call's devices, in the room their `uncommitted` bytes leave; a lane
+    model that fails leaves the task as it is."""
     running = [r for r in slot.runners if r is not runner and r.result is None and r.model_ids]
-    uncommitted = moving.uncommitted_bytes(lambda job: on_devices(slot.peers, job, own=slot))
-    if uncommitted is None:  # a device's worker is gone: put_back would fail as well
-        return False
     try:
         return lane_choice.move_pays(runner, running, uncommitted, slot.placement, slot.lane_plan, wanted)
     except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
