@@ -3,7 +3,9 @@ live and step were the task trained there alone, decided as ht.train decides it.
 
     plan = ht.plan(task, device="cuda:0", budget="16GiB")
     print(plan)   # per shard: pieces, bytes, seconds, where it steps; the lanes' rates and forecast busy shares
-    task = ht.ModelTask(model, ..., shards=plan.starts)
+    ht.planner.apply_plan(task, plan)   # cut as planned, with the working set ht.train splits the budget by
+
+A task cut by hand instead (`shards=plan.starts`) carries no measured working set, so ht.train may place it otherwise.
 """
 from __future__ import annotations
 

@@ -262,7 +262,9 @@ class ModelTask:
         """Stops the task at its next step boundary in the ht.train call training it; callable from any thread.
         It ends cut short with `reason` (`TaskResult.cut_short`), its weights those of that step. When the call
         keeps checkpoints, the task's checkpoint of that step is on disk before it ends, so another call can
-        continue it. `ended` is set once the task runs no more units (stopped so, or ended otherwise)."""
+        continue it. `ended` is set once the task runs no more units (stopped so, or ended otherwise). A request
+        made while no call trains the task is for the next call to train it (hydra_torch.cluster asks so of a task
+        about to train), which then ends it cut short at its first step boundary; each call's end drops a request."""
         self.stop_reason = reason
 
     def check_unchanged(self):

@@ -1,11 +1,13 @@
 """A task that ends leaves the engines at once, in every call (with arrivals or without): its weights written back,
 its device memory freed, and the tasks still training placed again in the room it left (run/replacement.py)."""
+import time
+
 import pytest
 import torch
 
 import hydra_torch as ht
 from hydra_torch import testing
-from hydra_torch.run import lane_choice
+from hydra_torch.run import lane_choice, moving, replacement
 from models import lm_loss, model_bytes, tied_transformer, token_batches
 
 
@@ -43,6 +45,40 @@ def test_once_a_task_ends_the_one_still_training_steps_shards_on_the_devices_in_
     first_device_step = min(e.start for e in results.steps
                             if e.task_name == "long" and e.shard == shard and e.place == "device")
     assert first_device_step > short_end, "placed again only once short had left"
+    alone = tied_transformer(seed=2, blocks=8)
+    reference = ht.train(ht.ModelTask(alone, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="a"),
+                         devices=["cpu", "cpu"], progress=False, placement="host")[0]
+    assert moved.losses == pytest.approx(reference.losses, rel=1e-5)
+    for a, b in zip(long.parameters(), alone.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_task_added_back_on_one_device_only_trains_on_there(monkeypatch):
+    # Placed again once "short" has left, "long" is taken back by device 0 alone (device 1 refuses, as where its arena
+    # is taken; so with the steps it held before, moving.put_back's fallback): it trains on pinned to device 0, the
+    # scheduler handing its units there alone, and ends as it trains alone. Before, the scheduler went on handing its
+    # units to device 1, which no longer held it.
+    adding = moving.on_devices
+
+    def device_1_refuses_adds(slots, job, own=None, gone=None):
+        def add_but_not_on_device_1(slot):
+            if slot.index == 1:
+                raise RuntimeError("device 1's arena is taken")
+            return job(slot)
+        return adding(slots, add_but_not_on_device_1 if job.__name__ == "add" else job, own=own, gone=gone)
+    monkeypatch.setattr(moving, "on_devices", device_1_refuses_adds)
+    pinned, pin = [], replacement.pin
+
+    def noted_pin(slot, runner, unit):
+        pin(slot, runner, unit)
+        pinned.append((time.perf_counter(), runner.home))
+    monkeypatch.setattr(replacement, "pin", noted_pin)
+    results, long = short_and_long_on_two_devices()
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [home for _, home in pinned] == [0], "placed again once, on device 0 alone"
+    after = [e for e in results.trace if e.task_name == "long" and e.start > pinned[0][0]]
+    assert after and {e.device for e in after} == {0}
+    moved = results["long"]
     alone = tied_transformer(seed=2, blocks=8)
     reference = ht.train(ht.ModelTask(alone, optimizer=adamw(), loss_fn=lm_loss, data=token_batches(10), name="a"),
                          devices=["cpu", "cpu"], progress=False, placement="host")[0]

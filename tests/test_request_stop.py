@@ -85,3 +85,15 @@ def test_without_checkpoints_it_just_stops(clip, budget_fraction):
     torch.manual_seed(SEED)
     ht.train([whole], devices="cpu", memory_budget=budget, progress=False)
     assert max_relative_error(a.model, whole.model) == 0.0
+
+
+def test_a_request_made_between_calls_is_for_the_next_call_which_drops_it_at_its_end():
+    # hydra_torch.cluster asks a task about to train to stop so: the next call ends it at its first step boundary,
+    # the other task training on, and the call's end drops the request.
+    a, b, _ = tasks("unused")
+    a.request_stop("before the call")
+    results = ht.train([a, b], devices="cpu", progress=False)
+    assert results["a"].steps == 0 and results["a"].cut_short == "before the call"
+    assert results["b"].ok and results["b"].steps == 20
+    again = ht.train([a], devices="cpu", progress=False)
+    assert again["a"].ok and again["a"].steps == 10 and again["a"].cut_short is None

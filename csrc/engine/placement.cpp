@@ -52,10 +52,12 @@ int64_t cache_need(const ShardStore& store, const std::vector<int>& homed, int64
 // not resident and has something of its own to train (a tie's owner and borrowers each as wished: the tied weight
 // steps with its owner), and each borrower with nothing of its own whose tied weights' owners are among them (it
 // steps with them); on several devices (`ties` false) none that shares a tied weight (its gradient would sum in a
-// buffer of one device). Less the last ones, each with the shards it shares a tied weight with, while their gradient
-// buffers and the model's working set do not fit in `room` beside the other models' working set `may_spill` (the
-// first shards' steps are the ones the next step's first units wait for). A tie at the budget's edge goes as one:
-// the split that kept the embedding's step on the device ran 4% longer (benchmarks/RESULTS.md).
+// buffer of one device). Granted first shards first, each with the shards it shares a tied weight with, while their
+// gradient buffers and the model's working set fit in `room` beside the other models' working set `may_spill` (the
+// first shards' steps are the ones the next step's first units wait for); one that does not fit is passed over, as a
+// later one may be smaller. Dropping the last ones instead dropped a tied embedding with the head after it, then
+// every block, each larger than the tie. A tie at the budget's edge goes as one: the split that kept the
+// embedding's step on the device ran 4% longer (benchmarks/RESULTS.md).
 std::vector<int> device_step_choice(const ShardStore& store, const std::vector<int>& wanted,
                                     const std::vector<int>& homed, const ShardStore* base, int64_t may_spill,
                                     int64_t room, bool ties) {
@@ -78,11 +80,20 @@ std::vector<int> device_step_choice(const ShardStore& store, const std::vector<i
                std::max(may_spill, SpilledModel::spilled_need(store, homed, base, stepped)) <=
            room;
   };
-  while (!shards.empty() && (!fits(shards) || !SpilledModel::device_shards_error(store, homed, shards).empty())) {
-    const std::vector<int> tie = closed_under_ties(store, {shards.back()});
-    std::erase_if(shards, [&](int s) { return in(tie, s); });
+  std::vector<int> granted;
+  std::vector<bool> weighed(store.num_shards());
+  for (int s : shards) {
+    if (weighed[s]) continue;
+    std::vector<int> tried = granted;
+    for (int t : closed_under_ties(store, {s}))
+      if (in(shards, t)) {
+        weighed[t] = true;
+        tried.push_back(t);
+      }
+    std::sort(tried.begin(), tried.end());
+    if (fits(tried) && SpilledModel::device_shards_error(store, homed, tried).empty()) granted = std::move(tried);
   }
-  return shards;
+  return granted;
 }
 
 // The resident `homed` shards grown by `wanted` ones (each SpilledModel::with_tied_owners), first shards first,
@@ -195,14 +206,12 @@ std::vector<Placement> placed_models(const std::vector<DeviceEngine*>& engines,
       std::vector<int> stepped;
       if (!wishes.empty() && engines.size() > 1 && stores[i]->steps_after_each_backward()) {
         // On several devices: no home (the model runs on any device), and its device-stepped shards step on the
-        // device that ran their backward, as many as every device holds (the choices differ only in how many of
-        // the wanted shards they keep, first shards first). Only where each backward is followed by its step: a
-        // step summing backwards would sum them in a buffer of one device, and they may run on several.
-        for (size_t d = 0; d < engines.size() && !wishes[i].device.empty(); ++d) {
-          std::vector<int> fits = device_step_choice(*stores[i], wishes[i].device, {}, base[i], may_spill, free[d],
-                                                     /*ties=*/false);
-          if (d == 0 || fits.size() < stepped.size()) stepped = std::move(fits);
-        }
+        // device that ran their backward, as many as every device holds (those the device with the least room
+        // holds). Only where each backward is followed by its step: a step summing backwards would sum them in a
+        // buffer of one device, and they may run on several.
+        if (!wishes[i].device.empty())
+          stepped = device_step_choice(*stores[i], wishes[i].device, {}, base[i], may_spill,
+                                       *std::min_element(free.begin(), free.end()), /*ties=*/false);
         p.device_shards = stepped;
         for (size_t d = 0; d < engines.size() && registers; ++d)
           p.model_ids[d] =

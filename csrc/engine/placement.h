@@ -25,8 +25,8 @@
 // beside every other model's working set, and steps on the device each shard of `wishes[i].device` that is not
 // resident and has something of its own to train (a tie's owner and borrowers each where wished: the tied weight
 // steps with its owner; a borrower with nothing of its own with its owner, SpilledModel's device-stepped shards),
-// less the last ones (each with the shards it shares a tied weight with) while their gradient buffers and its working
-// set do not fit. Unlike the
+// first shards first (each with the shards it shares a tied weight with) while their gradient buffers and its working
+// set fit, passing over one that does not. Unlike the
 // resident ends, the wishes are not held to every spilled shard's weights staying cached: the lane model that makes
 // them has weighed what its homes and steps' regions cost the weights the arena keeps. On several devices it keeps
 // no resident shard and steps on the device (whichever ran the shard's backward) the untied shards of

@@ -134,12 +134,16 @@ def _end_without(slot: DeviceSlot, unit, runner):
 
 def _placed_anew(slot: DeviceSlot, unit, lock: threading.Lock) -> bool:
     """Before the task's next unit: placed again if a task has left the run since it was placed (run/replacement.py).
-    If it could not be added back to any engine, it ends here with that error, without running `unit`; returns False
-    then."""
+    If it could not be added back to any engine, it ends here with that error, without running `unit`; if it was
+    added back on one device only, `unit` goes back to the scheduler, for that device. Returns False then."""
     runner = slot.runners[unit.task]
+    home = runner.home
     why_not = replacement.replace_if_due(slot, runner)
-    if why_not is None:
+    if why_not is None and runner.home == home:
         return True
+    if why_not is None:
+        replacement.pin(slot, runner, unit)
+        return False
     with lock:
         runner.error = runner.error or RuntimeError(why_not)
     _end_without(slot, unit, runner)

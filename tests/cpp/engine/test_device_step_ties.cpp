@@ -137,7 +137,7 @@ TEST(DeviceSteps, ATiesOwnerKeepsAGradientBufferForTheRunItsBorrowerNone) {
   EXPECT_LT(store->trainable_numel(3), store->gradient_numel(3));
 }
 
-TEST(Placement, ATiesShardsStepOnTheDeviceAsWishedAnEmptyBorrowerWithItsOwnerTrimmedAsOneOnOneDeviceOnly) {
+TEST(Placement, ATiesShardsStepOnTheDeviceAsWishedAnEmptyBorrowerWithItsOwnerGrantedAsOneOnOneDeviceOnly) {
   auto tied = make_store(tied_shards(), false, adamw_spec());  // shards 0 and 3 share a tied weight
   const std::vector<int> every{0, 1, 2, 3};
   const int64_t all =
@@ -151,9 +151,9 @@ TEST(Placement, ATiesShardsStepOnTheDeviceAsWishedAnEmptyBorrowerWithItsOwnerTri
   placed = place_models({&half}, {tied}, {"t"}, {}, {}, {}, {{{}, {1, 3}}});
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 3})) << "shard 3 wished without its tie's owner";
   EXPECT_EQ(half.device_shards(0), placed[0].device_shards);
-  DeviceEngine tight(kCpu, all - 1);  // the last shard goes, and the tie with it
+  DeviceEngine tight(kCpu, all - 1);  // the tie comes first, with its first shard; the last untied shard goes
   placed = place_models({&tight}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
-  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2}));
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 3}));
   DeviceEngine owner_only(kCpu, all);
   placed = place_models({&owner_only}, {tied}, {"t"}, {}, {}, {}, {{{}, {0, 1}}});
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1})) << "the tie split as wished";
@@ -167,12 +167,29 @@ TEST(Placement, ATiesShardsStepOnTheDeviceAsWishedAnEmptyBorrowerWithItsOwnerTri
   placed = place_models({&without_owner}, {alone}, {"h"}, {}, {}, {}, {{{}, {1, 3}}});
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1}));
   placed = place_models({&short_of_room}, {alone}, {"h"}, {}, {}, {}, {{{}, every}});
-  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2})) << "the last shard goes with its tie";
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 1, 3})) << "the tie stays with its first shard";
   // On several devices a tie's gradient would sum in one device's buffer while its units run on either.
   tied->set_steps_after_each_backward(true);
   DeviceEngine a(kCpu, all), b(kCpu, all);
   placed = place_models({&a, &b}, {tied}, {"t"}, {}, {}, {}, {{{}, every}});
   EXPECT_EQ(placed[0].device_shards, (std::vector<int>{1, 2}));
+}
+
+// GPT-2's shape under placement "device": the tied embedding and head are smaller than each block, and a budget that
+// holds the tie's step holds no block's. The tie is granted; the blocks that do not fit are passed over.
+TEST(Placement, ATieSmallerThanTheBlocksStepsOnTheDeviceWhereNoBlockFits) {
+  const at::Tensor e = param({4, 4}, 1.0);
+  auto store = make_store({{e}, linear_shard(1, 40), linear_shard(2, 40), {param({3}, 6.0), e}}, false, adamw_spec());
+  auto need = [&](const std::vector<int>& stepped) {
+    return SpilledModel::held_grads_need(*store, stepped) + SpilledModel::spilled_need(*store, {}, nullptr, stepped);
+  };
+  const int64_t tie = need({0, 3});
+  ASSERT_GT(need({1}), tie) << "a block's step must need more room than the tie's";
+  ASSERT_LT(tie, DeviceEngine::resident_need(*store)) << "the model must not fit whole";
+  DeviceEngine engine(kCpu, tie);
+  const auto placed = place_models({&engine}, {store}, {"m"}, {}, {}, {}, {{{}, {0, 1, 2, 3}}});
+  EXPECT_EQ(placed[0].device_shards, (std::vector<int>{0, 3}));
+  EXPECT_EQ(engine.device_shards(0), placed[0].device_shards);
 }
 
 // What the lane model (core/lanes.h) asks of the room for a split tie is what the engine's budget asks, up to the
