@@ -9,7 +9,7 @@ import time
 import torch
 
 from hydra_torch._loader import native as _C
-from hydra_torch.models import memory, planner, sharding
+from hydra_torch.models import memory, planner
 from hydra_torch.models.memory import parse_budget
 from hydra_torch.report.results import Results
 from hydra_torch.run import call_end, lane_choice, lifecycle, saved_bytes
@@ -279,8 +279,7 @@ class _Workers:
     kernels), the other devices' get threads."""
 
     def __init__(self, runners, devices, engines, schedule, seed, checkpoints, placement: str, lane_plan):
-        # Shard costs rank tasks nothing has been timed of yet by their size, not as if all were alike.
-        specs = [r.scheduler_spec(sharding.shard_costs(r.task.modules)) for r in runners]
+        specs = [r.scheduler_spec() for r in runners]
         self.scheduler = _C.Scheduler(specs, len(engines), schedule, seed)
         self.stop = interrupts.StopRequest()
         self.slots = [DeviceSlot(i, d, e, self.scheduler, runners, self.stop, checkpoints, Inbox(),

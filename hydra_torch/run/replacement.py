@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import warnings
 
-from hydra_torch.models import sharding
 from hydra_torch.run import lane_choice, moving
-from hydra_torch.run.steps import count_micro_batches
 from hydra_torch.state import interrupts
 
 
@@ -53,8 +51,7 @@ def pin(slot, runner, unit):
     """Tells the scheduler that the task, added back on one device only (moving.put_back: runner.home, where the
     other devices' arenas were taken), trains there alone from the step boundary where it stands: `unit`, its next,
     handed to this worker, is handed out again, to that device."""
-    runner.micro_batches = count_micro_batches(runner.task, runner.steps)
-    slot.scheduler.restart(slot.index, unit, runner.scheduler_spec(sharding.shard_costs(runner.task.modules)))
+    slot.scheduler.restart(slot.index, unit, runner.scheduler_spec())
 
 
 def movable(slot, runner) -> bool:

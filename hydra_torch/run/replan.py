@@ -73,7 +73,7 @@ def _replan(slot, unit, runner) -> str | None:
     where = f" on device {runner.home} only" if runner.home is not None and len(slot.peers) > 1 else ""
     runner.replans.append(f"step {runner.steps + 1}: out of device memory in {_unit_name(unit)} on device "
                           f"{slot.index} ({slot.device}, {was}); retried spilled in {runner.n} shards{where}")
-    slot.scheduler.restart(slot.index, unit, runner.scheduler_spec(sharding.shard_costs(runner.task.modules)))
+    slot.scheduler.restart(slot.index, unit, runner.scheduler_spec())
     return None
 
 

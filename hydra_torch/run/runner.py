@@ -70,7 +70,6 @@ class TaskRunner:
         self.rung_reports: list[tuple[int, float]] = []  # (rung, metric) the selection rule judged it on
         self.eval_at = eval_steps(task)
         self._eval: EvalPass | None = None
-        self.micro_batches = count_micro_batches(task)
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
         self._groups = step_groups(task, self._epoch_began)
@@ -100,13 +99,15 @@ class TaskRunner:
         self.rung_reports = [(int(rung), float(metric)) for rung, metric in rung_reports]
         self._rng = rng
         self.epoch_rng = epoch_rng
-        self.micro_batches = count_micro_batches(self.task, steps)
         self._groups = step_groups(self.task, self._epoch_began, steps, epoch_rng)
 
-    def scheduler_spec(self, shard_costs) -> tuple:
-        """What the scheduler plans the rest of the task from: (shards, micro-batches, device, shard costs,
-        micro-batches after which an evaluation pass runs, batches per pass, the frozen base it shares or -1)."""
+    def scheduler_spec(self) -> tuple:
+        """What the scheduler plans the rest of the task from, at a step boundary (as cut now, after the steps
+        taken): (shards, micro-batches, device, shard costs, micro-batches after which an evaluation pass runs,
+        batches per pass, the frozen base it shares or -1). Shard costs rank tasks nothing has been timed of yet by
+        their size, not as if all were alike."""
         base = self.base.group if self.base is not None else -1
+        shard_costs = sharding.shard_costs(self.task.modules)
         if self.stopped:  # by a selection rule, in an earlier run or as this one resumed it
             return self.n, 0, self.home, shard_costs, [], 0, base
         evaluated = {step for step, _ in self.eval_losses}
@@ -116,7 +117,7 @@ class TaskRunner:
             cumulative.append(cumulative[-1] + size)
         after = [cumulative[k] - cumulative[self.steps] for k in pending]
         batches = len(self.task.eval_data) if after else 0
-        return self.n, self.micro_batches, self.home, shard_costs, after, batches, base
+        return self.n, count_micro_batches(self.task, self.steps), self.home, shard_costs, after, batches, base
 
     @property
     def rng(self) -> TaskRng:
@@ -295,7 +296,6 @@ class TaskRunner:
         self._rng.draws = {}  # keyed by shard: which sections draw from the CPU generator
         self.model_ids, self.home, self.resident, self.keep_graphs = {}, None, False, False
         self.resident_shards, self.device_shards = [], []
-        self.micro_batches = count_micro_batches(task, self.steps)
 
     def discard_unfinished_step(self, engines):
         """After a failure: the gradients of a step that will never complete must not linger."""

@@ -101,7 +101,7 @@ class OpenRun:
         self._leaving_lock = threading.Lock()  # not _lock: an arrival holds that while the workers register it
 
     def add(self, task):
-        from hydra_torch.models import memory, planner, sharding
+        from hydra_torch.models import memory, planner
         from hydra_torch.run import bases, lifecycle, moving
         from hydra_torch.run.runner import TaskRunner
         from hydra_torch.task import ModelTask, check_own_models
@@ -177,7 +177,7 @@ class OpenRun:
             if held is not None:
                 held.point_home(runner)
             self.runners.append(runner)
-            self.scheduler.add_task(runner.scheduler_spec(sharding.shard_costs(task.modules)))
+            self.scheduler.add_task(runner.scheduler_spec())
             return runner
 
     def close(self):
