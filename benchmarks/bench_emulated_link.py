@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 import hydra_torch as ht
 from bench_multi_model import add_workload_args, token_batches
 from hydra_torch import testing
-from hydra_torch.run import workers
+from hydra_torch.run import measuring, workers
 
 
 def make_tasks(args, data):
@@ -100,7 +100,8 @@ def run(args, data, budget, link, prefetch_bytes):
         start = time.perf_counter()
         if link:
             with testing.emulated_link(args.bandwidth):
-                results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
+                results = ht.train(tasks, devices="cpu", memory_budget=budget + measuring.kept_beside_arena(tasks),
+                                   progress=False)
         else:
             results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
         seconds = time.perf_counter() - start

@@ -26,6 +26,7 @@ from bench_emulated_link import make_tasks, parse_workload
 from bench_link_bound import block_forward_seconds, span
 from hydra_torch import testing
 from hydra_torch._loader import native as _C
+from hydra_torch.run import measuring
 
 ORDERS = {"first that can start": False, "submission": True}
 
@@ -39,6 +40,7 @@ def train(args, data, budget, bandwidth=None, in_submission_order=False):
             stack.enter_context(testing.emulated_host(args.host_speed * bandwidth))
         stack.enter_context(mock.patch.object(
             _C, "HostSteps", lambda threads, team: host_steps(threads, team, in_submission_order=in_submission_order)))
+        budget += measuring.kept_beside_arena(tasks)  # the arena as sized, beside the working set and saved inputs
         results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False, placement=args.placement,
                            host_threads=args.threads)
     assert all(r.error is None for r in results), [r.error for r in results]

@@ -22,7 +22,7 @@ import hydra_torch as ht
 from bench_emulated_link import (add_lane_args, make_tasks, parse_workload, placement_rounds,
                                  print_placement_spans)
 from hydra_torch import testing
-from hydra_torch.run import replacement
+from hydra_torch.run import measuring, replacement
 
 
 def train(args, data, budget, placement):
@@ -35,6 +35,7 @@ def train(args, data, budget, placement):
         stack.enter_context(testing.emulated_host(args.host_speed * args.bandwidth))
         if placement == "auto-stay":
             stack.enter_context(mock.patch.object(replacement, "movable", lambda *_: False))
+        budget += measuring.kept_beside_arena(tasks)  # the arena as sized, beside the working set and saved inputs
         results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, progress=False, placement="auto")
     assert all(r.error is None for r in results), [r.error for r in results]
     span = max(e.end for e in results.trace) - min(e.start for e in results.trace)

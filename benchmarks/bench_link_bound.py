@@ -51,7 +51,7 @@ import hydra_torch as ht
 from bench_emulated_link import make_tasks, parse_workload
 from hydra_torch import testing
 from hydra_torch._loader import native as _C
-from hydra_torch.run import lane_choice, workers
+from hydra_torch.run import lane_choice, measuring, workers
 
 
 def train(args, data, budget, bandwidth=None, placement="host"):
@@ -66,6 +66,7 @@ def train(args, data, budget, bandwidth=None, placement="host"):
         stack.enter_context(mock.patch.object(workers, "COMMITTED_UNITS", args.commit))
         if placement == "owner":
             stack.enter_context(mock.patch.object(lane_choice, "plan", first_shard_resident))
+        budget += measuring.kept_beside_arena(tasks)  # the arena as sized, beside the working set and saved inputs
         results = ht.train(tasks, devices=["cpu"] * args.devices, memory_budget=budget, progress=False,
                            placement="auto" if placement == "owner" else placement)
     assert all(r.error is None for r in results), (placement, [r.error for r in results])

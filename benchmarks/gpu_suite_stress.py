@@ -46,6 +46,7 @@ def _batches(steps: int) -> list[dict]:
 
 def _train(models, data, devices, precision, budget, link=None):
     import hydra_torch as ht
+    from hydra_torch.run.measuring import kept_beside_arena
     from hydra_torch.testing import emulated_link
 
     tasks = [ht.ModelTask(models[0], data=data[: len(data) // 2], optimizer=ht.optim.AdamW(lr=1e-3),
@@ -57,8 +58,10 @@ def _train(models, data, devices, precision, budget, link=None):
     start = time.perf_counter()
     if link:
         with emulated_link(link):
+            budget += kept_beside_arena(tasks, device=devices[0])  # the arena as sized, beside the activations
             results = ht.train(tasks, devices=devices, memory_budget=budget, progress=False, host_threads=3)
     else:
+        budget += kept_beside_arena(tasks, device=devices[0])
         results = ht.train(tasks, devices=devices, memory_budget=budget, progress=False, host_threads=3)
     errors = [f"{r.name}: {r.error}" for r in results if r.error is not None]
     if errors:

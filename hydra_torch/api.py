@@ -12,7 +12,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner
 from hydra_torch.models.memory import parse_budget
 from hydra_torch.report.results import Results
-from hydra_torch.run import call_end, lane_choice, lifecycle, saved_bytes
+from hydra_torch.run import call_end, lifecycle, measuring, saved_bytes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
@@ -147,7 +147,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         host_steps, pin = _C.HostSteps(threads, team), pinned(pin_memory, resolved)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
         planner.plan_for_devices(tasks, resolved, budgets)
-        lane_choice.measure_tasks(tasks, resolved, placement)  # the units' compute the lane model weighs
+        # The others' working sets and saved inputs, and where "auto" asks the lane model their units' compute.
+        measuring.measure_tasks(tasks, resolved, budgets, time_units=placement == "auto")
         kept_outside = saved_bytes.kept_outside_arena(tasks)  # (working set, saved inputs)
         engines = lifecycle.make_engines(resolved, budgets, host_steps, sum(kept_outside), arrivals)
         runners, start_rng = _runners(tasks, resolved)
@@ -323,7 +324,7 @@ class _Workers:
 
 
 def _share_budgets(workers, engines, budgets, tasks):
-    """Each device's budget split: the arena as placed, one unit's working set (the largest the planner measured),
+    """Each device's budget split: the arena as placed, one unit's working set (the largest measured),
     and the rest for the saved activations of the micro-batches in flight, which the scheduler keeps within it."""
     working_set = max((t.working_set_bytes for t in tasks), default=0)
     for i, (engine, budget) in enumerate(zip(engines, budgets)):

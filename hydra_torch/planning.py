@@ -5,7 +5,8 @@ live and step were the task trained there alone, decided as ht.train decides it.
     print(plan)   # per shard: pieces, bytes, seconds, where it steps; the lanes' rates and forecast busy shares
     ht.planner.apply_plan(task, plan)   # cut as planned, with the working set ht.train splits the budget by
 
-A task cut by hand instead (`shards=plan.starts`) carries no measured working set, so ht.train may place it otherwise.
+A task cut by hand instead (`shards=plan.starts`) is measured when ht.train starts, on a GPU (not on a CPU device,
+whose activations are the host's memory), so ht.train may place it otherwise there.
 """
 from __future__ import annotations
 

@@ -9,6 +9,10 @@ memory bandwidth of that rate: a step that touches B bytes of host memory (gradi
 states read, master, states and bf16 shadow written) holds the host's memory lane for B / rate seconds, one step
 after another, as on a machine whose memory is that fast (say 90e9), so the host lane that bounds a GPU box can
 be tested and measured on a machine whose memory is faster or slower.
+
+Inside either, a CPU device's memory counts as a device's own: the budget keeps room beside the arena for the
+activations of tasks cut by hand too (hydra_torch.run.measuring, whose `kept_beside_arena(tasks)` says how much,
+for sizing a budget by the arena it leaves).
 """
 from __future__ import annotations
 
@@ -46,3 +50,4 @@ def emulated_link(bytes_per_second: float):
 
 def emulated_host(bytes_per_second: float):
     return _emulated("host", bytes_per_second)
+

@@ -3,6 +3,7 @@ ends, device-stepped shards) share."""
 import torch
 
 import hydra_torch as ht
+from hydra_torch.run import measuring
 from models import lm_loss, model_bytes, tied_transformer, train_plain
 
 SEED = 123
@@ -13,12 +14,14 @@ def adamw():
 
 
 def train(model, data, placement, budget_fraction, devices="cpu", checkpoint_dir=None, host_threads=None, **options):
-    """ht.train of one task of `model` under a budget of `budget_fraction` times its fp32 weights; it must end ok."""
+    """ht.train of one task of `model` under a budget whose arena is `budget_fraction` times its fp32 weights; it must
+    end ok."""
     torch.manual_seed(SEED)
     task = ht.ModelTask(model, optimizer=options.pop("optimizer", None) or adamw(), loss_fn=lm_loss, data=data,
                         **options)
-    results = ht.train([task], devices=devices, memory_budget=int(budget_fraction * model_bytes(model)),
-                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir, host_threads=host_threads)
+    budget = int(budget_fraction * model_bytes(model)) + measuring.kept_beside_arena([task])
+    results = ht.train([task], devices=devices, memory_budget=budget, progress=False, placement=placement,
+                       checkpoint_dir=checkpoint_dir, host_threads=host_threads)
     assert results[0].ok, results[0].error
     return results
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import hydra_torch as ht
+from hydra_torch import testing
 from hydra_torch.state import task_rng
 from hydra_torch.arrivals import Arrivals, RunClosedError
 from models import lm_loss, tied_transformer, token_batches
@@ -133,16 +134,18 @@ def test_a_task_whose_model_changed_after_it_was_built_is_refused_on_arrival():
     assert [r.name for r in results] == ["first"]
 
 
-def planned(name, batch, seed=0):
+def planned(name, batch, seed=0, shards="auto"):
     with task_rng.exclusive():
         return ht.ModelTask(tied_transformer(seed=seed, blocks=1, dropout=0.0), loss_fn=lm_loss,
-                            data=token_batches(2, batch=batch), shards="auto", name=name)
+                            data=token_batches(2, batch=batch), shards=shards, name=name)
 
 
-def test_a_planned_task_that_needs_more_room_beside_the_arena_than_the_run_kept_is_refused_on_arrival():
+# A hand-cut task is measured as it joins where the device's memory is its own (here a CPU device on an emulated link).
+@pytest.mark.parametrize("shards", ["auto", None], ids=["planned", "cut by hand"])
+def test_a_task_that_needs_more_room_beside_the_arena_than_the_run_kept_is_refused_on_arrival(shards):
     """The arena takes what the first tasks' working set and saved inputs leave of the budget: a newcomer whose
-    plan needs more beside it would pass the budget, so it is refused before any engine holds it; one that
-    needs no more joins."""
+    needs beside it are more would pass the budget, so it is refused before any engine holds it; one that needs
+    no more joins."""
     ended, outcomes = queue.SimpleQueue(), {}
     arrivals = Arrivals(on_ended=ended.put)
 
@@ -150,8 +153,8 @@ def test_a_planned_task_that_needs_more_room_beside_the_arena_than_the_run_kept_
         try:
             ended.get(timeout=60)
             with pytest.raises(ValueError, match="cannot join the run: one unit's working set"):
-                arrivals.add(planned("wide", batch=64))
-            arrivals.add(planned("same", batch=8, seed=1))
+                arrivals.add(planned("wide", batch=64, shards=shards))
+            arrivals.add(planned("same", batch=8, seed=1, shards=shards))
             outcomes["ended"] = ended.get(timeout=60).name
         except BaseException as error:
             outcomes["error"] = error
@@ -159,8 +162,9 @@ def test_a_planned_task_that_needs_more_room_beside_the_arena_than_the_run_kept_
             arrivals.close()
     thread = threading.Thread(target=driver)
     thread.start()
-    results = ht.train([planned("first", batch=8)], devices="cpu", memory_budget="64MiB", progress=False,
-                       arrivals=arrivals)
+    with testing.emulated_link(1e10):
+        results = ht.train([planned("first", batch=8, shards=shards)], devices="cpu", memory_budget="64MiB",
+                           progress=False, arrivals=arrivals)
     thread.join()
     assert "error" not in outcomes, outcomes.get("error")
     assert outcomes == {"ended": "same"} and [r.name for r in results] == ["first", "same"]

@@ -6,7 +6,7 @@ import torch
 
 import hydra_torch as ht
 from hydra_torch import testing
-from hydra_torch.run import lane_choice
+from hydra_torch.run import lane_choice, measuring
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 import placed_training
 from placed_training import SEED, adamw, params
@@ -129,13 +129,14 @@ TIED_LAST = [0, 1, 2, 3, 4, 5, 6]  # shard starts: the final norm and the tied h
 
 def train_two(placement, budget_fraction, devices="cpu", models=None, checkpoint_dir=None, **options):
     """Two tied models without dropout (new ones, or `models`), cut at TIED_LAST, trained together on `devices` under
-    a budget of `budget_fraction` times one model's fp32 weights: (results, models, each task's data)."""
+    a budget whose arena is `budget_fraction` times one model's fp32 weights: (results, models, each task's data)."""
     models = models or [tied_transformer(seed=seed, dropout=0.0) for seed in (0, 1)]
     data = [token_batches(6, seed=seed + 1) for seed in (0, 1)]
     tasks = [ht.ModelTask(model, optimizer=adamw(), loss_fn=lm_loss, data=batches, shards=TIED_LAST, name=f"t{i}",
                           **options) for i, (model, batches) in enumerate(zip(models, data))]
-    results = ht.train(tasks, devices=devices, memory_budget=int(budget_fraction * model_bytes(models[0])),
-                       progress=False, placement=placement, checkpoint_dir=checkpoint_dir)
+    budget = int(budget_fraction * model_bytes(models[0])) + measuring.kept_beside_arena(tasks)
+    results = ht.train(tasks, devices=devices, memory_budget=budget, progress=False, placement=placement,
+                       checkpoint_dir=checkpoint_dir)
     assert all(result.ok for result in results), [result.error for result in results]
     return results, models, data
 

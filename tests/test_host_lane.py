@@ -8,6 +8,7 @@ import torch
 import hydra_torch as ht
 import placed_training
 from hydra_torch import testing
+from hydra_torch.run import measuring
 from models import max_relative_error, tied_transformer, token_batches
 
 
@@ -167,8 +168,8 @@ def linears_on_a_slow_host(width, layers, batches, rows=4):
     def train(model):
         task = ht.ModelTask(model, data=data, loss_fn=loss_fn, shards=layers,
                             optimizer=ht.optim.AdamW(lr=1e-3, weight_decay=0.01))
-        return ht.train([task], devices="cpu", memory_budget=3 * width * (width + 1) * 4 + 65536, progress=False,
-                        placement="host", host_threads=1)
+        budget = 3 * width * (width + 1) * 4 + 65536 + measuring.kept_beside_arena([task])
+        return ht.train([task], devices="cpu", memory_budget=budget, progress=False, placement="host", host_threads=1)
 
     def plain():
         model = build()

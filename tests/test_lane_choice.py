@@ -9,7 +9,7 @@ import torch
 
 import hydra_torch as ht
 from hydra_torch import testing
-from hydra_torch.run import lane_choice, lane_rates
+from hydra_torch.run import lane_choice, lane_rates, measuring
 from models import OneShot, lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches
 import placed_training
 from test_bad_input import LyingData
@@ -105,7 +105,7 @@ def test_a_task_whose_data_lies_or_fails_is_not_measured_and_fails_alone():
              ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=token_batches(3), name="good")]
     tasks[1].piece_seconds = [1.0] * len(tasks[1].pieces)  # another call's times: not kept
     with testing.emulated_link(1e10), testing.emulated_host(2e6):
-        lane_choice.measure_tasks(tasks, [torch.device("cpu")], "auto")
+        measuring.measure_tasks(tasks, [torch.device("cpu")], [1 << 40], time_units=True)
         assert tasks[0].piece_seconds is None, "no batch to measure on"
         assert tasks[1].piece_seconds is None, "its pieces fail on its batch"
         assert len(tasks[2].piece_seconds) == len(tasks[2].pieces)
@@ -123,7 +123,7 @@ def test_measuring_leaves_a_shuffling_loaders_own_generator_and_pythons_as_they_
     task = ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=loader)
     before, python_before = generator.get_state(), random.getstate()
     with testing.emulated_link(1e10):
-        lane_choice.measure_tasks([task], [torch.device("cpu")], "auto")
+        measuring.measure_tasks([task], [torch.device("cpu")], [1 << 40], time_units=True)
     assert task.piece_seconds is not None
     assert torch.equal(generator.get_state(), before) and random.getstate() == python_before
 

@@ -9,6 +9,7 @@ import torch
 
 import hydra_torch as ht
 from hydra_torch import testing
+from hydra_torch.run import measuring
 from models import lm_loss, model_bytes, tied_transformer, token_batches
 
 LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -98,10 +99,11 @@ def test_on_an_emulated_link_four_models_match_training_alone(host_threads):
     """The asynchronous path with copies that take time (a slow link), host steps on several threads: copies
     and steps of different models overlap, and each model's result is still exactly its result alone."""
     data = token_batches(4)
-    budget = int(0.45 * model_bytes(tied_transformer()))
     tasks, models = make_tasks(data)
     bandwidth = 2e7  # bytes/s: a shard's copy takes a few ms, as long as its compute here
     with testing.emulated_link(bandwidth):
+        # The arena as 0.45 of a model's weights: beside it the budget keeps the tasks' working set and saved inputs.
+        budget = int(0.45 * model_bytes(tied_transformer())) + measuring.kept_beside_arena(tasks)
         results = ht.train(tasks, devices=["cpu", "cpu"], memory_budget=budget, progress=False,
                            host_threads=host_threads)
     check_trace(results)

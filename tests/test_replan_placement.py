@@ -8,7 +8,7 @@ import torch
 
 import hydra_torch as ht
 from hydra_torch import testing
-from hydra_torch.run import lane_choice
+from hydra_torch.run import measuring
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches
 from replan_tasks import ADAMW, SEED, TOLERANCE, model_with, reference, task_for, untied_trainable
 
@@ -152,18 +152,19 @@ def test_a_resident_task_spilled_under_auto_steps_shards_on_the_device_where_the
     ref, ref_losses = reference(data)
     armed = threading.Event()  # the layer fails once, after the lane model's measurement of the task
     model, oom = model_with(lambda m: armed.is_set() and m.raised == 0)
-    measure = lane_choice.measure_tasks
+    measure = measuring.measure_tasks
 
-    def measured_then_armed(*args):
-        measure(*args)
+    def measured_then_armed(*args, **named):
+        measure(*args, **named)
         armed.set()
-    monkeypatch.setattr(lane_choice, "measure_tasks", measured_then_armed)
+    monkeypatch.setattr(measuring, "measure_tasks", measured_then_armed)
     other = tied_transformer(seed=3, blocks=10)  # built first: building seeds the CPU generator
     torch.manual_seed(SEED)
     tasks = [task_for(model, oom, data, shards=4, name="failing"),
              ht.ModelTask(other, optimizer=ADAMW[0](), loss_fn=lm_loss, data=token_batches(2, seed=5), name="spilled")]
     with testing.emulated_link(1e10), testing.emulated_host(2e6), pytest.warns(RuntimeWarning, match="re-planned"):
-        results = ht.train(tasks, devices="cpu", memory_budget=6 * model_bytes(model), progress=False)
+        budget = 6 * model_bytes(model) + measuring.kept_beside_arena(tasks, resident=["failing"])
+        results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
     assert results.lane_plan is not None and results["spilled"].device_shards, results["spilled"].placement
     result = results["failing"]
     assert result.ok, result.error

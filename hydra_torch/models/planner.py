@@ -150,13 +150,19 @@ def apply_plan(task, plan_: Plan) -> None:
         raise ValueError(f"the plan covers {plan_.piece_ranges[-1][1]} pieces, the task has {len(task.pieces)}")
     task.modules = sharding.split(task.pieces, plan_.starts)
     task.shard_params = sharding.shard_parameters(task.modules)
-    task.working_set_bytes = max(plan_.shard_activation_bytes, default=0)
-    # What one micro-batch holds from its first forward to its last backward: spilled, each shard's input;
-    # resident, every piece's autograd graph (the shards' inputs among it).
-    task.boundary_bytes = sum(plan_.piece_input_bytes[start] for start in plan_.starts)
-    task.graph_bytes = sum(plan_.piece_activation_bytes)
+    keep_needs(task, plan_.piece_activation_bytes, plan_.piece_input_bytes, plan_.starts)
     # Each piece's forward + backward on the plan's device: the lane model's unit times (hydra_torch.run.lane_choice).
     task.piece_seconds = list(plan_.piece_seconds)
+
+
+def keep_needs(task, activation_bytes: list[int], input_bytes: list[int], starts: list[int]) -> None:
+    """Keeps on `task` what its training holds beside the arena, from its pieces' measured activations and inputs
+    and the pieces its shards start at: one unit's working set (its most demanding piece's activations), and what
+    one micro-batch holds from its first forward to its last backward: spilled, each shard's input; resident,
+    every piece's autograd graph (the shards' inputs among it)."""
+    task.working_set_bytes = max(activation_bytes, default=0)
+    task.boundary_bytes = sum(input_bytes[start] for start in starts)
+    task.graph_bytes = sum(activation_bytes)
 
 
 def cut_like(task, other) -> None:

@@ -65,6 +65,16 @@ def halved(groups: list[list[nn.Module]]) -> list[list[nn.Module]] | None:
     return out if len(out) > len(groups) else None
 
 
+def starts_in(groups: list[list[nn.Module]], pieces: list[nn.Module]) -> list[int] | None:
+    """The pieces the shards `groups` start at, where they cut `pieces` in order (None where they do not)."""
+    starts, flat = [], []
+    for group in groups:
+        starts.append(len(flat))
+        flat += group
+    same = len(flat) == len(pieces) and all(a is b for a, b in zip(flat, pieces))
+    return starts if same else None
+
+
 def is_explicit(shards) -> bool:
     """Whether `shards` lists the modules of each shard (rather than a count or start indices)."""
     return isinstance(shards, (list, tuple)) and bool(shards) and all(isinstance(g, (list, tuple)) for g in shards)

@@ -18,10 +18,10 @@ The lanes are apart on a GPU: a CPU device shares its cores and memory with the 
 runs only where the link or the host is emulated (hydra_torch.testing), else "auto" keeps the engine's rule.
 
 Each shard's compute is its pieces' forward + backward as the planner measured them (shards="auto"); a task cut
-otherwise has its pieces measured when the call starts (measure_tasks), on one batch of its data, with every random
-generator left as it was. A one-shot iterator's batch cannot be drawn twice: such a task is priced by its elements
-at the seconds per element of the measured tasks, and where no task could be measured "auto" keeps the engine's
-rule. What the lane model was told and forecast is Results.lane_plan.
+otherwise has its pieces measured when the call starts (hydra_torch.run.measuring), on one batch of its data, with
+every random generator left as it was. A one-shot iterator's batch cannot be drawn twice: such a task is priced by
+its elements at the seconds per element of the measured tasks, and where no task could be measured "auto" keeps the
+engine's rule. What the lane model was told and forecast is Results.lane_plan.
 
 A task added to the running call (one joining it, one re-planned after running out of memory, or one placed again
 once another has left: hydra_torch.run.replacement) is placed from the same rates, the tasks still training kept
@@ -29,18 +29,13 @@ where they are (added_device_shards): the arena is sized by then, so it only ste
 """
 from __future__ import annotations
 
-import collections.abc
-import contextlib
-import random
 import statistics
-import sys
 import warnings
 
 import torch
 
 from hydra_torch import testing
 from hydra_torch._loader import native as _C
-from hydra_torch.models import planner
 from hydra_torch.run import lane_rates
 
 STEPS_FORECAST = 6  # steps of each task the lane model simulates: enough for its steady state, bounded in time
@@ -86,53 +81,6 @@ def task_shape(runner, store, seconds: list[float]) -> tuple:
                        tied_to, borrowed))
     accumulate = runner.task.accumulate
     return shards, STEPS_FORECAST * accumulate, accumulate, runner.task.clip_grad_norm is not None
-
-
-def measure_tasks(tasks, devices, placement: str) -> None:
-    """Times the pieces of every task the planner did not cut (planner.probe, on one batch), where "auto" will
-    ask the lane model: on devices whose lanes are apart, on the first of them. Before the engines exist, as the
-    planner's probes are, so that nothing else holds device memory; every random generator is left as it was (a
-    shuffling DataLoader draws its order from them: torch's, Python's, NumPy's, and the loader's own). A one-shot
-    iterator's batch cannot be drawn twice, and a loader with worker processes would start them: their tasks are not
-    measured. Nor is a task whose data yields nothing or whose pieces fail on its batch: the measurement only informs
-    the placement, and the task's own units then meet the error where it is the task's alone (its result says it)."""
-    if placement != "auto" or not lanes_apart(devices[0]):
-        return
-    device = torch.device(devices[0])
-    forked = planner.rng_devices(device)
-    for task in tasks:
-        # The planner has just measured a task it cut (on the same device); the others anew, for this device.
-        if task.auto_shards:
-            continue
-        task.piece_seconds = None  # not another call's, perhaps on another device
-        if isinstance(task.data, collections.abc.Iterator) or getattr(task.data, "num_workers", 0) > 0:
-            continue  # a loader with workers would start them (and a persistent one keep this pass's order)
-        with torch.random.fork_rng(devices=forked), _generators_kept(task.data):
-            try:
-                batch = next(iter(task.data))
-                task.piece_seconds = [c[2] for c in planner.probe(task, device, batch, repeats=1).costs]
-            except Exception:  # noqa: BLE001  (see the docstring; KeyboardInterrupt is not caught)
-                continue
-
-
-@contextlib.contextmanager
-def _generators_kept(data):
-    """Python's and NumPy's generators, and a DataLoader's own and its sampler's (a shuffling loader given
-    `generator=` draws its order from it), as they were before the block."""
-    own = [g for g in (getattr(data, "generator", None), getattr(getattr(data, "sampler", None), "generator", None))
-           if isinstance(g, torch.Generator)]
-    states = [g.get_state() for g in own]
-    python_state = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        for g, state in zip(own, states):
-            g.set_state(state)
-        random.setstate(python_state)
-        if numpy_state is not None:
-            numpy.random.set_state(numpy_state)
 
 
 def timed_seconds(runners, stores, per_element: float | None = None) -> list[list[float] | None]:

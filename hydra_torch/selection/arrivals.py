@@ -102,7 +102,7 @@ class OpenRun:
 
     def add(self, task):
         from hydra_torch.models import memory, planner
-        from hydra_torch.run import bases, lifecycle, moving
+        from hydra_torch.run import bases, lifecycle, measuring, moving
         from hydra_torch.run.runner import TaskRunner
         from hydra_torch.task import ModelTask, check_own_models
 
@@ -117,6 +117,7 @@ class OpenRun:
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
             planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
+            measuring.measure_tasks([task], self.devices, self.budgets, time_units=False)  # one cut by hand
             need, kept = (task.working_set_bytes, task.boundary_bytes), self.kept_outside
             if need[0] > kept[0] or need[1] > kept[1]:
                 raise ValueError(
