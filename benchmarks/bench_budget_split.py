@@ -1,18 +1,22 @@
 """Does a run fit its memory_budget? K planned GPT-2-shaped models (shards="auto") trained on one CPU device under a
 budget a little above the planner's smallest, with activations that dwarf the weights (the regime of a GPU card
 filled to its size). Printed per run: placement, the arena the engine sized, one unit's working set, the most
-bytes the micro-batches in flight held at once, their sum against the budget, and the wall time.
+bytes the micro-batches in flight held at once, their sum against the budget, and the wall time. With `--shards
+layers` the models keep one shard per layer (ht.ModelTask's default) instead, on a CPU device whose memory counts as
+a device's own (an emulated link fast enough to cost nothing), as on a GPU.
 
-    python benchmarks/bench_budget_split.py [--models 1 4] [--factor 1.6 | --budget-mib 292]
+    python benchmarks/bench_budget_split.py [--models 1 4] [--factor 1.6 | --budget-mib 292] [--shards auto|layers]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 
 import hydra_torch as ht
+from hydra_torch import testing
 
 MiB = 2**20
 
@@ -40,6 +44,8 @@ def main(argv=None):
     p.add_argument("--models", type=int, nargs="+", default=[1, 4])
     p.add_argument("--factor", type=float, default=1.6, help="budget = factor x the planner's smallest")
     p.add_argument("--budget-mib", type=float, default=None, help="the budget itself (to compare two builds)")
+    p.add_argument("--shards", choices=["auto", "layers"], default="auto",
+                   help="planned shards, or one per layer on a device whose memory is its own")
     args = p.parse_args(argv)
     from transformers.utils import logging
 
@@ -51,9 +57,11 @@ def main(argv=None):
     print("| models | resident | arena MiB | working set MiB | saved held at most MiB | sum / budget | wall s |")
     print("|---|---|---|---|---|---|---|")
     for k in args.models:
-        tasks = [ht.ModelTask(gpt2(i), data=data, shards="auto", name=f"m{i}") for i in range(k)]
+        shards = "auto" if args.shards == "auto" else None
+        tasks = [ht.ModelTask(gpt2(i), data=data, shards=shards, name=f"m{i}") for i in range(k)]
         start = time.perf_counter()
-        results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
+        with testing.emulated_link(1e12) if args.shards == "layers" else contextlib.nullcontext():
+            results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
         wall = time.perf_counter() - start
         s = results.stats[0]
         total = s["capacity_bytes"] + s["working_set_bytes"] + s["saved_high_water_bytes"]
