@@ -35,7 +35,6 @@ def test_a_hand_cut_tasks_working_set_and_saved_inputs_are_kept_beside_the_arena
     assert stats["capacity_bytes"] <= budget - working_set - inputs
     assert stats["saved_allowance_bytes"] == budget - stats["capacity_bytes"] - working_set
     assert stats["capacity_bytes"] + working_set + stats["saved_high_water_bytes"] <= budget
-    assert stats["high_water_bytes"] <= stats["capacity_bytes"]
 
 
 def test_on_a_cpu_device_of_the_hosts_memory_nothing_is_kept_for_a_hand_cut_task():
@@ -46,8 +45,9 @@ def test_on_a_cpu_device_of_the_hosts_memory_nothing_is_kept_for_a_hand_cut_task
 
 def test_a_hand_cut_task_is_resident_only_where_its_autograd_graph_fits_beside_its_state():
     # Resident with room to spare, its state takes `state` of the arena. With the working set and saved inputs beside
-    # it but not the rest of its graph, it is spilled as the call starts (before, it was placed resident and its first
-    # step ran out of memory); with the graph's room too, it stays resident.
+    # it but not the rest of its graph, it is spilled as the call starts (before, it was placed resident and the graph
+    # came on top of the budget: on a GPU, out of memory in its first step); with the graph's room too, it stays
+    # resident.
     state = train([hand_cut()], 1 << 30).stats[0]["capacity_bytes"]
     task = hand_cut()
     with testing.emulated_link(1e10):
