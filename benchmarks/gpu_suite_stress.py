@@ -14,6 +14,7 @@ which must match one CPU device bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -56,12 +57,8 @@ def _train(models, data, devices, precision, budget, link=None):
              ht.ModelTask(models[2], data=data[: len(data) // 2], optimizer=ht.optim.SGD(lr=3e-2, momentum=0.9),
                           precision=precision, name="sgd-momentum")]
     start = time.perf_counter()
-    if link:
-        with emulated_link(link):
-            budget += kept_beside_arena(tasks, device=devices[0])  # the arena as sized, beside the activations
-            results = ht.train(tasks, devices=devices, memory_budget=budget, progress=False, host_threads=3)
-    else:
-        budget += kept_beside_arena(tasks, device=devices[0])
+    with emulated_link(link) if link else contextlib.nullcontext():
+        budget += kept_beside_arena(tasks, device=devices[0])  # the arena as sized, beside the activations
         results = ht.train(tasks, devices=devices, memory_budget=budget, progress=False, host_threads=3)
     errors = [f"{r.name}: {r.error}" for r in results if r.error is not None]
     if errors:

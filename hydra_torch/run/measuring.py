@@ -51,9 +51,7 @@ def kept_beside_arena(tasks, resident=(), device="cpu") -> int:
     if not lanes_apart(device):
         return 0
     copies = [copy.copy(task) for task in tasks]
-    for task in copies:
-        if not task.auto_shards:
-            _measure(task, torch.device(device), time_units=False)
+    measure_tasks(copies, [device], [0], time_units=False)
     graphs = saved_bytes.graphs_beyond_inputs(copies)
     return sum(saved_bytes.kept_outside_arena(copies)) + sum(g for t, g in zip(tasks, graphs) if t.name in resident)
 
