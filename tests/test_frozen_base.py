@@ -376,3 +376,19 @@ def test_a_resident_task_of_a_base_reads_no_stale_copy_of_a_base_shard():
                 assert torch.equal(p, q)
         checked += 1
     assert checked, "some budget made a task of the base resident"
+
+
+def test_a_base_task_left_to_the_planner_is_not_cut_like_shards_out_of_layer_order():
+    """planner.cut_like copies the first task's cut by where its shards start among its layers: shards that are not
+    its layers in order (an adapter's model given module groups) have no such starts, and are refused by name."""
+    from hydra_torch.models import planner
+    base = ht.FrozenBase()
+    (first, second), _ = sweep(partly_frozen(), token_batches(2), 2, base=base)
+    layers = list(first.pieces)
+    first.modules = [layers[1:], layers[:1]]  # every layer, the embedding last
+    with pytest.raises(ValueError, match="not its layers in order"):
+        planner.cut_like(second, first)
+    first.modules = [layers[:3], layers[3:]]
+    planner.cut_like(second, first)
+    assert [len(group) for group in second.modules] == [3, len(layers) - 3]
+    assert all(a is b for a, b in zip(sum(second.modules, []), second.pieces))

@@ -2,6 +2,8 @@
 here a CPU device on an emulated link) is measured as the call starts, as the planner measures a task it cuts: the
 budget keeps its working set and a micro-batch's saved inputs beside the arena, and it is resident only where its
 autograd graph fits beside its state. A CPU device's activations are the host's memory: nothing is kept there."""
+import torch
+
 import hydra_torch as ht
 from hydra_torch import testing
 from hydra_torch.run import measuring
@@ -81,3 +83,21 @@ def test_a_task_cut_as_ht_plan_planned_keeps_the_plans_needs_where_it_cannot_be_
     with testing.emulated_link(1e10):
         measuring.measure_tasks([task], ["cpu"], [1 << 30], time_units=False)
     assert (task.working_set_bytes, task.boundary_bytes, task.graph_bytes) == needs and needs[0] > 0
+
+
+def test_measuring_for_memory_alone_runs_each_piece_twice_and_finds_what_the_timed_measurement_finds():
+    # Where nothing asks for unit times (placement "host" or "device", a task joining), a piece runs once to warm
+    # up (its parameters' gradients allocated) and once measured: no pass over the chain to warm up, none timed.
+    calls = []
+    task = hand_cut()
+    for index, piece in enumerate(task.pieces):
+        piece.register_forward_hook(lambda *_, index=index: calls.append(index))
+    figures = {}
+    for time_units in (False, True):
+        calls.clear()
+        with testing.emulated_link(1e10):
+            measuring.measure_tasks([task], [torch.device("cpu")], [1 << 30], time_units=time_units)
+        figures[time_units] = (task.working_set_bytes, task.boundary_bytes, task.graph_bytes)
+        assert sorted(calls) == sorted(list(range(len(task.pieces))) * (4 if time_units else 2))
+        assert (task.piece_seconds is not None) == time_units
+    assert figures[False] == figures[True] and figures[False][0] > 0

@@ -157,13 +157,13 @@ def test_a_resident_task_spilled_under_auto_steps_shards_on_the_device_where_the
     def measured_then_armed(*args, **named):
         measure(*args, **named)
         armed.set()
-    monkeypatch.setattr(measuring, "measure_tasks", measured_then_armed)
     other = tied_transformer(seed=3, blocks=10)  # built first: building seeds the CPU generator
     torch.manual_seed(SEED)
     tasks = [task_for(model, oom, data, shards=4, name="failing"),
              ht.ModelTask(other, optimizer=ADAMW[0](), loss_fn=lm_loss, data=token_batches(2, seed=5), name="spilled")]
     with testing.emulated_link(1e10), testing.emulated_host(2e6), pytest.warns(RuntimeWarning, match="re-planned"):
         budget = 6 * model_bytes(model) + measuring.kept_beside_arena(tasks, resident=["failing"])
+        monkeypatch.setattr(measuring, "measure_tasks", measured_then_armed)  # armed by ht.train's, not the above
         results = ht.train(tasks, devices="cpu", memory_budget=budget, progress=False)
     assert results.lane_plan is not None and results["spilled"].device_shards, results["spilled"].placement
     result = results["failing"]

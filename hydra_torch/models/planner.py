@@ -171,9 +171,10 @@ def cut_like(task, other) -> None:
     if len(task.pieces) != len(other.pieces):
         raise ValueError(f"tasks {other.name!r} and {task.name!r} share {other.base!r} but have {len(other.pieces)} "
                          f"and {len(task.pieces)} layers")
-    starts = [0]
-    for group in other.modules[:-1]:
-        starts.append(starts[-1] + len(group))
+    starts = sharding.starts_in(other.modules, other.pieces)
+    if starts is None:
+        raise ValueError(f"tasks {other.name!r} and {task.name!r} share {other.base!r}, and {other.name!r}'s shards "
+                         f"are not its layers in order: give {task.name!r} the same shards")
     task.modules = sharding.split(task.pieces, starts)
     task.shard_params = sharding.shard_parameters(task.modules)
 
@@ -209,8 +210,9 @@ def piece_weight_bytes(piece: torch.nn.Module, bf16: bool) -> int:
 
 def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3,
                  input_bytes: list | None = None) -> list[tuple[int, int, float]]:
-    """(weight bytes, activation bytes, seconds) of each piece of `task` on `device`, in order; `input_bytes`,
-    when given, receives the bytes of each piece's input."""
+    """(weight bytes, activation bytes, seconds) of each piece of `task` on `device`, in order, the seconds the median
+    of `repeats` timed passes (0 where `repeats` is 0: memory alone, without the passes that warm up and time);
+    `input_bytes`, when given, receives the bytes of each piece's input."""
     dtype = task.compute_dtype
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
     x = task.inputs(batch)
@@ -220,11 +222,12 @@ def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3,
     forked = rng_devices(device)
     costs = []
     with torch.random.fork_rng(devices=forked):
-        # One untimed pass over the whole chain first: a process's first kernels (thread pools, allocator
-        # growth, CUDA context and autotuning) run several times slower and would inflate the first pieces.
+        # Where pieces are timed, one untimed pass over the whole chain first: a process's first kernels (thread
+        # pools, allocator growth, CUDA context and autotuning) run several times slower and would inflate the
+        # first pieces.
         warm = x
-        for index, piece in enumerate(task.pieces):
-            _, _, warm = _probe_piece(piece, warm, device, dtype, 0, needs_input_grad=index > 0)
+        for index, piece in enumerate(task.pieces if repeats else ()):
+            _, _, warm = _probe_piece(piece, warm, device, dtype, None, needs_input_grad=index > 0)
         for index, piece in enumerate(task.pieces):
             if input_bytes is not None:
                 input_bytes.append(saved_tensors.distinct_bytes(t for t in tree_leaves(x) if isinstance(t, torch.Tensor)))
@@ -238,8 +241,8 @@ def _floating(t) -> bool:
 
 
 def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
-    """(median seconds, activation bytes, detached output) of one piece's forward + backward; repeats=0 only
-    warms up."""
+    """(median seconds of `repeats` timed passes, activation bytes, detached output) of one piece's forward +
+    backward; repeats=None only warms up, 0 times nothing."""
     params = {name: p.detach().to(device=device, dtype=dtype if p.is_floating_point() else p.dtype, copy=True)
               .requires_grad_(p.requires_grad) for name, p in piece.named_parameters()}
     buffers = {name: b.detach().to(device=device, copy=True) for name, b in piece.named_buffers()}
@@ -257,7 +260,7 @@ def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
 
     # The warm-up also allocates the parameter gradients, so the measured peak below is activations only.
     out = forward_backward()
-    if repeats == 0:
+    if repeats is None:
         return 0.0, 0, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
     activation_bytes = _activation_bytes(forward_backward, params, device)
     times = []
@@ -267,7 +270,8 @@ def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
         forward_backward()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), activation_bytes, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    return statistics.median(times) if times else 0.0, activation_bytes, detached
 
 
 def synchronize(device) -> None:

@@ -32,7 +32,8 @@ def measure_tasks(tasks, devices, budgets, time_units: bool) -> None:
     measurement only informs the budget and the placement, and the task's own units then meet the error where it is
     the task's alone (its result says it). A task not measured keeps what it held (a plan's, applied by
     ht.planner.apply_plan; else nothing kept for it beside the arena), and no unit times. With `time_units` (placement
-    "auto" where the call starts), each piece's forward + backward is kept where the device's lanes are apart."""
+    "auto" where the call starts), each piece's forward + backward is timed and kept; without, each piece runs twice
+    (to warm up, then measured) and nothing is timed."""
     device = torch.device(devices[min(range(len(devices)), key=lambda i: budgets[i])])
     if not lanes_apart(device):
         return  # a CPU device's activations are the host's memory (see the module)
@@ -63,7 +64,7 @@ def _measure(task, device: torch.device, time_units: bool) -> None:
     with torch.random.fork_rng(devices=planner.rng_devices(device)), _generators_kept(task.data):
         try:
             batch = next(iter(task.data))
-            measured = planner.probe(task, device, batch, repeats=1)
+            measured = planner.probe(task, device, batch, repeats=1 if time_units else 0)
         except Exception:  # noqa: BLE001  (see measure_tasks; KeyboardInterrupt is not caught)
             return
     starts = sharding.starts_in(task.modules, task.pieces)
