@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
+from hydra_torch.models import planner
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 
 LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -381,7 +382,6 @@ def test_a_resident_task_of_a_base_reads_no_stale_copy_of_a_base_shard():
 def test_a_base_task_left_to_the_planner_is_not_cut_like_shards_out_of_layer_order():
     """planner.cut_like copies the first task's cut by where its shards start among its layers: shards that are not
     its layers in order (an adapter's model given module groups) have no such starts, and are refused by name."""
-    from hydra_torch.models import planner
     base = ht.FrozenBase()
     (first, second), _ = sweep(partly_frozen(), token_batches(2), 2, base=base)
     layers = list(first.pieces)

@@ -173,8 +173,8 @@ def cut_like(task, other) -> None:
                          f"and {len(task.pieces)} layers")
     starts = sharding.starts_in(other.modules, other.pieces)
     if starts is None:
-        raise ValueError(f"tasks {other.name!r} and {task.name!r} share {other.base!r}, and {other.name!r}'s shards "
-                         f"are not its layers in order: give {task.name!r} the same shards")
+        raise ValueError(f"tasks {other.name!r} and {task.name!r} share {other.base!r}, and the shards of "
+                         f"{other.name!r} are not its layers in order: give {task.name!r} the same shards")
     task.modules = sharding.split(task.pieces, starts)
     task.shard_params = sharding.shard_parameters(task.modules)
 
