@@ -259,9 +259,9 @@ def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
         return out
 
     # The warm-up also allocates the parameter gradients, so the measured peak below is activations only.
-    out = forward_backward()
+    detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, forward_backward())
     if repeats is None:
-        return 0.0, 0, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+        return 0.0, 0, detached
     activation_bytes = _activation_bytes(forward_backward, params, device)
     times = []
     for _ in range(repeats):
@@ -270,7 +270,6 @@ def _probe_piece(piece, x, device, dtype, repeats, needs_input_grad):
         forward_backward()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
     return statistics.median(times) if times else 0.0, activation_bytes, detached
 
 
