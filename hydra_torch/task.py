@@ -78,11 +78,15 @@ def check_own_models(tasks):
     owners = {}
     for task in tasks:
         for p in (p for shard in task.shard_params for p in shard):
-            other = owners.setdefault(id(p), task.name)
-            if other != task.name:
-                raise ValueError(f"tasks {other!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}: "
-                                 "each task needs a model of its own (copy.deepcopy it; to hold frozen weights "
-                                 "they have in common once, pass both base=ht.FrozenBase())")
+            other = owners.setdefault(id(p), task)
+            if other is task:
+                continue
+            shared = f"tasks {other.name!r} and {task.name!r} share a parameter of shape {tuple(p.shape)}"
+            if task.base is not None and other.base is task.base:  # the base shares values, not parameter objects
+                raise ValueError(f"{shared} although both have base {task.base!r}: each task needs a model of its "
+                                 "own even so (copy.deepcopy it), and the base holds the frozen weights once")
+            raise ValueError(f"{shared}: each task needs a model of its own (copy.deepcopy it; to hold frozen "
+                             "weights they have in common once, pass both base=ht.FrozenBase())")
 
 
 def _first_change(kind: str, built: dict[str, tuple], now: dict[str, tuple]) -> str | None:
@@ -108,7 +112,8 @@ class ModelTask:
     """A model, its optimizer, loss and data.
 
     model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
-    explicit ``shards=[[m, ...], ...]``. ``shards="auto"`` lets ht.train measure the pieces on its device and
+    explicit ``shards=[[m, ...], ...]`` (for a model whose layers are known, those layers in order, each at its
+    place: groups that leave one out, repeat, move or add one are refused). ``shards="auto"`` lets ht.train measure the pieces on its device and
     choose balanced shards that fit its budget (see ht.plan). A module used at several places of the model is a
     layer at each, its parameters trained as one tied weight. A model changed after its task was built is
     refused by ht.train (see check_unchanged): build the task again.

@@ -234,11 +234,37 @@ def test_unavailable_device():
             ht.train([task], devices="cuda:0")
 
 
+@pytest.mark.parametrize("groups, message", [
+    (lambda L: [L[:2], L[3:]], "layer 2 .* missing"),                  # a block left out
+    (lambda L: [L[:3], L[2:]], "layer 2 .* twice"),                    # a block run twice
+    (lambda L: [[L[1], L[0]], L[2:]], "layer 1 .* at place 0"),        # two layers swapped
+    (lambda L: [L[:2], [nn.Linear(32, 32)], L[2:]], "not one of its layers"),  # a module from elsewhere
+    (lambda L: [L[:4]], "layer 4 .* missing"),                         # the head left out
+])
+def test_explicit_shards_that_are_not_the_models_layers_in_order_are_refused(groups, message):
+    """A model whose layers are known (an nn.Sequential, a list of modules, a Hugging Face model) runs them in
+    order: groups that leave one out, repeat, reorder or add one would train another computation."""
+    model = tied_transformer()
+    with pytest.raises(ValueError, match=message):
+        ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1), shards=groups(list(model)))
+    blocks = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)]
+    with pytest.raises(ValueError, match="layer 1 .* missing"):
+        ht.ModelTask(nn.ModuleList(blocks), loss_fn=lm_loss, data=token_batches(1), shards=[[blocks[0]], blocks[2:]])
+
+
 def test_tasks_sharing_parameters_are_refused():
     backbone = nn.Linear(8, 8)
     a = ht.ModelTask(nn.Sequential(backbone, nn.Linear(8, 2)), loss_fn=lm_loss, data=token_batches(1), name="a")
     b = ht.ModelTask(nn.Sequential(backbone, nn.Linear(8, 3)), loss_fn=lm_loss, data=token_batches(1), name="b")
     with pytest.raises(ValueError, match="share a parameter"):
+        ht.train([a, b], devices="cpu", progress=False)
+    # Even frozen and with one base: the base shares the weights, each task still needs its own module.
+    base = ht.FrozenBase()
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+    a, b = (ht.ModelTask(nn.Sequential(frozen, nn.Linear(8, 2)), loss_fn=lm_loss, data=token_batches(1), name=name,
+                         base=base) for name in "ab")
+    with pytest.raises(ValueError, match=r"share a parameter of shape \(8, 8\) although both have base "
+                                         r"FrozenBase\(.*\): .*copy\.deepcopy"):
         ht.train([a, b], devices="cpu", progress=False)
 
 

@@ -75,6 +75,33 @@ def starts_in(groups: list[list[nn.Module]], pieces: list[nn.Module]) -> list[in
     return starts if same else None
 
 
+def _out_of_order(groups: list[list[nn.Module]], pieces: list[nn.Module]) -> str | None:
+    """What keeps `groups` from being `pieces` in order (None where they are): the first place that differs."""
+    flat = [module for group in groups for module in group]
+
+    def layer(module) -> str:
+        index = next(i for i, piece in enumerate(pieces) if piece is module)
+        return f"layer {index} ({type(module).__name__})"
+
+    for place in range(max(len(flat), len(pieces))):
+        if place < len(flat) and place < len(pieces) and flat[place] is pieces[place]:
+            continue
+        if place >= len(flat):
+            return f"{layer(pieces[place])} is missing"
+        module = flat[place]
+        if not any(piece is module for piece in pieces):
+            return f"place {place} holds a {type(module).__name__} that is not one of its layers"
+        # A module the model runs at several places is listed that many times.
+        listed = sum(m is module for m in flat[:place + 1])
+        if listed > sum(piece is module for piece in pieces):
+            return f"{layer(module)} is there twice"
+        if place < len(pieces) and not any(m is pieces[place] for m in flat):
+            return f"{layer(pieces[place])} is missing"
+        return f"{layer(module)} is at place {place}" + (
+            f", where {layer(pieces[place])} belongs" if place < len(pieces) else "")
+    return None
+
+
 def is_explicit(shards) -> bool:
     """Whether `shards` lists the modules of each shard (rather than a count or start indices)."""
     return isinstance(shards, (list, tuple)) and bool(shards) and all(isinstance(g, (list, tuple)) for g in shards)
@@ -91,6 +118,13 @@ def split(model, shards=None) -> list[list[nn.Module]]:
         for i, group in enumerate(groups):
             if not group or not all(isinstance(m, nn.Module) for m in group):
                 raise TypeError(f"shard {i} must be a non-empty list of nn.Module")
+        if isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)):  # else the groups alone say what runs
+            pieces = model_pieces(model)
+            wrong = _out_of_order(groups, pieces)
+            if wrong:
+                raise ValueError(f"shards: the groups must hold the model's {len(pieces)} layers in order, each "
+                                 f"at its place, as its forward runs them: {wrong}; to cut the layers, give start "
+                                 f"indices (e.g. [0, {len(pieces) // 2}])")
         return groups
     pieces = model_pieces(model)
     if shards is None:
