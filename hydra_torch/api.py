@@ -23,7 +23,7 @@ from hydra_torch.selection.rules import Selection
 from hydra_torch.state import checkpoint, checkpoint_dirs, interrupts, task_rng
 from hydra_torch.state.checkpoint_writer import Checkpointer
 from hydra_torch.models import frozen_base
-from hydra_torch.task import ModelTask, check_own_models
+from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode
 
 
 def _check_seed(seed):
@@ -199,6 +199,7 @@ def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placeme
     for task in tasks:
         task.check_unchanged()
     frozen_base.check(tasks)
+    warn_eval_mode(tasks, stacklevel=3)
     if selection is not None:
         if not isinstance(selection, Selection):
             raise TypeError(f"selection must be a hydra_torch.SuccessiveHalving(...), got {type(selection).__name__}")

@@ -5,10 +5,13 @@ import collections.abc
 
 import itertools
 import threading
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
 from hydra_torch.models import frozen_base, sharding
 from hydra_torch.models.frozen_base import FrozenBase
@@ -89,6 +92,26 @@ def check_own_models(tasks):
                              "weights they have in common once, pass both base=ht.FrozenBase())")
 
 
+def warn_eval_mode(tasks, stacklevel: int):
+    """Warns for each task whose model has a layer in eval mode whose mode changes what it computes (dropout, batch
+    norm): it trains so, as a plain loop would, where transformers.Trainer calls model.train() first, and
+    from_pretrained leaves a model in eval mode. `stacklevel`: the user's frame, counted from here."""
+    for task in tasks:
+        off = {id(m): m for piece in task.pieces for m in piece.modules() if not m.training and (
+            isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd) and m.p > 0))}
+        if not off:
+            continue
+        dropout = sum(isinstance(m, _DropoutNd) for m in off.values())
+        kinds = [(dropout, "dropout", "no dropout"),
+                 (len(off) - dropout, "batch-norm", "batch norm on its running statistics")]
+        counts = [f"{n} {kind} layer{'s' if n > 1 else ''}" for n, kind, _ in kinds if n]
+        effects = [effect for n, _, effect in kinds if n]
+        warnings.warn(f"task {task.name!r}: its model is in eval mode ({' and '.join(counts)}), as from_pretrained "
+                      f"leaves a model, and trains so ({', '.join(effects)}), as a plain loop would; call "
+                      "model.train() first to train as transformers.Trainer does", UserWarning,
+                      stacklevel=stacklevel + 1)
+
+
 def _first_change(kind: str, built: dict[str, tuple], now: dict[str, tuple]) -> str | None:
     """How `now` differs from what the task was `built` from, or None. Both map a name to (the object, what
     else must stay as it was): the object must be the same one."""
@@ -113,10 +136,12 @@ class ModelTask:
 
     model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
     explicit ``shards=[[m, ...], ...]`` (for a model whose layers are known, those layers in order, each at its
-    place: groups that leave one out, repeat, move or add one are refused). ``shards="auto"`` lets ht.train measure the pieces on its device and
-    choose balanced shards that fit its budget (see ht.plan). A module used at several places of the model is a
-    layer at each, its parameters trained as one tied weight. A model changed after its task was built is
-    refused by ht.train (see check_unchanged): build the task again.
+    place: groups that leave one out, repeat, move or add one are refused). ``shards="auto"`` lets ht.train
+    measure the pieces on its device and choose balanced shards that fit its budget (see ht.plan). A module
+    used at several places of the model is a layer at each, its parameters trained as one tied weight. A model
+    changed after its task was built is refused by ht.train (see check_unchanged): build the task again. It
+    trains in the mode it is in: one in eval mode (as from_pretrained leaves it) trains without dropout, and
+    ht.train warns (warn_eval_mode).
     loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard

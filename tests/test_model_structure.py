@@ -3,6 +3,7 @@ places trains at each, as one tied weight), and the model as it was when the tas
 refused, not ignored)."""
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -222,3 +223,30 @@ def test_a_name_that_names_no_directory_of_its_own_is_refused(name):
 def test_a_name_that_is_not_a_str_is_refused(name):
     with pytest.raises(TypeError, match="name must be a str"):
         ht.ModelTask(plain_mlp(), loss_fn=lm_loss, data=batches(1), name=name)
+
+
+def with_dropout(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+def test_a_model_in_eval_mode_trains_so_and_the_call_says_so(spilled):
+    """A model left in eval mode (as from_pretrained leaves one) trains as a plain loop would train it, without
+    dropout; since transformers.Trainer would train it in train mode, the call warns, naming the task."""
+    ours, theirs = OPTIMIZERS["adamw"]
+    data = batches(3)
+    reference = with_dropout().eval()
+    reference_losses = train_plain(reference, data, theirs, seed=SEED)
+    model = with_dropout().eval()
+    budget = spilled_budget(model, None) if spilled else 2**26
+    with pytest.warns(UserWarning, match=r"task 'task\d+'.* eval mode .*1 dropout.*model\.train\(\)"):
+        result = train_hydra(model, data, ours(), budget)[0]
+    assert result.resident == (not spilled)
+    assert result.losses == pytest.approx(reference_losses, rel=1e-6)
+    assert max_relative_error(model, reference) <= 1e-6
+    assert not any(m.training for m in model.modules()), "the model's mode is left as it was"
+    for quiet in (with_dropout(), nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, CLASSES)).eval()):
+        with warnings.catch_warnings():  # in train mode, or with nothing whose mode changes what it computes
+            warnings.filterwarnings("error", message=".*eval mode.*")
+            assert train_hydra(quiet, data, ours(), 2**26)[0].ok

@@ -104,7 +104,7 @@ class OpenRun:
         from hydra_torch.models import memory, planner
         from hydra_torch.run import bases, lifecycle, measuring, moving
         from hydra_torch.run.runner import TaskRunner
-        from hydra_torch.task import ModelTask, check_own_models
+        from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode
 
         if not isinstance(task, ModelTask):
             raise TypeError(f"a task joining the run must be a ModelTask, got {type(task).__name__}")
@@ -114,6 +114,7 @@ class OpenRun:
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             task.check_unchanged()
+            warn_eval_mode([task], stacklevel=2)
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
             planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
