@@ -19,7 +19,8 @@ def train(model, data, placement, budget_fraction, devices="cpu", checkpoint_dir
     torch.manual_seed(SEED)
     task = ht.ModelTask(model, optimizer=options.pop("optimizer", None) or adamw(), loss_fn=lm_loss, data=data,
                         **options)
-    budget = int(budget_fraction * model_bytes(model)) + measuring.kept_beside_arena([task])
+    device = devices if isinstance(devices, str) else devices[0]  # where ht.train measures what it keeps
+    budget = int(budget_fraction * model_bytes(model)) + measuring.kept_beside_arena([task], device=device)
     results = ht.train([task], devices=devices, memory_budget=budget, progress=False, placement=placement,
                        checkpoint_dir=checkpoint_dir, host_threads=host_threads)
     assert results[0].ok, results[0].error
