@@ -1,4 +1,5 @@
 """Tasks joining a running ht.train call through Arrivals, and leaving it as soon as they end."""
+import contextlib
 import queue
 import re
 import warnings
@@ -21,27 +22,35 @@ def task(name, eval_data=VALID, seed=0):
                             data=DATA, eval_data=eval_data, name=name)
 
 
-def test_a_task_joins_when_another_ends_and_a_refused_one_changes_nothing():
-    ended, outcomes = queue.SimpleQueue(), {}
-    arrivals = Arrivals(on_ended=ended.put)
-    late = task("late", seed=1)
-
+def drive(arrivals, body, outcomes):
+    """Runs body() on a thread of its own beside the run, then closes `arrivals`: an error it raises lands in
+    outcomes["error"], for the test to report, not lost on that thread. Returns the started thread."""
     def driver():
         try:
-            first = ended.get(timeout=60)
-            outcomes["first ended"] = first.name
-            with pytest.raises(ValueError, match="no eval_data"):  # the run's selection cannot judge it
-                arrivals.add(task("no-eval", eval_data=None, seed=2))
-            with pytest.raises(ValueError, match="already in the run"):
-                arrivals.add(task("first"))
-            arrivals.add(late)
-            outcomes["late ended"] = ended.get(timeout=60).name
-        except BaseException as error:  # reported by the test below, not lost on this thread
+            body()
+        except BaseException as error:
             outcomes["error"] = error
         finally:
             arrivals.close()
     thread = threading.Thread(target=driver)
     thread.start()
+    return thread
+
+
+def test_a_task_joins_when_another_ends_and_a_refused_one_changes_nothing():
+    ended, outcomes = queue.SimpleQueue(), {}
+    arrivals = Arrivals(on_ended=ended.put)
+    late = task("late", seed=1)
+
+    def body():
+        outcomes["first ended"] = ended.get(timeout=60).name
+        with pytest.raises(ValueError, match="no eval_data"):  # the run's selection cannot judge it
+            arrivals.add(task("no-eval", eval_data=None, seed=2))
+        with pytest.raises(ValueError, match="already in the run"):
+            arrivals.add(task("first"))
+        arrivals.add(late)
+        outcomes["late ended"] = ended.get(timeout=60).name
+    thread = drive(arrivals, body, outcomes)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no race on the CPU generator either
         results = ht.train([task("first")], devices=["cpu", "cpu"], progress=False, arrivals=arrivals,
@@ -149,19 +158,13 @@ def test_a_task_that_needs_more_room_beside_the_arena_than_the_run_kept_is_refus
     ended, outcomes = queue.SimpleQueue(), {}
     arrivals = Arrivals(on_ended=ended.put)
 
-    def driver():
-        try:
-            ended.get(timeout=60)
-            with pytest.raises(ValueError, match="cannot join the run: one unit's working set"):
-                arrivals.add(planned("wide", batch=64, shards=shards))
-            arrivals.add(planned("same", batch=8, seed=1, shards=shards))
-            outcomes["ended"] = ended.get(timeout=60).name
-        except BaseException as error:
-            outcomes["error"] = error
-        finally:
-            arrivals.close()
-    thread = threading.Thread(target=driver)
-    thread.start()
+    def body():
+        ended.get(timeout=60)
+        with pytest.raises(ValueError, match="cannot join the run: one unit's working set"):
+            arrivals.add(planned("wide", batch=64, shards=shards))
+        arrivals.add(planned("same", batch=8, seed=1, shards=shards))
+        outcomes["ended"] = ended.get(timeout=60).name
+    thread = drive(arrivals, body, outcomes)
     with testing.emulated_link(1e10):
         results = ht.train([planned("first", batch=8, shards=shards)], devices="cpu", memory_budget="64MiB",
                            progress=False, arrivals=arrivals)
@@ -169,3 +172,44 @@ def test_a_task_that_needs_more_room_beside_the_arena_than_the_run_kept_is_refus
     assert "error" not in outcomes, outcomes.get("error")
     assert outcomes == {"ended": "same"} and [r.name for r in results] == ["first", "same"]
     assert all(r.ok for r in results)
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_a_task_measured_as_it_joins_leaves_the_running_tasks_random_draws_as_they_were(emulated):
+    """A joiner is measured on a batch (planned: shards="auto"; cut by hand: on an emulated link, as on a GPU) while
+    the running task's dropout draws from the CPU generator: the measurement holds that generator, and the running
+    task draws what it would draw alone."""
+    def running(data):
+        with task_rng.exclusive():
+            return ht.ModelTask(tied_transformer(seed=3, blocks=2), optimizer=ht.optim.AdamW(lr=1e-3),
+                                loss_fn=lm_loss, data=data, name="running", shards=None if emulated else "auto")
+
+    class Signalling(list):  # tells the driver once the run is past its first steps
+        def __iter__(self):
+            for i, batch in enumerate(list.__iter__(self)):
+                if i == 3:
+                    midway.set()
+                yield batch
+
+    link = testing.emulated_link(1e9) if emulated else contextlib.nullcontext()
+    midway, outcomes = threading.Event(), {}
+    with link:
+        alone = ht.train([running(token_batches(12))], devices="cpu", progress=False)["running"]
+        arrivals = Arrivals()
+
+        def body():
+            midway.wait(timeout=60)
+            with task_rng.exclusive():
+                joiner = ht.ModelTask(tied_transformer(seed=4, blocks=2), loss_fn=lm_loss,  # fits what it kept
+                                      data=token_batches(4, batch=2), name="joiner",
+                                      shards=None if emulated else "auto")
+            arrivals.add(joiner)
+        thread = drive(arrivals, body, outcomes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # nothing drew from the CPU generator without it
+            results = ht.train([running(Signalling(token_batches(12)))], devices="cpu", progress=False,
+                               arrivals=arrivals)
+        thread.join()
+    assert "error" not in outcomes, outcomes.get("error")
+    assert [r.name for r in results] == ["running", "joiner"] and all(r.ok for r in results)
+    assert results["running"].losses == alone.losses

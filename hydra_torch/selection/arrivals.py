@@ -19,7 +19,7 @@ import threading
 import warnings
 
 from hydra_torch.run.inbox import on_devices
-from hydra_torch.state import interrupts
+from hydra_torch.state import interrupts, task_rng
 
 
 class RunClosedError(RuntimeError):
@@ -117,8 +117,10 @@ class OpenRun:
             warn_eval_mode([task], stacklevel=2)
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
-            planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
-            measuring.measure_tasks([task], self.devices, self.budgets, time_units=False)  # one cut by hand
+            # Measured on a batch while the workers train: their random draws must not see the measurement's.
+            with task_rng.exclusive(self.devices):
+                planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
+                measuring.measure_tasks([task], self.devices, self.budgets, time_units=False)  # one cut by hand
             need, kept = (task.working_set_bytes, task.boundary_bytes), self.kept_outside
             if need[0] > kept[0] or need[1] > kept[1]:
                 raise ValueError(

@@ -3,8 +3,10 @@
 A task draws from its own streams: what dropout, random data order or augmentation would draw if the task
 trained alone from the same seed, whichever device runs its units and whatever runs beside it. A device's
 CUDA generator is only touched by that device's worker, one unit at a time: each unit sets it to the task's
-state and saves it back. The CPU generator is one for the whole process, so every worker thread would race on
-it: a section of a unit that may draw from it holds `_CPU` while it sets the task's state, runs and saves it.
+state and saves it back, holding the device's lock, which code outside any task that may draw from it takes too
+(exclusive: measuring a task that joins the run). The CPU generator is one for the whole process, so every worker
+thread would race on it: a section of a unit that may draw from it holds `_CPU` while it sets the task's state,
+runs and saves it.
 
 Most shards never draw from the CPU generator (on a GPU dropout draws from the CUDA one), and holding a lock
 around every unit would run the devices of a CPU run one at a time. So each (phase, shard) section is first
@@ -15,6 +17,7 @@ from then on every section takes the lock, with a warning.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from contextlib import contextmanager
@@ -36,6 +39,16 @@ class _CpuGenerator:
 
 _CPU = _CpuGenerator()
 
+# Per CUDA device index: held by the device's worker while a unit has the device's generator set to its task's
+# state, and by code outside any task that may draw from it (exclusive). Uncontended but for those.
+_DEVICE_LOCKS: dict[int, threading.Lock] = {}
+_DEVICE_LOCKS_MADE = threading.Lock()
+
+
+def _device_lock(index: int) -> threading.Lock:
+    with _DEVICE_LOCKS_MADE:
+        return _DEVICE_LOCKS.setdefault(index, threading.Lock())
+
 
 def new_run():
     """Called as a run starts: what an earlier run left in the CPU generator is not a race."""
@@ -43,10 +56,14 @@ def new_run():
 
 
 @contextmanager
-def exclusive():
-    """The CPU generator to the calling thread alone for the block, while workers train: for code outside any
-    task that draws from it, such as building a model that joins the run."""
-    with _CPU.lock:
+def exclusive(devices=()):
+    """The CPU generator to the calling thread alone for the block, while workers train, and each CUDA device's
+    of `devices` too (its worker waits at its next unit): for code outside any task that draws from them, such as
+    building a model that joins the run, or measuring it on a batch. Taken in the workers' order: the CPU's first."""
+    indices = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
+    with _CPU.lock, contextlib.ExitStack() as held:
+        for index in indices:
+            held.enter_context(_device_lock(index))
         try:
             yield
         finally:
@@ -77,11 +94,12 @@ class TaskRng:
         if device.type != "cuda":
             yield
             return
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
-        if save:
-            self.cuda = torch.cuda.get_rng_state(device)
+        with _device_lock(device.index or 0):
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, device)
+            yield
+            if save:
+                self.cuda = torch.cuda.get_rng_state(device)
 
     @contextmanager
     def cpu_section(self, key, start: tuple | None = None, save: bool = True):
