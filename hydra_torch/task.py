@@ -97,8 +97,12 @@ def warn_eval_mode(tasks, stacklevel: int):
     norm): it trains so, as a plain loop would, where transformers.Trainer calls model.train() first, and
     from_pretrained leaves a model in eval mode. `stacklevel`: the user's frame, counted from here."""
     for task in tasks:
-        off = {id(m): m for piece in task.pieces for m in piece.modules() if not m.training and (
-            isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd) and m.p > 0))}
+        # The model's own mode (a peft model's base's): a layer put in eval mode alone (a frozen batch norm in a
+        # model that trains) is deliberate.
+        model = task.model.get_base_model() if hasattr(task.model, "get_base_model") else task.model
+        roots = [model] if isinstance(model, nn.Module) else task.pieces
+        off = {id(m): m for root in roots if not root.training for m in root.modules() if not m.training and (
+            (isinstance(m, _BatchNorm) and m.track_running_stats) or (isinstance(m, _DropoutNd) and m.p > 0))}
         if not off:
             continue
         dropout = sum(isinstance(m, _DropoutNd) for m in off.values())
@@ -135,13 +139,14 @@ class ModelTask:
     """A model, its optimizer, loss and data.
 
     model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
-    explicit ``shards=[[m, ...], ...]`` (for a model whose layers are known, those layers in order, each at its
-    place: groups that leave one out, repeat, move or add one are refused). ``shards="auto"`` lets ht.train
+    explicit ``shards=[[m, ...], ...]`` (for an nn.Sequential or a list, its layers in order, each at its place,
+    an nn.Sequential in it opened: groups that leave one out, repeat, move or add one are refused; a Hugging Face
+    model is cut by start indices, a count or "auto"). ``shards="auto"`` lets ht.train
     measure the pieces on its device and choose balanced shards that fit its budget (see ht.plan). A module
     used at several places of the model is a layer at each, its parameters trained as one tied weight. A model
     changed after its task was built is refused by ht.train (see check_unchanged): build the task again. It
     trains in the mode it is in: one in eval mode (as from_pretrained leaves it) trains without dropout, and
-    ht.train warns (warn_eval_mode).
+    ht.train warns where it has dropout or batch-norm layers (warn_eval_mode).
     loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
@@ -215,6 +220,10 @@ class ModelTask:
         # through its step, spilled (its shards' inputs) and resident (its whole autograd graph).
         self.working_set_bytes = self.boundary_bytes = self.graph_bytes = 0
         self.piece_seconds = None  # each piece's forward + backward, once the planner has measured them
+        if adapter is not None and sharding.is_explicit(shards):  # its pieces are made here, for the task
+            raise ValueError(f"shards: a {type(model).__name__} is cut by start indices over its "
+                             f"{len(adapter.pieces)} pieces (the embeddings, each decoder layer, the final norm with "
+                             "the head), a count, or 'auto', not by groups of modules")
         groups = sharding.split(adapter.pieces if adapter else model, None if self.auto_shards else shards)
         # The ordered modules the shards were cut from: what the planner probes and its starts index.
         if adapter is not None:

@@ -213,3 +213,12 @@ def test_a_task_measured_as_it_joins_leaves_the_running_tasks_random_draws_as_th
     assert "error" not in outcomes, outcomes.get("error")
     assert [r.name for r in results] == ["running", "joiner"] and all(r.ok for r in results)
     assert results["running"].losses == alone.losses
+
+
+def test_exclusive_held_twice_by_one_thread_is_refused_not_a_hang():
+    with task_rng.exclusive():
+        with pytest.raises(RuntimeError, match="already held by this thread"):
+            with task_rng.exclusive():
+                pass
+    with task_rng.exclusive():  # let go of, whatever happened inside
+        pass

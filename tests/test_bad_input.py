@@ -242,8 +242,8 @@ def test_unavailable_device():
     (lambda L: [L[:4]], "layer 4 .* missing"),                         # the head left out
 ])
 def test_explicit_shards_that_are_not_the_models_layers_in_order_are_refused(groups, message):
-    """A model whose layers are known (an nn.Sequential, a list of modules, a Hugging Face model) runs them in
-    order: groups that leave one out, repeat, reorder or add one would train another computation."""
+    """An nn.Sequential or a list of modules runs its layers in order: groups that leave one out, repeat, reorder
+    or add one would train another computation."""
     model = tied_transformer()
     with pytest.raises(ValueError, match=message):
         ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1), shards=groups(list(model)))

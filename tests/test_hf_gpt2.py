@@ -99,6 +99,10 @@ def test_bad_gpt2_input():
     with pytest.raises(ValueError, match="tokenizer"):
         ids = torch.full((2, 8), VOCAB, dtype=torch.long)
         ht.ModelTask(model, data=[{"input_ids": ids, "labels": ids}])
+    # Its pieces (embeddings, blocks, norm with head) are made for the task: groups of its own modules would name
+    # something else.
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is cut by start indices over its \d+ pieces"):
+        ht.ModelTask(model, data=batches(1), shards=[[model.transformer.h[0]], [model.transformer.h[1]]])
 
 
 def test_unsupported_hugging_face_model():

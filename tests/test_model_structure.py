@@ -246,7 +246,34 @@ def test_a_model_in_eval_mode_trains_so_and_the_call_says_so(spilled):
     assert result.losses == pytest.approx(reference_losses, rel=1e-6)
     assert max_relative_error(model, reference) <= 1e-6
     assert not any(m.training for m in model.modules()), "the model's mode is left as it was"
-    for quiet in (with_dropout(), nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, CLASSES)).eval()):
-        with warnings.catch_warnings():  # in train mode, or with nothing whose mode changes what it computes
+    frozen_norm = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, CLASSES))
+    frozen_norm[1].eval()  # frozen on purpose in a model that trains
+    batch_statistics = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, track_running_stats=False),
+                                     nn.Linear(16, CLASSES)).eval()
+    for quiet in (with_dropout(), nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, CLASSES)).eval(),
+                  frozen_norm, batch_statistics):
+        # In train mode, with nothing whose mode changes what it computes, or a layer in eval mode on purpose.
+        with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*eval mode.*")
             assert train_hydra(quiet, data, ours(), 2**26)[0].ok
+
+
+def test_explicit_groups_may_cut_inside_a_nested_sequential():
+    """A plain nn.Sequential in the model runs its layers one after another: groups may cut between them, or hold
+    the whole model, and train as plain PyTorch does."""
+    def nested(seed=0):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.Tanh()),
+                             nn.Linear(16, CLASSES))
+    ours, theirs = OPTIMIZERS["adamw"]
+    data = batches(3)
+    reference = nested()
+    reference_losses = train_plain(reference, data, theirs, seed=SEED)
+    for cut in (lambda m: [[m[0], m[1][0]], [m[1][1], m[1][2], m[2]]], lambda m: [[m]]):
+        model = nested()
+        result = train_hydra(model, data, ours(), 2**26, shards=cut(model))[0]
+        assert result.losses == pytest.approx(reference_losses, rel=1e-6)
+        assert max_relative_error(model, reference) <= 1e-6
+    model = nested()
+    with pytest.raises(ValueError, match=r"layer 2 \(Linear\) is missing"):
+        ht.ModelTask(model, loss_fn=lm_loss, data=data, shards=[[model[0], model[1][0]], [model[2]]])

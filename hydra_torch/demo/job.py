@@ -78,7 +78,7 @@ def make_model(width, args, vocab_size, seed):
 
     if args.pretrained:
         try:
-            return causal_lm_loss_named(GPT2LMHeadModel.from_pretrained("gpt2"))
+            return causal_lm_loss_named(GPT2LMHeadModel.from_pretrained("gpt2").train())  # left in eval mode
         except OSError as error:
             raise SystemExit(f"--pretrained needs the Hugging Face hub or its cache, which is not reachable: {error}")
     model = architectures.build(args.arch, vocab_size, width, args.layers, args.heads, args.seq, seed=seed)

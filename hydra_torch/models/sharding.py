@@ -75,30 +75,40 @@ def starts_in(groups: list[list[nn.Module]], pieces: list[nn.Module]) -> list[in
     return starts if same else None
 
 
+def _leaves(modules) -> list[nn.Module]:
+    """`modules` with every plain nn.Sequential (no forward of its own) replaced by its layers, recursively: what
+    runs, one layer after another."""
+    out = []
+    for module in modules:
+        out += _leaves(list(module)) if type(module) is nn.Sequential else [module]
+    return out
+
+
 def _out_of_order(groups: list[list[nn.Module]], pieces: list[nn.Module]) -> str | None:
-    """What keeps `groups` from being `pieces` in order (None where they are): the first place that differs."""
-    flat = [module for group in groups for module in group]
+    """What keeps `groups` from running `pieces` in order (None where they do): the first place that differs,
+    plain nn.Sequential containers opened on both sides."""
+    flat = _leaves(module for group in groups for module in group)
+    layers = _leaves(pieces)
 
-    def layer(module) -> str:
-        index = next(i for i, piece in enumerate(pieces) if piece is module)
-        return f"layer {index} ({type(module).__name__})"
+    def layer(index: int) -> str:
+        return f"layer {index} ({type(layers[index]).__name__})"
 
-    for place in range(max(len(flat), len(pieces))):
-        if place < len(flat) and place < len(pieces) and flat[place] is pieces[place]:
+    for place in range(max(len(flat), len(layers))):
+        if place < len(flat) and place < len(layers) and flat[place] is layers[place]:
             continue
         if place >= len(flat):
-            return f"{layer(pieces[place])} is missing"
+            return f"{layer(place)} is missing"
         module = flat[place]
-        if not any(piece is module for piece in pieces):
+        at = [i for i, m in enumerate(layers) if m is module]  # a module the model runs at several places
+        if not at:
             return f"place {place} holds a {type(module).__name__} that is not one of its layers"
-        # A module the model runs at several places is listed that many times.
-        listed = sum(m is module for m in flat[:place + 1])
-        if listed > sum(piece is module for piece in pieces):
-            return f"{layer(module)} is there twice"
-        if place < len(pieces) and not any(m is pieces[place] for m in flat):
-            return f"{layer(pieces[place])} is missing"
-        return f"{layer(module)} is at place {place}" + (
-            f", where {layer(pieces[place])} belongs" if place < len(pieces) else "")
+        listed = sum(m is module for m in flat[:place])
+        if listed >= len(at):
+            return f"{layer(at[-1])} is there twice"
+        if place < len(layers) and not any(m is layers[place] for m in flat):
+            return f"{layer(place)} is missing"
+        return f"{layer(at[listed])} is at place {place}" + (
+            f", where {layer(place)} belongs" if place < len(layers) else "")
     return None
 
 
@@ -122,9 +132,10 @@ def split(model, shards=None) -> list[list[nn.Module]]:
             pieces = model_pieces(model)
             wrong = _out_of_order(groups, pieces)
             if wrong:
-                raise ValueError(f"shards: the groups must hold the model's {len(pieces)} layers in order, each "
-                                 f"at its place, as its forward runs them: {wrong}; to cut the layers, give start "
-                                 f"indices (e.g. [0, {len(pieces) // 2}])")
+                raise ValueError(f"shards: the groups must hold the model's {len(_leaves(pieces))} layers in order "
+                                 f"(those of an nn.Sequential in it too), each at its place, as its forward runs "
+                                 f"them: {wrong}; to cut its top-level layers, give start indices (e.g. "
+                                 f"[0, {len(pieces) // 2}])")
         return groups
     pieces = model_pieces(model)
     if shards is None:

@@ -46,7 +46,7 @@ class Arrivals:
         """Adds a ModelTask to the running call; returns once every device can run it. Raises ValueError or
         TypeError for a task that cannot join (nothing changes then), RunClosedError once the run is closing.
         Build the task's model inside `hydra_torch.state.task_rng.exclusive()`: model construction draws from the CPU
-        generator, which the workers share."""
+        generator, which the workers share; call add outside it (add takes it itself to measure the task)."""
         self._attached.wait()
         run = self._run  # read once: the run lets go of this handle as it ends
         if run is None:
@@ -114,7 +114,7 @@ class OpenRun:
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             task.check_unchanged()
-            warn_eval_mode([task], stacklevel=2)
+            warn_eval_mode([task], stacklevel=3)  # Arrivals.add's caller
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
             # Measured on a batch while the workers train: their random draws must not see the measurement's.

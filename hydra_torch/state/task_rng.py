@@ -30,6 +30,7 @@ class _CpuGenerator:
         self.lock = threading.Lock()
         self.left = None            # the state the last section holding the lock left behind
         self.always_lock = False
+        self.exclusive_to = None    # the thread inside exclusive(), if any
 
     def reset(self):
         with self.lock:
@@ -60,13 +61,18 @@ def exclusive(devices=()):
     """The CPU generator to the calling thread alone for the block, while workers train, and each CUDA device's
     of `devices` too (its worker waits at its next unit): for code outside any task that draws from them, such as
     building a model that joins the run, or measuring it on a batch. Taken in the workers' order: the CPU's first."""
+    if _CPU.exclusive_to == threading.get_ident():  # the lock is not reentrant: this would wait for itself
+        raise RuntimeError("task_rng.exclusive() is already held by this thread: build the model inside it, and "
+                           "call Arrivals.add (which takes it to measure the task) outside it")
     indices = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
     with _CPU.lock, contextlib.ExitStack() as held:
         for index in indices:
             held.enter_context(_device_lock(index))
+        _CPU.exclusive_to = threading.get_ident()
         try:
             yield
         finally:
+            _CPU.exclusive_to = None
             _CPU.left = torch.get_rng_state()
 
 
