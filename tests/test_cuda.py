@@ -11,10 +11,11 @@ from placed_training import SEED
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def budget_of(fraction, task):
-    """A budget whose arena is `fraction` times the task's fp32 weights, beside what ht.train keeps on the GPU for
-    one unit's working set and one micro-batch's saved inputs (measured there)."""
-    return int(fraction * model_bytes(task.model)) + measuring.kept_beside_arena([task], device="cuda:0")
+def budget_of(fraction, task, device="cuda:0"):
+    """A budget whose arena is `fraction` times the task's fp32 weights, beside what ht.train keeps on the device
+    for one unit's working set and one micro-batch's saved inputs (measured there). Checked on the CPU by
+    test_hand_cut_budget, where no GPU runs this file."""
+    return int(fraction * model_bytes(task.model)) + measuring.kept_beside_arena([task], device=device)
 
 
 def cuda_batches(count):

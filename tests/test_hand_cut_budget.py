@@ -2,9 +2,11 @@
 here a CPU device on an emulated link) is measured as the call starts, as the planner measures a task it cuts: the
 budget keeps its working set and a micro-batch's saved inputs beside the arena, and it is resident only where its
 autograd graph fits beside its state. A CPU device's activations are the host's memory: nothing is kept there."""
+import pytest
 import torch
 
 import hydra_torch as ht
+import test_cuda
 from hydra_torch import testing
 from hydra_torch.run import measuring
 from models import OneShot, lm_loss, model_bytes, tied_transformer, token_batches
@@ -101,3 +103,19 @@ def test_measuring_for_memory_alone_runs_each_piece_twice_and_finds_what_the_tim
         assert sorted(calls) == sorted(list(range(len(task.pieces))) * (4 if time_units else 2))
         assert (task.piece_seconds is not None) == time_units
     assert figures[False] == figures[True] and figures[False][0] > 0
+
+
+@pytest.mark.parametrize("fraction, precision", [(0.4, "fp32"), (0.5, "fp32"), (0.4, "bf16")])
+def test_the_cuda_tests_budgets_leave_the_arena_they_name(fraction, precision):
+    """tests/test_cuda.py sizes its budgets as `fraction` of the weights beside what ht.train keeps (budget_of): on
+    a device whose memory is its own (this emulated link takes a GPU's branch) they train spilled, where the
+    fraction alone would leave no arena. Run here, so that those budgets cannot drift where no GPU runs them."""
+    def task():
+        return ht.ModelTask(tied_transformer(dropout=0.0), loss_fn=lm_loss, data=token_batches(2), precision=precision)
+    with testing.emulated_link(1e10):
+        with pytest.raises(ValueError, match="memory budget"):
+            ht.train([task()], devices="cpu", memory_budget=int(fraction * model_bytes(task().model)), progress=False)
+        measured = task()
+        result = ht.train([measured], devices="cpu", memory_budget=test_cuda.budget_of(fraction, measured, "cpu"),
+                          progress=False)[0]
+    assert result.ok and not result.resident, result.error
