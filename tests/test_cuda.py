@@ -4,18 +4,16 @@ import torch
 
 import hydra_torch as ht
 import placed_training
-from hydra_torch.run import measuring
 from models import lm_loss, max_relative_error, model_bytes, tied_transformer, token_batches, train_plain
 from placed_training import SEED
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def budget_of(fraction, task, device="cuda:0"):
-    """A budget whose arena is `fraction` times the task's fp32 weights, beside what ht.train keeps on the device
-    for one unit's working set and one micro-batch's saved inputs (measured there). Checked on the CPU by
-    test_hand_cut_budget, where no GPU runs this file."""
-    return int(fraction * model_bytes(task.model)) + measuring.kept_beside_arena([task], device=device)
+def budget_of(fraction, task):
+    """placed_training.budget_of on the GPU (checked on the CPU by test_hand_cut_budget, where no GPU runs this
+    file)."""
+    return placed_training.budget_of(fraction, task, "cuda:0")
 
 
 def cuda_batches(count):

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from hydra_torch.run import measuring
+import placed_training
 from hydra_torch.run.devices import expandable_segments
-from models import lm_loss, model_bytes, tied_transformer, token_batches
+from models import lm_loss, tied_transformer, token_batches
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -48,7 +48,7 @@ def test_after_a_cuda_run_new_segments_are_expandable(monkeypatch):
         monkeypatch.delenv(variable, raising=False)
     model = tied_transformer()
     task = ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(2))
-    budget = int(0.5 * model_bytes(model)) + measuring.kept_beside_arena([task], device="cuda:0")
+    budget = placed_training.budget_of(0.5, task, "cuda:0")
     assert ht.train([task], devices="cuda:0", memory_budget=budget, progress=False)[0].error is None
     torch.cuda.empty_cache()  # no segment cached by an earlier test may serve the block below
     block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")  # a new segment, made after the run's

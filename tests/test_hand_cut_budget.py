@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-import test_cuda
+import placed_training
 from hydra_torch import testing
 from hydra_torch.run import measuring
 from models import OneShot, lm_loss, model_bytes, tied_transformer, token_batches
@@ -107,15 +107,16 @@ def test_measuring_for_memory_alone_runs_each_piece_twice_and_finds_what_the_tim
 
 @pytest.mark.parametrize("fraction, precision", [(0.4, "fp32"), (0.5, "fp32"), (0.4, "bf16")])
 def test_the_cuda_tests_budgets_leave_the_arena_they_name(fraction, precision):
-    """tests/test_cuda.py sizes its budgets as `fraction` of the weights beside what ht.train keeps (budget_of): on
-    a device whose memory is its own (this emulated link takes a GPU's branch) they train spilled, where the
-    fraction alone would leave no arena. Run here, so that those budgets cannot drift where no GPU runs them."""
+    """tests/test_cuda.py sizes its budgets as `fraction` of the weights beside what ht.train keeps
+    (placed_training.budget_of, on cuda:0): on a device whose memory is its own (this emulated link takes a GPU's
+    branch) they train spilled, where the fraction alone would leave no arena. Run here, so that those budgets
+    cannot drift where no GPU runs them."""
     def task():
         return ht.ModelTask(tied_transformer(dropout=0.0), loss_fn=lm_loss, data=token_batches(2), precision=precision)
     with testing.emulated_link(1e10):
         with pytest.raises(ValueError, match="memory budget"):
             ht.train([task()], devices="cpu", memory_budget=int(fraction * model_bytes(task().model)), progress=False)
         measured = task()
-        result = ht.train([measured], devices="cpu", memory_budget=test_cuda.budget_of(fraction, measured, "cpu"),
+        result = ht.train([measured], devices="cpu", memory_budget=placed_training.budget_of(fraction, measured),
                           progress=False)[0]
     assert result.ok and not result.resident, result.error
