@@ -27,10 +27,10 @@ cached, as P2's budget on the GPU box does: the engine then grants "auto" its re
 models (bf16 keeps the models themselves spilled, which fp32 weights cached whole would not). With `--devices N` the
 models train on N virtual CPU devices, each with its own emulated link and a share of the cores: the bound then
 counts the compute spread evenly over them, the busiest device's link, and the one host lane; "compute s" is a
-device's share, "copies in s" all devices' together. With `--head-blocks K` the last shard holds the last K blocks
-besides the tied head, and with `--resident-room first` the budget holds the first shard's home instead of both
-ends': the engine's rule then keeps no end resident, and the "owner" placement ("auto" with the lane model's choice
-replaced by the first shard resident alone) keeps the embedding resident, its head spilled.
+device's share, "copies in s" and "copies out s" all devices' together. With `--head-blocks K` the last shard holds
+the last K blocks besides the tied head, and with `--resident-room first` the budget holds the first shard's home
+instead of both ends': the engine's rule then keeps no end resident, and the "owner" placement ("auto" with the lane
+model's choice replaced by the first shard resident alone) keeps the embedding resident, its head spilled.
 
     python benchmarks/bench_link_bound.py [--models 1] [--ratios 0.25 1 2 4] [--ahead 1] [--far] [--commit 4]
                                           [--rounds 3] [--by-unit] [--clip MAX_NORM]
@@ -230,7 +230,6 @@ def main():
             # Fixed after the first round, so that every round copies at the same pace.
             bandwidth.setdefault(ratio, block_bytes / (ratio * forward))
             results = train(args, data, budget, bandwidth[ratio], placement)
-            stats = results.stats[0]
             # Each device's link is its own; the host's memory is one lane for them all.
             host_bytes = sum(s["host_step_bytes"] for s in results.stats)
             host_lane = host_bytes / (args.host_speed * bandwidth[ratio]) if args.host_speed else 0.0
@@ -248,7 +247,8 @@ def main():
             rows[ratio, placement].append((took / bound, waits[0] / took, waits[1] / took, compute,
                                            sum(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
                                            took, float("nan") if placed_again(results) else forecast["span"] / took,
-                                           took / lanes))
+                                           took / lanes,
+                                           sum(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio]))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
     host = f"at {args.host_speed:g}x the link" if args.host_speed else "unpaced"
@@ -260,19 +260,20 @@ def main():
           f"medians of {args.rounds} interleaved rounds")
     for placement, got in placements.items():
         print(f"placement {placement!r}: " + "; ".join(got))
-    print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | span s | span / lanes | "
-          "span / bound | span / host's | waiting for weights | waiting for gradient room |" +
+    print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | copies out s | span s | "
+          "span / lanes | span / bound | span / host's | waiting for weights | waiting for gradient room |" +
           (" forecast / span |" if args.forecast else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
     for (ratio, placement), measured in rows.items():
-        med = [statistics.median(r[i] for r in measured) for i in range(8)]
+        med = [statistics.median(r[i] for r in measured) for i in range(9)]
         if any(math.isnan(r[6]) for r in measured):
             med[6] = float("nan")  # a round placed a task again mid-run
         host = rows.get((ratio, "host"))
         # Per round, then the median: the rounds interleave, so each ratio compares runs made side by side.
         versus = (statistics.median(r[5] / h[5] for r, h in zip(measured, host)) if host else float("nan"))
-        print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[5]:.2f} | "
-              f"{med[7]:.2f} | {med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | {100 * med[2]:.0f}% |" +
+        print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[8]:.2f} | "
+              f"{med[5]:.2f} | {med[7]:.2f} | {med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | "
+              f"{100 * med[2]:.0f}% |" +
               ((" re-placed mid-run |" if math.isnan(med[6]) else f" {med[6]:.2f} |") if args.forecast else ""))
     if args.by_unit:
         print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "
