@@ -198,6 +198,7 @@ def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placeme
     check_own_models(tasks)
     for task in tasks:
         task.check_unchanged()
+        task.check_trains_something()
     frozen_base.check(tasks)
     warn_eval_mode(tasks, stacklevel=3)
     if selection is not None:

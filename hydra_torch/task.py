@@ -318,6 +318,14 @@ class ModelTask:
             raise ValueError(f"task {self.name!r}: the model changed after its ModelTask was built ({change}), and "
                              "the task would train it as it was: build the ModelTask again from the model as it is")
 
+    def check_trains_something(self):
+        """Raises ValueError, touching nothing, when none of the model's parameters requires a gradient (a model
+        frozen whole, say by requires_grad_(False) meant for its base alone): its steps would change nothing, where
+        torch.optim refuses an empty parameter list and a plain loop's backward fails."""
+        if not any(p.requires_grad for shard in self.shard_params for p in shard):
+            raise ValueError(f"task {self.name!r} has nothing to train: every parameter of its model has "
+                             "requires_grad=False. Unfreeze the layers it should train (requires_grad_(True))")
+
     def _layout(self) -> tuple[dict[str, tuple], dict[str, tuple]]:
         """The model's modules by name (a reused one under each of its names), and the pieces' parameters by name
         with their shape, dtype and device: what check_unchanged compares."""

@@ -44,6 +44,12 @@ class NanAfter:
         return loss * float("nan") if self.seen >= self.calls else loss
 
 
+def make_frozen_task(name: str, seed: int):
+    task = make_task(name, seed)
+    task.model.requires_grad_(False)
+    return task
+
+
 def make_failing_task(name: str, seed: int):
     task = make_task(name, seed)
     task.loss_fn = NanAfter(3)

@@ -125,22 +125,28 @@ def test_an_on_ended_that_raises_is_a_warning_and_the_run_goes_on(error):
     assert all(p.device.type == "cpu" and p.grad is None for p in a.model.parameters())  # weights are home
 
 
-def test_a_task_whose_model_changed_after_it_was_built_is_refused_on_arrival():
-    from torch import nn
-    changed, outcome = task("changed", seed=1), {}
-    changed.model[1] = nn.Identity()  # after the task recorded its layers
+def refused_on_arrival(joiner) -> str:
+    """Why `joiner`, added as a first task ends, was refused (ValueError); the run trained the first task alone."""
+    outcome = {}
 
     def on_ended(result):
         try:
-            arrivals.add(changed)
+            arrivals.add(joiner)
         except ValueError as error:
             outcome["refused"] = str(error)
         finally:
             arrivals.close()
     arrivals = Arrivals(on_ended=on_ended)
     results = train_or_hang([task("first")], arrivals, ["cpu"])
-    assert "the model changed after its ModelTask was built" in outcome["refused"]
     assert [r.name for r in results] == ["first"]
+    return outcome["refused"]
+
+
+def test_a_task_whose_model_changed_after_it_was_built_is_refused_on_arrival():
+    from torch import nn
+    changed = task("changed", seed=1)
+    changed.model[1] = nn.Identity()  # after the task recorded its layers
+    assert "the model changed after its ModelTask was built" in refused_on_arrival(changed)
 
 
 def planned(name, batch, seed=0, shards="auto"):
@@ -222,3 +228,9 @@ def test_exclusive_held_twice_by_one_thread_is_refused_not_a_hang():
                 pass
     with task_rng.exclusive():  # let go of, whatever happened inside
         pass
+
+
+def test_a_task_with_nothing_to_train_is_refused_on_arrival():
+    frozen = task("frozen", seed=1)
+    frozen.model.requires_grad_(False)
+    assert "task 'frozen' has nothing to train" in refused_on_arrival(frozen)

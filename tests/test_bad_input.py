@@ -348,3 +348,24 @@ def test_a_second_concurrent_call_in_one_process_is_refused():
     assert outcome["results"]["first"].cut_short
     # Once the first call has returned, the next one runs.
     assert ht.train([second], devices="cpu", progress=False)["second"].steps == 1
+
+
+def test_a_model_frozen_whole_is_refused_before_any_task_trains():
+    # torch.optim refuses an empty parameter list and a plain loop's backward fails; a task that steps nothing
+    # would spend its run changing nothing.
+    frozen, other = tied_transformer(seed=0).requires_grad_(False), tied_transformer(seed=1)
+    before, other_before = snapshot(frozen), snapshot(other)
+    tasks = [ht.ModelTask(other, loss_fn=lm_loss, data=token_batches(2), name="trains"),
+             ht.ModelTask(frozen, loss_fn=lm_loss, data=token_batches(2), name="frozen")]
+    with pytest.raises(ValueError, match="task 'frozen' has nothing to train: every parameter of its model has "
+                                         r"requires_grad=False"):
+        ht.train(tasks, devices="cpu", progress=False)
+    assert unchanged(frozen, before) and unchanged(other, other_before)
+    # Frozen after the task was built counts too, and unfreezing one layer is enough.
+    thawed = tied_transformer(seed=2)
+    task = ht.ModelTask(thawed, loss_fn=lm_loss, data=token_batches(2), name="thawed")
+    thawed.requires_grad_(False)
+    with pytest.raises(ValueError, match="task 'thawed' has nothing to train"):
+        ht.train([task], devices="cpu", progress=False)
+    thawed[-2].requires_grad_(True)  # the final norm
+    assert ht.train([task], devices="cpu", progress=False)[0].error is None

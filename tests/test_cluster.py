@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
-from cluster_tasks import BuildsOnce, make_failing_task, make_task
+from cluster_tasks import BuildsOnce, make_failing_task, make_frozen_task, make_task
 from hydra_torch.cluster import placement
 
 ray = pytest.importorskip("ray", reason="Ray is an optional dependency: pip install 'hydra-torch[ray]'")
@@ -174,4 +174,6 @@ def test_bad_input_is_refused_before_the_cluster_is_touched(tmp_path):
         hydra_cluster.train([functools.partial(make_task, "a", 0)], checkpoint_dir=tmp_path, max_retries=-1)
     with pytest.raises(ValueError, match="failed on the driver"):
         hydra_cluster.train([functools.partial(make_task, "a", "not a seed")], checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="task 'a' has nothing to train"):
+        hydra_cluster.train([functools.partial(make_frozen_task, "a", 0)], checkpoint_dir=tmp_path)
     assert not ray.is_initialized()

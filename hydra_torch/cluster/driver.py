@@ -106,6 +106,7 @@ def _build(factory, index) -> ModelTask:
                          f"{type(error).__name__}: {error}") from error
     if not isinstance(task, ModelTask):
         raise TypeError(f"task factory {index} returned a {type(task).__name__}, not a ModelTask")
+    task.check_trains_something()  # a node's ht.train would refuse it, and with it the node's other tasks
     return task
 
 

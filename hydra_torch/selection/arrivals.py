@@ -114,6 +114,7 @@ class OpenRun:
                 raise ValueError(f"a task named {task.name!r} is already in the run: task names must be unique")
             check_own_models([r.task for r in self.runners if r.result is None] + [task])  # ended ones let go
             task.check_unchanged()
+            task.check_trains_something()
             warn_eval_mode([task], stacklevel=3)  # Arrivals.add's caller
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
