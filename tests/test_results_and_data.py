@@ -45,6 +45,13 @@ def test_best_skips_a_loss_that_is_not_finite_and_is_none_when_no_loss_is():
     assert best_of(result("a", NAN), result("b", NAN)) is None
 
 
+def test_a_name_not_in_the_results_is_a_key_error_that_names_the_tasks():
+    results = ht.Results([result("lr1e-4"), result("lr3e-4")], ["cpu"])
+    assert results["lr3e-4"].name == "lr3e-4" and results[0].name == "lr1e-4"
+    with pytest.raises(KeyError, match=r"no task named 'lr3e-3' in these results: 'lr1e-4', 'lr3e-4'"):
+        results["lr3e-3"]
+
+
 def test_the_summary_says_when_the_best_did_not_finish():
     cut = result("cut", 0.25, steps=3, cut_short="Ctrl-C")
     assert "best: cut (final loss 0.2500; cut short at step 3 of 4)" in summary_lines(cut)

@@ -188,7 +188,8 @@ class Results:
             for task in self.tasks:
                 if task.name == key:
                     return task
-            raise KeyError(key)
+            raise KeyError(f"no task named {key!r} in these results: "
+                           + ", ".join(repr(task.name) for task in self.tasks))
         return self.tasks[key]
 
     @property
