@@ -120,6 +120,7 @@ class _Driver:
                     task = self.build_task(trial)
                 if not isinstance(task, ModelTask):
                     raise TypeError(f"build_task must return a ModelTask, got {type(task).__name__}")
+                task.check_trains_something()  # else ht.train would refuse it with the first trials, ending them all
                 if task.name in self.trials:
                     raise ValueError(f"task name {task.name!r} is taken by another trial: name tasks after "
                                      "trial.number")

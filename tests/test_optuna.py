@@ -91,13 +91,16 @@ def test_a_task_that_cannot_be_built_or_fails_is_told_fail_and_the_others_go_on(
         task = build(trial)
         if trial.number == 2:
             task.loss_fn = lambda out, batch: torch.tensor(float("nan"))
+        if trial.number == 0:
+            task.model.requires_grad_(False)  # nothing to train: refused as it is built, its trial alone
         return task
 
     study = optuna.create_study()
     with pytest.warns(RuntimeWarning, match="trial 1 failed: its task could not be built"):
-        results = optimize(study, flaky, n_trials=5, concurrent=2, devices="cpu")
+        with pytest.warns(RuntimeWarning, match="trial 0 failed: its task could not be built: .*nothing to train"):
+            results = optimize(study, flaky, n_trials=6, concurrent=2, devices="cpu")
     states = [t.state for t in study.trials]
-    assert states[1] == states[2] == optuna.trial.TrialState.FAIL
+    assert states[0] == states[1] == states[2] == optuna.trial.TrialState.FAIL
     assert sum(s == optuna.trial.TrialState.COMPLETE for s in states) == 3
     assert results["trial2"].error is not None and len(results) == 4
 
