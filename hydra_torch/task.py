@@ -138,7 +138,8 @@ def _described(shape, dtype, device) -> str:
 class ModelTask:
     """A model, its optimizer, loss and data.
 
-    model: a Hugging Face GPT2LMHeadModel as it is, an nn.Sequential, a list of modules, or any module with
+    model: a Hugging Face decoder-only causal LM as it is (GPT-2, Llama, Mistral, Qwen, Phi, Gemma, ..., or a peft
+    LoRA model of one), an nn.Sequential, a list of modules, or any module with
     explicit ``shards=[[m, ...], ...]`` (for an nn.Sequential or a list, its layers in order, each at its place,
     an nn.Sequential in it opened: groups that leave one out, repeat, move or add one are refused; a Hugging Face
     model is cut by start indices, a count or "auto"). ``shards="auto"`` lets ht.train
@@ -146,7 +147,8 @@ class ModelTask:
     used at several places of the model is a layer at each, its parameters trained as one tied weight. A model
     changed after its task was built is refused by ht.train (see check_unchanged): build the task again. It
     trains in the mode it is in: one in eval mode (as from_pretrained leaves it) trains without dropout, and
-    ht.train warns where it has dropout or batch-norm layers (warn_eval_mode).
+    ht.train warns where it has dropout or batch-norm layers (warn_eval_mode). A torch.compile, DataParallel or
+    DistributedDataParallel wrapper is refused: pass the module it wraps (the model runs shard by shard).
     loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard

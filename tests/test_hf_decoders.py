@@ -161,6 +161,21 @@ def test_encoder_decoder_and_encoder_only_models_are_refused():
         ht.ModelTask(bert, data=padded_batches(1))
 
 
+@pytest.mark.parametrize("wrap, inner", [(torch.compile, "_orig_mod"), (torch.nn.DataParallel, "module")])
+@pytest.mark.parametrize("kind", ["llama", "sequential"])
+def test_a_wrapped_model_is_refused_naming_the_module_to_pass(wrap, inner, kind):
+    # Before, a compiled Llama was called "not a causal language model" and a DataParallel one was asked for a
+    # loss_fn; the wrapped module trains as it is.
+    model = tiny("llama") if kind == "llama" else torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    loss_fn = None if kind == "llama" else (lambda output, batch: output.sum())
+    data = padded_batches(1) if kind == "llama" else [torch.ones(2, 4)]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=rf"is a {type(wrap(model)).__name__}, .*\(model\.{inner}\)"):
+        ht.ModelTask(wrap(model), data=data, loss_fn=loss_fn)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    ht.ModelTask(getattr(wrap(model), inner), data=data, loss_fn=loss_fn)
+
+
 def test_a_decoder_with_parts_the_adapter_does_not_know_is_refused_by_name():
     model = tiny("llama")
     model.model.extra_gate = torch.nn.Linear(WIDTH, WIDTH)

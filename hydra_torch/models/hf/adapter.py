@@ -26,7 +26,8 @@ class Adapter:
 def adapt(model) -> Adapter | None:
     """The adapter for a Hugging Face causal LM (or a peft model wrapping one), None for models hydra-torch shards
     directly (Sequential, lists). Raises TypeError, naming what is missing, for a Hugging Face model it cannot
-    shard (an encoder-decoder or encoder-only model, parts it does not know)."""
+    shard (an encoder-decoder or encoder-only model, parts it does not know), or a wrapper of the model."""
+    refuse_wrapper(model)
     if is_peft_model(model):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(f"the peft model {type(model).__name__} has no trainable parameters: every adapter is "
@@ -58,6 +59,25 @@ def adapt(model) -> Adapter | None:
     if getattr(model.config, "model_type", None) not in decoder.TESTED:
         decoder.check_against_model(model, built.pieces)
     return built
+
+
+def refuse_wrapper(model) -> None:
+    """Raises TypeError, naming the module to pass instead, for a module that only wraps the model: torch.compile's
+    (its `_orig_mod`), DataParallel's or a DistributedDataParallel's (its `module`). hydra-torch runs a model shard by
+    shard on the devices it places it on: the wrapper's forward, a whole-model graph or replicas, would never run.
+    The wrapper shares the module's parameters, so the module trained is the one the wrapper holds."""
+    if not isinstance(model, nn.Module):
+        return
+    name = type(model).__name__
+    if name == "OptimizedModule" and isinstance(model._modules.get("_orig_mod"), nn.Module):
+        wrapped, why = "_orig_mod", "torch.compile's wrapper: hydra-torch runs the model shard by shard, not whole"
+    elif name in ("DataParallel", "DistributedDataParallel", "FullyShardedDataParallel") \
+            and isinstance(model._modules.get("module"), nn.Module):
+        wrapped, why = "module", "a wrapper that replicates it: hydra-torch places the model's shards itself"
+    else:
+        return
+    raise TypeError(f"the model is a {name}, {why}; pass the module it wraps (model.{wrapped}), whose parameters the "
+                    "wrapper shares")
 
 
 def is_peft_model(model) -> bool:
