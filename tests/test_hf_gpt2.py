@@ -75,6 +75,33 @@ def test_spilled_gpt2_matches_plain_training(kind):
     assert model.lm_head.weight is model.transformer.wte.weight, "wte and lm_head are still tied"
 
 
+@pytest.mark.parametrize("spilled", [True, False])
+def test_token_type_ids_train_as_gpt2_adds_them(spilled):
+    # GPT2Model adds wte(token_type_ids) to the embeddings (a tokenizer asked for them returns zeros): they were
+    # ignored, and the losses differed from plain PyTorch's from the first step.
+    data = [dict(batch, token_type_ids=torch.randint(0, 3, batch["input_ids"].shape, generator=torch.Generator()
+                                                     .manual_seed(i))) for i, batch in enumerate(batches(4))]
+    reference = tiny_gpt2()
+    train_reference(reference, data, lambda ps: torch.optim.AdamW(ps, lr=1e-3), seed=7)
+    model = tiny_gpt2()
+    torch.manual_seed(7)
+    budget = int(0.6 * weight_bytes(model)) if spilled else "1GiB"
+    result = ht.train([ht.ModelTask(model, data=data, optimizer=ht.optim.AdamW(lr=1e-3))], devices="cpu",
+                      memory_budget=budget, progress=False)[0]
+    assert result.error is None and result.resident == (not spilled)
+    errors = relative_errors(model, reference, skip_key_bias=True)
+    assert max(errors.values()) <= 1e-5, {k: v for k, v in errors.items() if v > 1e-5}
+
+
+@pytest.mark.parametrize("types, match", [(torch.zeros(2, 7, dtype=torch.long), "input_ids' shape"),
+                                          (torch.zeros(2, 8), "integer tensor"),
+                                          (torch.full((2, 8), VOCAB, dtype=torch.long), r"\[0, 96\)")])
+def test_token_type_ids_gpt2_cannot_embed_are_refused(types, match):
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=match):
+        ht.ModelTask(tiny_gpt2(), data=[{"input_ids": ids, "labels": ids, "token_type_ids": types}])
+
+
 def test_trained_model_generates_and_saves(tmp_path):
     model = tiny_gpt2(dropout=0.0)
     result = ht.train([ht.ModelTask(model, data=batches(3))], devices="cpu", memory_budget="1GiB",

@@ -5,9 +5,12 @@ between `wte` and `lm_head` stays a tie (the engine stores the shared weight onc
 Between pieces travels (hidden_states, Carried(causal_mask), position_ids): the mask comes from the model's own
 `create_causal_mask`, so padding in `attention_mask` and the attention implementation behave as in HF, and
 takes no gradient at the shard boundaries (a float mask of eager attention would otherwise get one per block).
+A batch's `token_type_ids` are embedded by `wte` and added as GPT2Model adds them (the other decoders' forwards take
+none).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hydra_torch.models.carried import Carried
@@ -27,7 +30,7 @@ class Embeddings(nn.Module):
         self.config = model.config
 
     def forward(self, inputs):
-        input_ids, attention_mask, position_ids = inputs
+        input_ids, attention_mask, position_ids, token_type_ids = inputs
         if input_ids.shape[-1] > self.config.n_positions:
             raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds the model's "
                              f"n_positions={self.config.n_positions}")
@@ -35,7 +38,33 @@ class Embeddings(nn.Module):
         position_ids, mask = causal_lm.positions_and_mask(self.config, input_ids, embeds, attention_mask,
                                                                  position_ids)
         hidden = embeds + self.wpe(position_ids)
+        if token_type_ids is not None:  # in GPT2Model's order: after the positions, before the dropout
+            hidden = hidden + self.wte(token_type_ids)
         return self.drop(hidden), Carried(mask), position_ids
+
+
+def inputs(batch):
+    return (*causal_lm.inputs(batch), batch.get("token_type_ids"))
+
+
+def batch_checker(config):
+    """causal_lm's checks, and token_type_ids of input_ids' shape, each an id of the vocabulary (wte embeds them)."""
+    check_causal_lm = causal_lm.batch_checker(config.vocab_size, config.n_positions)
+
+    def check_batch(batch):
+        check_causal_lm(batch)
+        types, ids = batch.get("token_type_ids"), batch["input_ids"]
+        if types is None:
+            return
+        if not isinstance(types, torch.Tensor) or types.shape != ids.shape or types.dtype not in (torch.int64,
+                                                                                                   torch.int32):
+            raise ValueError(f"token_type_ids must be an integer tensor of input_ids' shape {tuple(ids.shape)}, got "
+                             f"{tuple(getattr(types, 'shape', ()))} {getattr(types, 'dtype', type(types).__name__)}")
+        if types.numel() and (int(types.max()) >= config.vocab_size or int(types.min()) < 0):
+            raise ValueError(f"token_type_ids must lie in [0, {config.vocab_size}) (GPT-2 embeds them as tokens); "
+                             f"found [{int(types.min())}, {int(types.max())}]")
+
+    return check_batch
 
 
 class Block(nn.Module):
@@ -57,7 +86,6 @@ def adapter(model):
 
     pieces = [Embeddings(model), *[Block(b) for b in model.transformer.h],
               causal_lm.LMHead(model.transformer.ln_f, model.lm_head)]
-    return Adapter(pieces, causal_lm.inputs, causal_lm.causal_lm_loss,
-                   causal_lm.batch_checker(config.vocab_size, config.n_positions),
+    return Adapter(pieces, inputs, causal_lm.causal_lm_loss, batch_checker(config),
                    f"GPT-2: embeddings, {len(model.transformer.h)} blocks, final norm + LM head",
                    fuse_head=pieces[-1].fuse)
