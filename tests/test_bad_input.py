@@ -105,7 +105,7 @@ def test_unknown_precision_and_optimizer_arguments():
         ht.optim.Adam(betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="Nesterov"):
         ht.optim.SGD(nesterov=True)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"AdamW\(amsgrad=True\) is not supported"):
         ht.optim.AdamW(amsgrad=True)
     with pytest.raises(TypeError, match="hydra_torch.optim"):
         ht.ModelTask(model, loss_fn=lm_loss, data=[], optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
