@@ -74,3 +74,18 @@ def test_a_tensor_lr_trains_and_checkpoints(tmp_path):
         optimizer.step()
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("lr", [torch.tensor(0.02, dtype=torch.float64), np.float32(0.5)])
+def test_a_groups_lr_as_torch_optim_takes_it_trains_as_the_float(lr, tmp_path):
+    # A NumPy float32 or a tensor was refused as "not a finite number".
+    trained = []
+    for group_lr in (lr, float(lr)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        task = ht.ModelTask(model, data=[torch.ones(2, 4)] * 2, loss_fn=lambda output, batch: output.sum(),
+                            param_groups=[{"params": "*.bias", "lr": group_lr, "weight_decay": group_lr}])
+        result = ht.train([task], devices="cpu", progress=False, checkpoint_dir=tmp_path / str(len(trained)))
+        assert result[0].error is None and result.checkpoint_failures == 0
+        trained.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*trained))

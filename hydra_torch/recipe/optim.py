@@ -12,13 +12,11 @@ record of its optimizer is what it was.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import KW_ONLY, InitVar, dataclass
-
-import torch
 
 from hydra_torch._loader import native as _C
 from hydra_torch.recipe.param_groups import NO_WEIGHT_DECAY  # noqa: F401  (ht.optim.NO_WEIGHT_DECAY)
+from hydra_torch.recipe.reals import real
 
 
 def _check(condition: bool, message: str) -> None:
@@ -26,19 +24,9 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _real(name: str, value) -> float:
-    """A hyperparameter as the float the native step takes: a Python or NumPy real, or a one-element real tensor (as
-    torch.optim takes a tensor lr); kept so, a checkpoint's manifest can record it."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        return float(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    raise TypeError(f"{name} must be a real number, got {value!r}")
-
-
 def _as_reals(optimizer, *names: str) -> None:
     for name in names:
-        object.__setattr__(optimizer, name, _real(name, getattr(optimizer, name)))
+        object.__setattr__(optimizer, name, real(name, getattr(optimizer, name)))
 
 
 def _check_adam(lr, betas, eps, weight_decay) -> None:
@@ -88,7 +76,7 @@ class Adam:
         _as_reals(self, "lr", "eps", "weight_decay")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"betas must be a pair, got {self.betas!r}")
-        object.__setattr__(self, "betas", tuple(_real("betas", beta) for beta in self.betas))
+        object.__setattr__(self, "betas", tuple(real("betas", beta) for beta in self.betas))
         _check_adam(self.lr, self.betas, self.eps, self.weight_decay)
 
     def spec(self) -> _C.OptimizerSpec:

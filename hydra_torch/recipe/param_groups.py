@@ -15,6 +15,8 @@ import re
 
 from torch import nn
 
+from hydra_torch.recipe.reals import real
+
 _KEYS = {"params", "lr", "weight_decay"}
 
 
@@ -69,7 +71,11 @@ def _check_group(index: int, group) -> None:
             raise TypeError(f"{where}['params'] = {s!r}: use a name pattern, a module type or a callable")
     for key in ("lr", "weight_decay"):
         value = group.get(key, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        try:
+            number = real(f"{where}['{key}']", value)
+        except TypeError:
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
             raise ValueError(f"{where}['{key}'] must be a finite number >= 0, got {value!r}")
 
 
@@ -88,8 +94,8 @@ def resolve(groups, root: nn.Module, optimizer) -> dict[int, tuple]:
         for index, group in enumerate(groups):
             if _selects(group["params"], name, param, module):
                 selected[index] = True
-                chosen.setdefault(id(param), (param, float(group.get("lr", optimizer.lr)),
-                                              float(group.get("weight_decay", optimizer.weight_decay))))
+                chosen.setdefault(id(param), (param, real("lr", group.get("lr", optimizer.lr)),
+                                              real("weight_decay", group.get("weight_decay", optimizer.weight_decay))))
                 break
     for index, hit in enumerate(selected):
         if not hit:
