@@ -5,6 +5,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 
 import torch
 
@@ -131,7 +132,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     its next step boundary, writes the weights back and returns the results so far, the tasks it cut short
     marked (`TaskResult.cut_short`); SIGTERM is then passed on to the handler that was there before. A second
     Ctrl-C stops at once: the weights still come home, steps in progress are left half-applied, and
-    KeyboardInterrupt propagates.
+    KeyboardInterrupt propagates. A later call trains a task cut short from the start of its data, schedule and
+    optimizer state again, from its weights as they are, and warns so, unless checkpoint_dir resumes it.
 
     One call at a time in a process: every call's tasks draw from the process's one CPU random generator, so
     a second call while one runs (from another thread, or a callback) raises RuntimeError before it touches
@@ -143,6 +145,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         threads, team = host_step_threads(host_threads, resolved)
         budgets = _budgets(resolved, memory_budget)
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
+        _warn_restarted(tasks, loaded)
         memory.check_host_memory(tasks)
         host_steps, pin = _C.HostSteps(threads, team), pinned(pin_memory, resolved)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
@@ -232,6 +235,17 @@ def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
         checkpoint_dirs.check_name(task.name)
     checkpoint_dirs.prepare_directory(checkpoint_dir)
     return [checkpoint.load(checkpoint_dir, task) for task in tasks]
+
+
+def _warn_restarted(tasks, loaded) -> None:
+    """Warns of each task an earlier call cut short after some steps that this call, with no checkpoint of it, trains
+    from the start again: a notebook cell run again after a Ctrl-C does not continue the run it stopped."""
+    for task, resumed in zip(tasks, loaded):
+        if task.cut_short_after and resumed is None:
+            warnings.warn(f"task {task.name!r} was cut short after {task.cut_short_after} of its {task.total_steps} "
+                          "steps by an earlier call; this call trains it again from the start of its data and "
+                          "schedule, its weights as they are and its optimizer state new (a call with checkpoint_dir= "
+                          "keeps what a later call with the same checkpoint_dir resumes)", RuntimeWarning, stacklevel=3)
 
 
 def _budgets(devices, memory_budget) -> list[int]:

@@ -297,6 +297,9 @@ class ModelTask:
         self.stopped_on_request = False
         self.ended = threading.Event()  # set once the task runs no more units in the current ht.train call
         self.steps_done = 0  # optimizer steps taken, as the ht.train call training it goes (for other threads)
+        # The steps the last call had taken when it cut the task short (Ctrl-C, SIGTERM, request_stop), else None:
+        # a later call without its checkpoint trains it from the start again (api._warn_restarted).
+        self.cut_short_after: int | None = None
         self._built_from = self._layout()  # what check_unchanged compares the model with
 
     def request_stop(self, reason: str = "stopped on request"):

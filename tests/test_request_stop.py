@@ -1,5 +1,7 @@
 """ModelTask.request_stop: one task stops at its next step boundary while the others train on; with
 checkpoints, its checkpoint of that step is on disk before it ends, and a later call continues it exactly."""
+import warnings
+
 import pytest
 import torch
 
@@ -95,5 +97,23 @@ def test_a_request_made_between_calls_is_for_the_next_call_which_drops_it_at_its
     results = ht.train([a, b], devices="cpu", progress=False)
     assert results["a"].steps == 0 and results["a"].cut_short == "before the call"
     assert results["b"].ok and results["b"].steps == 20
-    again = ht.train([a], devices="cpu", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cut short before its first step: the next call loses nothing
+        again = ht.train([a], devices="cpu", progress=False)
     assert again["a"].ok and again["a"].steps == 10 and again["a"].cut_short is None
+
+
+def test_a_task_cut_short_and_trained_again_without_its_checkpoint_is_warned_of(tmp_path):
+    # A notebook cell run again after a Ctrl-C trains the task from the start of its data, schedule and optimizer
+    # state, silently before; with its checkpoint the call resumes it, and a task that ended or took no step warns
+    # of nothing.
+    a, b, _ = tasks("unused", stop_at=3)
+    ht.train([a, b], devices="cpu", progress=False)
+    with pytest.warns(RuntimeWarning, match=r"task 'a' was cut short after 3 of its 10 steps by an earlier call"):
+        assert ht.train([a, b], devices="cpu", progress=False)["a"].steps == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ht.train([a, b], devices="cpu", progress=False)  # both ended: nothing to warn of
+        a, _, _ = tasks("unused", stop_at=3)
+        assert ht.train([a], devices="cpu", progress=False, checkpoint_dir=tmp_path)["a"].cut_short
+        assert ht.train([a], devices="cpu", progress=False, checkpoint_dir=tmp_path)["a"].steps == 10

@@ -43,6 +43,7 @@ def results_of(runners, engines, workers, start, devices, wall, checkpoints, hos
     results.bases = {r.base.base.name: r.base.summary(engines) for r in runners if r.base is not None}
     for runner in runners:
         runner.task.stop_reason = None  # a request ends with the call
+        runner.task.cut_short_after = runner.steps if runner.cut_short else None
         runner.task.ended.set()
     return results
 
