@@ -87,3 +87,26 @@ def test_demo_refuses_pretrained_weights_of_another_family():
 
     with pytest.raises(SystemExit, match="gpt2"):
         demo.main(SMALL + ["--arch", "llama", "--pretrained"])
+
+
+def test_demo_refuses_bad_arguments_before_preparing_anything(capsys):
+    # Before, each ended in a traceback, some after the text and tokenizer were prepared (a zero division for
+    # --heads 0, a reshape error in every configuration for --seq 0).
+    import pytest
+
+    for arguments, says in [(["--heads", "0"], "--heads: must be a positive int, got 0"),
+                            (["--seq", "0"], "--seq: must be a positive int, got 0"),
+                            (["--lrs", "nan"], "--lrs: must be a positive float, got nan"),
+                            (["--widths", "30", "--heads", "4"], "--heads 4 must divide every width, not 30")]:
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(SMALL + arguments)
+        assert exit_.value.code == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and "preparing text" not in captured.out
+
+
+def test_demo_says_what_hydra_torch_refused_without_a_traceback():
+    import pytest
+
+    with pytest.raises(SystemExit, match=r"^error: task '.*': memory budget too small"):
+        demo.main(SMALL + ["--budget", "1KB", "--chart", "", "--curves", ""])

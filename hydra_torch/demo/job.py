@@ -25,26 +25,38 @@ from hydra_torch.demo import architectures
 from hydra_torch.demo.corpus import lm_batches, local_text, train_tokenizer
 
 
+def positive(kind):
+    """An argparse type: a number of `kind` > 0 (NaN is not)."""
+    def parse(text):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train several GPT-2 configurations at once and report the best.")
     p.add_argument("--arch", default="gpt2", choices=list(architectures.CONFIGS),
                    help="the model family, built from a small config of that family's class (default: gpt2)")
-    p.add_argument("--lora-ranks", type=int, nargs="+", metavar="R",
+    p.add_argument("--lora-ranks", type=positive(int), nargs="+", metavar="R",
                    help="compare LoRA adapters of these ranks (x --lrs) on one base of --width instead of widths "
                         "(needs peft)")
     p.add_argument("--separate-bases", action="store_true",
                    help="with --lora-ranks: give each configuration its own copy of the base instead of sharing one "
                         "(ht.FrozenBase), to compare")
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="learning rates to compare")
-    p.add_argument("--widths", type=int, nargs="+", default=[96, 128], help="embedding widths to compare")
-    p.add_argument("--width", type=int, help="one width (overrides --widths)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per batch")
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps per configuration")
-    p.add_argument("--vocab", type=int, default=2048, help="tokenizer vocabulary size")
-    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--lrs", type=positive(float), nargs="+", default=[1e-3, 3e-3], help="learning rates to compare")
+    p.add_argument("--widths", type=positive(int), nargs="+", default=[96, 128], help="embedding widths to compare")
+    p.add_argument("--width", type=positive(int), help="one width (overrides --widths)")
+    p.add_argument("--layers", type=positive(int), default=4)
+    p.add_argument("--heads", type=positive(int), default=4)
+    p.add_argument("--seq", type=positive(int), default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=positive(int), default=8, help="sequences per batch")
+    p.add_argument("--steps", type=positive(int), default=150, help="optimizer steps per configuration")
+    p.add_argument("--vocab", type=positive(int), default=2048, help="tokenizer vocabulary size")
+    p.add_argument("--corpus-bytes", type=positive(int), default=2_000_000)
     p.add_argument("--budget", default=None,
                    help="device memory budget, e.g. 8GiB or 80%% (default: three times the largest shard's "
                         "weights, so the models spill and visit the device shard by shard)")
@@ -53,16 +65,20 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--schedule", default="lrtf", choices=["lrtf", "fifo", "round_robin", "random"])
     p.add_argument("--pretrained", action="store_true", help="start from Hugging Face 'gpt2' weights (needs the hub)")
-    p.add_argument("--halving", type=int, metavar="MIN_STEPS",
+    p.add_argument("--halving", type=positive(int), metavar="MIN_STEPS",
                    help="successive halving: stop the worse configurations at MIN_STEPS, 3x that, ... steps")
-    p.add_argument("--search", type=int, metavar="N",
+    p.add_argument("--search", type=positive(int), metavar="N",
                    help="an Optuna search of N trials over --widths and a learning-rate range, 4 at a time, pruned by "
                         "a median rule (needs optuna), instead of the --widths x --lrs grid")
     p.add_argument("--chart", default="hydra_schedule.png", help="where to save the schedule chart")
     p.add_argument("--curves", default="hydra_curves.png", help="where to save the loss curves")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    uneven = [w for w in ([args.width] if args.width else args.widths) if w % args.heads]
+    if uneven:
+        p.error(f"--heads {args.heads} must divide every width, not {', '.join(map(str, uneven))}")
+    return args
 
 
 def default_devices():
@@ -136,6 +152,13 @@ def prepare_data(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as error:  # what hydra-torch or transformers refused of the arguments, before training
+        raise SystemExit(f"error: {error}") from None
+
+
+def run(args) -> int:
     if args.pretrained and args.arch != "gpt2":
         raise SystemExit("--pretrained loads Hugging Face's 'gpt2' weights: it goes with --arch gpt2 only")
     if args.lora_ranks and args.search:
