@@ -18,6 +18,7 @@ import torch
 from hydra_torch.models import memory, planner
 from hydra_torch.models.planner import Plan
 from hydra_torch.run import lifecycle, saved_bytes
+from hydra_torch.run.devices import resolve_devices
 
 
 def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int | None = None, repeats: int = 3,
@@ -37,6 +38,9 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
     placement is None.
     """
     lifecycle.check_placement(placement, none_allowed=True)
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"ht.plan plans for one device (\"cuda:0\", \"cpu\", \"auto\"), got {device!r}")
+    device = resolve_devices(device)[0]  # as ht.train reads it: "auto", and a device that is not there refused
     cut = planner.plan_shards(task, device, budget, sample_batch, max_shards=max_shards, repeats=repeats)
     if placement is not None and task.base is None:
         cut.placement, cut.lane_plan = placed_alone(task, cut, placement)

@@ -211,3 +211,14 @@ def test_planned_tasks_of_different_batches_train_together_at_the_budget_the_pla
     assert all(r.ok for r in results) and small.num_shards == large.num_shards
     stats = results.stats[0]
     assert stats["capacity_bytes"] + stats["working_set_bytes"] + stats["saved_high_water_bytes"] <= budget
+
+
+def test_a_device_is_read_as_ht_train_reads_it():
+    # A CUDA device on a machine without one failed inside torch's lazy init (AssertionError: Torch not compiled
+    # with CUDA enabled); "auto" was not a device.
+    with pytest.raises(ValueError, match=r"cuda:99 (was asked for but CUDA is not available|does not exist)"):
+        ht.plan(mlp_task(), device="cuda:99", budget="1GiB")
+    with pytest.raises(ValueError, match="ht.plan plans for one device"):
+        ht.plan(mlp_task(), device=["cpu", "cpu"], budget="1GiB")
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert ht.plan(mlp_task(), device="auto", budget="1GiB", placement=None).device.startswith(expected)
