@@ -52,6 +52,16 @@ def test_a_name_not_in_the_results_is_a_key_error_that_names_the_tasks():
         results["lr3e-3"]
 
 
+@pytest.mark.parametrize("chart", ["plot_schedule", "plot_curves"])
+def test_a_chart_without_matplotlib_says_what_to_install(chart, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    results = ht.Results([result("lr1e-4")], ["cpu"])
+    with pytest.raises(ImportError, match=r"the charts need matplotlib: pip install matplotlib"):
+        getattr(results, chart)(tmp_path / "chart.png")
+
+
 def test_the_summary_says_when_the_best_did_not_finish():
     cut = result("cut", 0.25, steps=3, cut_short="Ctrl-C")
     assert "best: cut (final loss 0.2500; cut short at step 3 of 4)" in summary_lines(cut)

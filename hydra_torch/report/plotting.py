@@ -3,7 +3,10 @@ from __future__ import annotations
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the charts need matplotlib: pip install matplotlib (or hydra-torch[plot])") from None
 
     if matplotlib.get_backend().lower() not in ("module://matplotlib_inline.backend_inline", "nbagg", "widget"):
         matplotlib.use("Agg")  # headless-safe unless a notebook backend is active
