@@ -20,7 +20,9 @@ over that bandwidth. With `--forecast`, each run is also forecast by the lane mo
 simulator over the real scheduler) from what the memory-speed run of the same round measured: each shard's median
 unit times, the host steps' bytes per second (the emulated host's where there is one), the link's bandwidth, and the
 placement the run got; reported as the forecast over the measured span, except where a task was placed again mid-run
-(a shard stepped in two places in `results.steps`: its placement is then where it stepped last). With `--precision
+(a shard stepped in two places in `results.steps`: its placement is then where it stepped last); for a run the lane
+model placed, also in the device's room it placed in ("in room / span": the simulator's arena bounding how far copies
+run ahead, device steps' states and held gradients in it, as the lane model weighs its candidates). With `--precision
 bf16` the models compute in bf16 (fp32 masters on the host, as in the GPU suite's P2; the copy / forward ratio then
 counts a block's bf16 weights), and with `--cache-all` the budget also has room to keep every model's weights
 cached, as P2's budget on the GPU box does: the engine then grants "auto" its resident ends beside the other spilled
@@ -130,9 +132,11 @@ def placed_again(results) -> bool:
     return any(len(seen) > 1 for seen in places.values())
 
 
-def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> dict:
+def lane_forecast(base, results, args, shard_bytes, bandwidth: float, in_room: bool = False) -> dict:
     """The lane model's forecast of `results`' run (see the module's docstring): its "span" (the last unit's end)
-    and its four-lane "bound", whose "chain" is the longest task's own critical path at these rates."""
+    and its four-lane "bound", whose "chain" is the longest task's own critical path at these rates. `in_room`: in
+    the device's room as the lane model placed it (Results.lane_plan's room and start: lane_forecast's
+    simulation_in_room, its arena's room bounding how far copies run ahead and device steps' states)."""
     shards = len(shard_bytes)
     times = {}
     for e in base.trace:
@@ -161,8 +165,9 @@ def lane_forecast(base, results, args, shard_bytes, bandwidth: float) -> dict:
     # A resident or device-stepped shard steps on the CPU device, which the emulated host does not pace: at the
     # rate the memory-speed run's host steps reached.
     rates = (bandwidth, bandwidth, host_rate, memory_rate)
+    room = (results.lane_plan["room"], results.lane_plan["start"]) if in_room else (None, None)
     return _C.lane_forecast([(shapes, args.steps, 1, args.clip is not None)] * len(results.tasks), rates, step_bytes,
-                            args.devices, placement)
+                            args.devices, placement, *room)
 
 
 def main():
@@ -236,6 +241,8 @@ def main():
             lanes = max(compute, max(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
                         max(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio], host_lane)
             forecast = lane_forecast(base, results, args, shard_bytes, bandwidth[ratio])
+            in_room = (lane_forecast(base, results, args, shard_bytes, bandwidth[ratio], in_room=True)["span"]
+                       if args.forecast and results.lane_plan is not None else float("nan"))
             # The longest task's own chain at these rates: its units one after another, and at each step boundary
             # what its host steps' round trips (one after another on the host lane) add beyond the units that can
             # run meanwhile.
@@ -248,7 +255,8 @@ def main():
                                            sum(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
                                            took, float("nan") if placed_again(results) else forecast["span"] / took,
                                            took / lanes,
-                                           sum(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio]))
+                                           sum(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio],
+                                           float("nan") if placed_again(results) else in_room / took))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
     host = f"at {args.host_speed:g}x the link" if args.host_speed else "unpaced"
@@ -262,10 +270,10 @@ def main():
         print(f"placement {placement!r}: " + "; ".join(got))
     print("| copy / forward | placement | bandwidth (bytes/s) | compute s | copies in s | copies out s | span s | "
           "span / lanes | span / bound | span / host's | waiting for weights | waiting for gradient room |" +
-          (" forecast / span |" if args.forecast else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.forecast else ""))
+          (" forecast / span | in room / span |" if args.forecast else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.forecast else ""))
     for (ratio, placement), measured in rows.items():
-        med = [statistics.median(r[i] for r in measured) for i in range(9)]
+        med = [statistics.median(r[i] for r in measured) for i in range(10)]
         if any(math.isnan(r[6]) for r in measured):
             med[6] = float("nan")  # a round placed a task again mid-run
         host = rows.get((ratio, "host"))
@@ -274,7 +282,8 @@ def main():
         print(f"| {ratio:g} | {placement} | {bandwidth[ratio]:.3g} | {med[3]:.2f} | {med[4]:.2f} | {med[8]:.2f} | "
               f"{med[5]:.2f} | {med[7]:.2f} | {med[0]:.2f} | {versus:.2f} | {100 * med[1]:.0f}% | "
               f"{100 * med[2]:.0f}% |" +
-              ((" re-placed mid-run |" if math.isnan(med[6]) else f" {med[6]:.2f} |") if args.forecast else ""))
+              ((" re-placed mid-run | - |" if math.isnan(med[6]) else f" {med[6]:.2f} | {med[9]:.2f} |")
+               if args.forecast else ""))
     if args.by_unit:
         print("\nSeconds each kind of unit took beyond memory speed, summed over the run (medians of the rounds), "
               "largest first:")

@@ -97,6 +97,7 @@ def test_demo_refuses_bad_arguments_before_preparing_anything(capsys):
     for arguments, says in [(["--heads", "0"], "--heads: must be a positive int, got 0"),
                             (["--seq", "0"], "--seq: must be a positive int, got 0"),
                             (["--lrs", "nan"], "--lrs: must be a positive float, got nan"),
+                            (["--lrs", "inf"], "--lrs: must be a positive float, got inf"),
                             (["--widths", "30", "--heads", "4"], "--heads 4 must divide every width, not 30")]:
         with pytest.raises(SystemExit) as exit_:
             demo.main(SMALL + arguments)

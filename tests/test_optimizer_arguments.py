@@ -43,6 +43,8 @@ def test_numbers_as_torch_optim_takes_them_are_kept_as_floats():
                                weight_decay=np.float32(0.25))
     assert dataclasses.asdict(optimizer) == {"lr": 0.5, "betas": (0.8, 0.75), "eps": 1.0, "weight_decay": 0.25}
     assert all(type(v) is float for v in (optimizer.lr, *optimizer.betas, optimizer.eps, optimizer.weight_decay))
+    assert ht.optim.Adam(betas=np.array([0.5, 0.25])).betas == ht.optim.Adam(betas=torch.tensor([0.5, 0.25])).betas \
+        == (0.5, 0.25)
     sgd = ht.optim.SGD(lr=np.float32(0.5), momentum=torch.tensor(0.5, dtype=torch.float64))
     assert (sgd.lr, sgd.momentum) == (0.5, 0.5) and type(sgd.momentum) is float
 

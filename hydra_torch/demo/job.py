@@ -26,10 +26,10 @@ from hydra_torch.demo.corpus import lm_batches, local_text, train_tokenizer
 
 
 def positive(kind):
-    """An argparse type: a number of `kind` > 0 (NaN is not)."""
+    """An argparse type: a finite number of `kind` > 0."""
     def parse(text):
         value = kind(text)
-        if not value > 0:
+        if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
         return value
 

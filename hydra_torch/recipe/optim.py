@@ -74,9 +74,13 @@ class Adam:
         _check_torch_arguments(self, amsgrad=amsgrad, maximize=maximize, differentiable=differentiable,
                                decoupled_weight_decay=decoupled_weight_decay)
         _as_reals(self, "lr", "eps", "weight_decay")
-        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+        try:
+            pair = tuple(self.betas)  # a tuple, a list, an array or a tensor of two
+        except TypeError:
+            pair = ()
+        if len(pair) != 2:
             raise ValueError(f"betas must be a pair, got {self.betas!r}")
-        object.__setattr__(self, "betas", tuple(real("betas", beta) for beta in self.betas))
+        object.__setattr__(self, "betas", tuple(real("betas", beta) for beta in pair))
         _check_adam(self.lr, self.betas, self.eps, self.weight_decay)
 
     def spec(self) -> _C.OptimizerSpec:

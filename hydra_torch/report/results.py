@@ -171,7 +171,8 @@ class Results:
     # "copied_bytes": what was copied of it to the devices}
     bases: dict = field(default_factory=dict)
     # placement "auto" on a device whose lanes are apart: the lanes' rates measured at the start ("rates": copies_in,
-    # copies_out, host_steps, device_steps, bytes/s) and the lane model's forecast busy share of each lane ("busy":
+    # copies_out, host_steps, device_steps, bytes/s), the device bytes it placed in ("room") beyond the rule's
+    # placement ("start": per task, per shard) and the lane model's forecast busy share of each lane ("busy":
     # compute, copies_in, copies_out, host) for the placement it asked (the engine grants what the budget holds);
     # None where the lane model was not asked
     lane_plan: dict | None = None

@@ -133,7 +133,7 @@ def plan(runners, stores, devices, candidates: list[bool], decided, free_left: l
     forecast = _C.lane_forecast(shapes, rates, bytes_, len(devices), None, room, start, resident)
     places = [list(p) if candidate else ["host"] * len(p) for p, candidate in zip(forecast["placement"], candidates)]
     per_element = _seconds_per_element([shard_seconds(runner.task) for runner in runners], stores)
-    return places, told_and_forecast(rates, forecast, per_element)
+    return places, told_and_forecast(rates, forecast, per_element, room, start)
 
 
 def _host_binds(shapes, rates, bytes_, devices: int, start) -> bool:
@@ -146,13 +146,15 @@ def _host_binds(shapes, rates, bytes_, devices: int, start) -> bool:
     return bound["host"] >= max(bound["compute"], bound["host_to_device"], bound["device_to_host"])
 
 
-def told_and_forecast(rates, forecast, per_element: float | None) -> dict:
+def told_and_forecast(rates, forecast, per_element: float | None, room: int, start) -> dict:
     """Results.lane_plan: the lanes' measured rates (bytes/s), the measured tasks' compute in seconds per element
-    (their median: it prices a task added to the run later where no measured task still trains) and the forecast's
-    busy share of each lane over its run of STEPS_FORECAST steps of every task."""
+    (their median: it prices a task added to the run later where no measured task still trains), the room it placed
+    in beyond the rule's placement `start` (both as the lane model was told: a forecast of another placement in that
+    room, lane_forecast's `room` and `start`) and the forecast's busy share of each lane over its run of
+    STEPS_FORECAST steps of every task."""
     busy, makespan = forecast["busy_seconds"], forecast["makespan"]
     return {"rates": dict(zip(("copies_in", "copies_out", "host_steps", "device_steps"), rates)),
-            "seconds_per_element": per_element,
+            "seconds_per_element": per_element, "room": room, "start": start,
             "busy": {"compute": forecast["bound"]["compute"] / makespan,
                      "copies_in": busy["host_to_device"] / makespan, "copies_out": busy["device_to_host"] / makespan,
                      "host": busy["host"] / makespan}}
