@@ -168,6 +168,10 @@ def test_auto_on_several_devices_takes_steps_off_a_slow_host_onto_the_devices(sh
     assert result.losses == pytest.approx(reference_losses, rel=1e-5)
     assert max_relative_error(model, reference) <= 1e-5
     assert results.lane_plan["rates"]["host_steps"] == 2e6
+    # What the lane model placed in: no home on several devices (the rule's placement every shard on the host), and
+    # the room the devices' budgets leave beyond it.
+    assert results.lane_plan["start"] == [["host"] * len(result.shard_loads)]
+    assert isinstance(results.lane_plan["room"], int) and results.lane_plan["room"] > 0
 
 
 def test_auto_on_several_devices_keeps_a_task_whose_steps_sum_backwards_on_the_host():
