@@ -153,7 +153,9 @@ class ModelTask:
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
     takes (default: batch[0] for tuples, batch["input_ids"] for dicts, else the batch itself).
-    accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n).
+    accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n in a plain
+    loop; transformers.Trainer weighs each micro-batch by its labelled tokens instead, which is the same only where
+    every micro-batch has as many: with padding the two differ).
     clip_grad_norm: global gradient-norm clipping as torch.nn.utils.clip_grad_norm_ (steps then wait for
     the whole backward, since the norm needs every shard's gradients).
     lr_schedule: the learning rate's multiplier at each step, as transformers.get_scheduler's schedules: a name
