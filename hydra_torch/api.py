@@ -5,7 +5,6 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 
 import torch
 
@@ -24,7 +23,7 @@ from hydra_torch.selection.rules import Selection
 from hydra_torch.state import checkpoint, checkpoint_dirs, interrupts, task_rng
 from hydra_torch.state.checkpoint_writer import Checkpointer
 from hydra_torch.models import frozen_base
-from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode
+from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode, warn_restarted
 
 
 def _check_seed(seed):
@@ -145,7 +144,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         threads, team = host_step_threads(host_threads, resolved)
         budgets = _budgets(resolved, memory_budget)
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
-        _warn_restarted(tasks, loaded)
+        warn_restarted(tasks, loaded, stacklevel=2)
         memory.check_host_memory(tasks)
         host_steps, pin = _C.HostSteps(threads, team), pinned(pin_memory, resolved)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
@@ -235,17 +234,6 @@ def _load_checkpoints(tasks, checkpoint_dir, checkpoint_every) -> list:
         checkpoint_dirs.check_name(task.name)
     checkpoint_dirs.prepare_directory(checkpoint_dir)
     return [checkpoint.load(checkpoint_dir, task) for task in tasks]
-
-
-def _warn_restarted(tasks, loaded) -> None:
-    """Warns of each task an earlier call cut short after some steps that this call, with no checkpoint of it, trains
-    from the start again: a notebook cell run again after a Ctrl-C does not continue the run it stopped."""
-    for task, resumed in zip(tasks, loaded):
-        if task.cut_short_after and resumed is None:
-            warnings.warn(f"task {task.name!r} was cut short after {task.cut_short_after} of its {task.total_steps} "
-                          "steps by an earlier call; this call trains it again from the start of its data and "
-                          "schedule, its weights as they are and its optimizer state new (a call with checkpoint_dir= "
-                          "keeps what a later call with the same checkpoint_dir resumes)", RuntimeWarning, stacklevel=3)
 
 
 def _budgets(devices, memory_budget) -> list[int]:

@@ -92,6 +92,19 @@ def check_own_models(tasks):
                              "weights they have in common once, pass both base=ht.FrozenBase())")
 
 
+def warn_restarted(tasks, resumed, stacklevel: int):
+    """Warns of each task an earlier call cut short after some steps that this call (or a run it joins) trains from
+    the start again, with no checkpoint of it (`resumed`: its checkpoint, or None): a notebook cell run again after a
+    Ctrl-C does not continue the run it stopped. `stacklevel`: the user's frame, counted from here."""
+    for task, checkpoint in zip(tasks, resumed):
+        if task.cut_short_after and checkpoint is None:
+            warnings.warn(f"task {task.name!r} was cut short after {task.cut_short_after} of its {task.total_steps} "
+                          "steps by an earlier call; this call trains it again from the start of its data and "
+                          "schedule, its weights as they are and its optimizer state new (a call with checkpoint_dir= "
+                          "keeps what a later call with the same checkpoint_dir resumes)", RuntimeWarning,
+                          stacklevel=stacklevel + 1)
+
+
 def warn_eval_mode(tasks, stacklevel: int):
     """Warns for each task whose model has a layer in eval mode whose mode changes what it computes (dropout, batch
     norm): it trains so, as a plain loop would, where transformers.Trainer calls model.train() first, and
@@ -300,7 +313,7 @@ class ModelTask:
         self.ended = threading.Event()  # set once the task runs no more units in the current ht.train call
         self.steps_done = 0  # optimizer steps taken, as the ht.train call training it goes (for other threads)
         # The steps the last call had taken when it cut the task short (Ctrl-C, SIGTERM, request_stop), else None:
-        # a later call without its checkpoint trains it from the start again (api._warn_restarted).
+        # a later call without its checkpoint trains it from the start again (warn_restarted).
         self.cut_short_after: int | None = None
         self._built_from = self._layout()  # what check_unchanged compares the model with
 

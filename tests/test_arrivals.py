@@ -234,3 +234,28 @@ def test_a_task_with_nothing_to_train_is_refused_on_arrival():
     frozen = task("frozen", seed=1)
     frozen.model.requires_grad_(False)
     assert "task 'frozen' has nothing to train" in refused_on_arrival(frozen)
+
+
+def test_a_task_an_earlier_call_cut_short_is_warned_of_as_it_joins():
+    # A run with arrivals keeps no checkpoints: the task trains from the start of its data again, as ht.train warns.
+    calls = []
+
+    def stop_at_its_second_step(output, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            again.request_stop("a look at the losses")
+        return lm_loss(output, batch)
+    with task_rng.exclusive():
+        again = ht.ModelTask(tied_transformer(seed=1, blocks=1), loss_fn=stop_at_its_second_step, data=DATA,
+                             name="again")
+    assert ht.train([again], devices=["cpu"], progress=False)["again"].steps == 2
+
+    def on_ended(result):
+        try:
+            arrivals.add(again)
+        finally:
+            arrivals.close()
+    arrivals = Arrivals(on_ended=on_ended)
+    with pytest.warns(RuntimeWarning, match=r"task 'again' was cut short after 2 of its 4 steps by an earlier call"):
+        results = train_or_hang([task("first")], arrivals, ["cpu"])
+    assert [r.name for r in results] == ["first", "again"] and results["again"].steps == 4

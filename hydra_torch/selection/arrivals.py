@@ -104,7 +104,7 @@ class OpenRun:
         from hydra_torch.models import memory, planner
         from hydra_torch.run import bases, lifecycle, measuring, moving
         from hydra_torch.run.runner import TaskRunner
-        from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode
+        from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode, warn_restarted
 
         if not isinstance(task, ModelTask):
             raise TypeError(f"a task joining the run must be a ModelTask, got {type(task).__name__}")
@@ -116,6 +116,7 @@ class OpenRun:
             task.check_unchanged()
             task.check_trains_something()
             warn_eval_mode([task], stacklevel=3)  # Arrivals.add's caller
+            warn_restarted([task], [None], stacklevel=3)  # a run with arrivals keeps no checkpoints
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
             # Measured on a batch while the workers train: their random draws must not see the measurement's.
