@@ -241,8 +241,10 @@ def main():
             lanes = max(compute, max(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
                         max(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio], host_lane)
             forecast = lane_forecast(base, results, args, shard_bytes, bandwidth[ratio])
+            # A forecast of a run whose task was placed again mid-run is of another run: none is reported.
+            again = placed_again(results)
             in_room = (lane_forecast(base, results, args, shard_bytes, bandwidth[ratio], in_room=True)["span"]
-                       if args.forecast and results.lane_plan is not None else float("nan"))
+                       if args.forecast and results.lane_plan is not None and not again else float("nan"))
             # The longest task's own chain at these rates: its units one after another, and at each step boundary
             # what its host steps' round trips (one after another on the host lane) add beyond the units that can
             # run meanwhile.
@@ -253,10 +255,10 @@ def main():
                      for key in ("acquire_wait_seconds", "grad_wait_seconds")]
             rows[ratio, placement].append((took / bound, waits[0] / took, waits[1] / took, compute,
                                            sum(s["host_to_device_bytes"] for s in results.stats) / bandwidth[ratio],
-                                           took, float("nan") if placed_again(results) else forecast["span"] / took,
+                                           took, float("nan") if again else forecast["span"] / took,
                                            took / lanes,
                                            sum(s["device_to_host_bytes"] for s in results.stats) / bandwidth[ratio],
-                                           float("nan") if placed_again(results) else in_room / took))
+                                           in_room / took))
     prefetch = "as far as it allows" if args.far else "next"
     cached = ", room for every weight cached" if args.cache_all else ""
     host = f"at {args.host_speed:g}x the link" if args.host_speed else "unpaced"
