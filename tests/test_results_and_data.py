@@ -14,11 +14,11 @@ from test_request_stop import StopAt
 NAN = float("nan")
 
 
-def result(name, loss=1.0, eval_loss=None, steps=4, **fields):
+def result(name, loss=1.0, eval_loss=None, steps=4, total_steps=4, **fields):
     """A TaskResult of `steps` steps whose last loss is `loss` (and validation loss `eval_loss`, if given)."""
     evaluated = [(steps, eval_loss)] if eval_loss is not None else []
     return ht.TaskResult(name, [2.0] * (steps - 1) + [loss], steps, 1, 0.0, True, [], eval_losses=evaluated,
-                         total_steps=4, **fields)
+                         total_steps=total_steps, **fields)
 
 
 def best_of(*tasks):

@@ -68,6 +68,10 @@ class Plan:
             lines.append(describe_lane_plan(self.lane_plan))
         return "\n".join(lines)
 
+    def _repr_pretty_(self, printer, cycle):
+        """What IPython and Jupyter show for a plan alone in a cell: its table, as print() shows it."""
+        printer.text(str(self))
+
 
 @dataclass
 class Probe:

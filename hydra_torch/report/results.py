@@ -70,6 +70,13 @@ class TaskResult:
     def final_eval_loss(self) -> float:
         return self.eval_losses[-1][1] if self.eval_losses else float("nan")
 
+    def __repr__(self) -> str:
+        # As long whatever the run's length: the losses, shard loads and the like stay in their fields.
+        status = f"failed: {self.error!r}" if not self.ok else self.unfinished or "finished"
+        evaluated = f", validation loss {self.final_eval_loss:.4f}" if self.eval_losses else ""
+        return (f"TaskResult({self.name!r}: {status}, {self.steps} of {self.total_steps} steps, final loss "
+                f"{self.final_loss:.4f}{evaluated}, {self.placement}, {self.wall_time:.1f} s)")
+
     @property
     def unfinished(self) -> str | None:
         """How it ended before its last step without an error (cut short, or stopped by a selection rule), or
@@ -180,6 +187,21 @@ class Results:
 
     def __iter__(self):
         return iter(self.tasks)
+
+    def __repr__(self) -> str:
+        # Short whatever the run's length: its trace holds an entry per unit, millions in a long sweep, which a
+        # notebook cell, a log line or a debugger would otherwise print whole.
+        best = self.best
+        return (f"<Results: {len(self.tasks)} tasks on {', '.join(self.devices)} in {self.wall_time:.1f} s, best "
+                f"{best.name if best is None else repr(best.name)}; .summary() tabulates them, .trace holds "
+                f"{len(self.trace)} units, .steps {len(self.steps)} shard steps>")
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_pretty_(self, printer, cycle):
+        """What IPython and Jupyter show for `results` alone in a cell: the summary table."""
+        printer.text(self.summary())
 
     def __len__(self):
         return len(self.tasks)
