@@ -230,8 +230,9 @@ def test_unavailable_device():
     with pytest.raises(ValueError):
         ht.train([task], devices="tpu:0")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
-            ht.train([task], devices="cuda:0")
+        for devices in ("cuda:0", 0, ["cpu", 1]):  # an index names a CUDA device, as in model.cuda(0)
+            with pytest.raises(ValueError, match="CUDA is not available"):
+                ht.train([task], devices=devices)
 
 
 @pytest.mark.parametrize("groups, message", [

@@ -8,13 +8,16 @@ import torch
 
 def resolve_devices(devices) -> list[torch.device]:
     """"auto" (the first GPU, else the CPU), a device, or a list of devices. Repeating "cpu" k times gives
-    k virtual CPU devices (one intra-op thread each)."""
+    k virtual CPU devices (one intra-op thread each). A device index (0) names a CUDA device, as in
+    model.cuda(0)."""
     if devices == "auto":
         return [torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")]
-    if isinstance(devices, (str, torch.device)):
+    if isinstance(devices, (str, torch.device, int)):
         devices = [devices]
     try:
-        resolved = [torch.device(d) for d in devices]
+        # torch.device(0) names the current accelerator, and on a machine without one fails without naming CUDA.
+        resolved = [torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
+                    for d in devices]
     except (TypeError, RuntimeError) as error:
         raise ValueError(f"cannot read devices={devices!r}: {error}") from None
     if not resolved:
