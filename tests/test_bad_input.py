@@ -73,6 +73,11 @@ def test_data_is_read_as_the_steps_need_it():
 def test_empty_or_one_shot_data():
     with pytest.raises(ValueError, match="data is empty"):
         ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=[])
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}  # one batch, whose iteration yields its keys
+    with pytest.raises(TypeError, match="data is a dict, one batch: pass a list of batches"):
+        ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=batch)
+    with pytest.raises(TypeError, match="eval_data is a dict, one batch"):
+        ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=[batch], eval_data=batch)
 
     with pytest.raises(ValueError, match="one-shot iterator"):
         ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=OneShot(4), epochs=2)
