@@ -49,3 +49,11 @@ def test_a_notebook_shows_the_plan_as_its_table():
     task = ht.ModelTask(tied_transformer(dropout=0.0), loss_fn=lm_loss, data=token_batches(2))
     plan = ht.plan(task, "cpu", budget="1GiB", placement=None, repeats=1)
     assert pretty(plan) == str(plan) and str(plan).startswith("Plan: ")
+
+
+def test_a_loss_not_measured_is_a_dash_in_the_table():
+    # A task that was never evaluated, or took no step, has no such loss: "nan" read as a loss that diverged.
+    results = ht.Results([result("evaluated", eval_loss=0.75), result("plain"), ht.TaskResult("none", [], 0, 0, 0.0, False, [])],
+                         ["cpu"])
+    rows = {line.split()[0]: line.split()[1:4] for line in results.summary().splitlines()[1:4]}
+    assert rows == {"evaluated": ["4", "1.0000", "0.7500"], "plain": ["4", "1.0000", "-"], "none": ["0", "-", "-"]}

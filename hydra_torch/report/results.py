@@ -101,6 +101,11 @@ def _lowest(tasks: list[TaskResult]) -> TaskResult | None:
     return min((t for t in tasks if math.isfinite(metric(t))), key=metric, default=None)
 
 
+def _loss(measured: list, last: float) -> str:
+    """A summary's loss column: "-" where none was measured (a task never evaluated, or that took no step)."""
+    return f"{last:.4f}" if measured else "-"
+
+
 def _budget_split(stats: dict) -> str:
     """How a device's budget was shared out, and what the micro-batches in flight held at most."""
     if "saved_allowance_bytes" not in stats:
@@ -281,8 +286,8 @@ class Results:
                 status += f" (re-planned {len(t.replans)}x after running out of memory)"
             if t.moves:
                 status += f" (moved {len(t.moves)}x between nodes)"
-            lines.append(f"{t.name:<16} {t.steps:>6} {t.final_loss:>11.4f} {t.final_eval_loss:>10.4f} "
-                         f"{t.wall_time:>8.1f}  {status}")
+            lines.append(f"{t.name:<16} {t.steps:>6} {_loss(t.losses, t.final_loss):>11} "
+                         f"{_loss(t.eval_losses, t.final_eval_loss):>10} {t.wall_time:>8.1f}  {status}")
         lanes = self.lanes()
         for i, (device, share) in enumerate(self.utilisation().items()):
             split = _budget_split(self.stats[i]) if i < len(self.stats) else ""
