@@ -169,6 +169,24 @@ def test_lora_on_the_lm_head_trains_it_as_peft_does():
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5, name
 
 
+@pytest.mark.parametrize("arch, variant", [("llama", {"use_dora": True}),
+                                           ("qwen2", {"use_rslora": True, "bias": "lora_only"})])
+def test_lora_variants_train_as_peft_does(arch, variant):
+    """DoRA (its magnitude vector and the base weight's norm in every forward), rank-stabilised scaling and the
+    targeted layers' biases (Qwen2's q and v projections have them) trained beside the adapters: the modules run as
+    they are, so each trains as plainly."""
+    def make():
+        model = tiny(arch)
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                          target_modules=["q_proj", "v_proj"], **variant))
+
+    trained = trained_against_plain(make, padded_batches(4))
+    assert any(("magnitude" if "use_dora" in variant else "proj.base_layer.bias") in n for n, _, _ in trained)
+    for name, a, b in trained:
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5, name
+
+
 def test_prompt_learning_is_refused():
     model = peft.get_peft_model(tiny("llama"), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(TypeError, match="prompt learning"):
