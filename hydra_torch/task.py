@@ -18,6 +18,7 @@ from hydra_torch.models.frozen_base import FrozenBase
 from hydra_torch.models.hf import adapt
 from hydra_torch.recipe import optim, schedules
 from hydra_torch.recipe import param_groups as param_groups_
+from hydra_torch.recipe.reals import real
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -228,8 +229,10 @@ class ModelTask:
                 raise ValueError(f"{label} must be a positive int, got {value!r}")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
+        if clip_grad_norm is not None:
+            clip_grad_norm = real("clip_grad_norm", clip_grad_norm)  # a tensor or NumPy one, as torch takes it
+            if not clip_grad_norm > 0:
+                raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
         schedules.check(lr_schedule, warmup_steps)
         _check_evaluation(eval_data, eval_every)
         _not_one_batch(data, "data")

@@ -206,6 +206,7 @@ CORRUPTIONS = {
     "a missing tensor file": (edit_field("tensors", "state-00000004-1.safetensors"), "'tensors'.*does not exist"),
     "a truncated tensor file": (truncate_tensors, "cannot read.*'tensors'"),
     "eval losses of the wrong shape": (edit_field("eval_losses", [[1]]), "'eval_losses'"),
+    "a clipping norm that is not positive": (edit_field("clip_grad_norm", -1.0), "'clip_grad_norm'"),
 }
 
 
@@ -262,6 +263,31 @@ def test_a_resume_with_another_lr_schedule_is_refused(tmp_path, first, then):
 def test_a_callable_lr_schedule_is_taken_to_be_the_same_callable(tmp_path):
     train(small_task(max_steps=2, lr_schedule=schedule)[0], tmp_path)
     assert train(small_task(max_steps=4, lr_schedule=other_schedule)[0], tmp_path)[0].steps == 4
+
+
+@pytest.mark.parametrize("first, then", [
+    ({}, {"clip_grad_norm": 1.0}),
+    ({"clip_grad_norm": 1.0}, {"clip_grad_norm": 0.5}),
+    ({"clip_grad_norm": 1.0}, {}),
+])
+def test_a_resume_with_other_clipping_is_refused(tmp_path, first, then):
+    # Clipping is the recipe, as the learning rate is: the run resumed would be neither run.
+    train(small_task(max_steps=2, **first)[0], tmp_path)
+    task, model = small_task(max_steps=4, **then)
+    before = weights(model)
+    with pytest.raises(ValueError, match=r"was trained with clip_grad_norm=.*: resume with the same clipping"):
+        train(task, tmp_path)
+    assert unchanged(before, model)
+
+
+def test_the_same_clipping_resumes_however_it_is_written_and_a_checkpoint_without_its_record_too(tmp_path):
+    train(small_task(max_steps=2, clip_grad_norm=1)[0], tmp_path)
+    assert train(small_task(max_steps=3, clip_grad_norm=torch.tensor(1.0))[0], tmp_path)[0].steps == 3
+    path = tmp_path / "t" / checkpoint.MANIFEST  # as one written before clipping was recorded
+    manifest = json.loads(path.read_text())
+    assert manifest.pop("clip_grad_norm") == 1.0
+    path.write_text(json.dumps(manifest))
+    assert train(small_task(max_steps=4)[0], tmp_path)[0].steps == 4
 
 
 # A disk that refuses every checkpoint

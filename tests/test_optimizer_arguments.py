@@ -1,6 +1,6 @@
 """ht.optim's optimizers take torch.optim's arguments: the numbers as torch.optim takes them (a tensor lr, NumPy
 scalars) kept as floats, the flags that choose torch's implementation taken and changing nothing, and the flags that
-change what a step computes refused by name."""
+change what a step computes refused by name; a task's clip_grad_norm likewise as clip_grad_norm_ takes it."""
 import dataclasses
 
 import numpy as np
@@ -91,3 +91,14 @@ def test_a_groups_lr_as_torch_optim_takes_it_trains_as_the_float(lr, tmp_path):
         assert result[0].error is None and result.checkpoint_failures == 0
         trained.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*trained))
+
+
+def test_a_clipping_norm_is_taken_as_clip_grad_norm_takes_it():
+    # A tensor or NumPy max_norm (torch.nn.utils.clip_grad_norm_ takes either) is kept as the float a checkpoint
+    # records; a str is refused by name, not by a failed comparison.
+    model = nn.Sequential(nn.Linear(2, 2))
+    for clip in (torch.tensor(0.5), np.float32(0.5), 0.5):
+        task = ht.ModelTask(model, data=[torch.zeros(1, 2)], loss_fn=lambda out, batch: out.sum(), clip_grad_norm=clip)
+        assert type(task.clip_grad_norm) is float and task.clip_grad_norm == 0.5
+    with pytest.raises(TypeError, match="clip_grad_norm must be a real number, got '1.0'"):
+        ht.ModelTask(model, data=[torch.zeros(1, 2)], loss_fn=lambda out, batch: out.sum(), clip_grad_norm="1.0")

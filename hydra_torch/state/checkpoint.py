@@ -113,8 +113,8 @@ def _base_name(task) -> str | None:
 
 
 def _check_fits(manifest: dict, task, where: str):
-    """Refuses a checkpoint of another task, model, optimizer, schedule or data length, or of more steps than
-    the task now takes."""
+    """Refuses a checkpoint of another task, model, optimizer, schedule, clipping or data length, or of more steps
+    than the task now takes."""
     if manifest["task"] != task.name:
         raise ValueError(f"{where} holds the checkpoint of task {manifest['task']!r}, not of task {task.name!r}")
     if manifest.get("base") != _base_name(task):
@@ -142,6 +142,9 @@ def _check_fits(manifest: dict, task, where: str):
         raise ValueError(f"{where} was trained with {recorded}, not {schedule}: resume with the same lr_schedule "
                          f"and warmup_steps, or use another checkpoint_dir (a callable lr_schedule is recorded as "
                          f"{CALLABLE!r}, so any callable passes for another)")
+    if manifest.get("clip_grad_norm", task.clip_grad_norm) != task.clip_grad_norm:  # older checkpoints lack it
+        raise ValueError(f"{where} was trained with clip_grad_norm={manifest['clip_grad_norm']!r}, not "
+                         f"{task.clip_grad_norm!r}: resume with the same clipping, or use another checkpoint_dir")
     if manifest["data_length"] != len(task.data) or manifest["accumulate"] != task.accumulate:
         raise ValueError(f"{where} was taken with len(data) = {manifest['data_length']} and accumulate = "
                          f"{manifest['accumulate']}, now {len(task.data)} and {task.accumulate}: its position "
@@ -259,8 +262,8 @@ def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
                 "losses": list(runner.losses), "eval_losses": [list(e) for e in runner.eval_losses],
                 "stopped": runner.stopped, "rung_reports": [list(r) for r in runner.rung_reports], "params": params,
                 "ties": ties, "base": _base_name(task), "optimizer": _optimizer_record(task), **_schedule_record(task),
-                "precision": task.precision, "data_length": len(task.data), "accumulate": task.accumulate,
-                "time": time.time()}
+                "precision": task.precision, "clip_grad_norm": task.clip_grad_norm, "data_length": len(task.data),
+                "accumulate": task.accumulate, "time": time.time()}
     return tensors, manifest
 
 

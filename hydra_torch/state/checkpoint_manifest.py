@@ -55,6 +55,7 @@ _OPTIONAL = {
     "lr_schedule": ("null or a str", lambda v: v is None or isinstance(v, str)),
     "warmup_steps": ("an int >= 0", _count),
     "base": ("null or a str", lambda v: v is None or isinstance(v, str)),  # the FrozenBase's name
+    "clip_grad_norm": ("null or a positive number", lambda v: v is None or (_number(v) and v > 0)),
 }
 
 
