@@ -57,3 +57,10 @@ def test_a_loss_not_measured_is_a_dash_in_the_table():
                          ["cpu"])
     rows = {line.split()[0]: line.split()[1:4] for line in results.summary().splitlines()[1:4]}
     assert rows == {"evaluated": ["4", "1.0000", "0.7500"], "plain": ["4", "1.0000", "-"], "none": ["0", "-", "-"]}
+
+
+def test_the_repr_says_when_no_task_is_best():
+    # No finite loss: Results.best is None, which the repr names rather than fails on.
+    results = ht.Results([result("diverged", loss=float("nan")), ht.TaskResult("none", [], 0, 0, 0.0, False, [])],
+                         ["cpu"])
+    assert "2 tasks on cpu in 0.0 s, best None;" in repr(results)

@@ -71,7 +71,7 @@ class TaskResult:
         return self.eval_losses[-1][1] if self.eval_losses else float("nan")
 
     def __repr__(self) -> str:
-        # As long whatever the run's length: the losses, shard loads and the like stay in their fields.
+        # Short whatever the run's length: the losses, shard loads and the like stay in their fields.
         status = f"failed: {self.error!r}" if not self.ok else self.unfinished or "finished"
         evaluated = f", validation loss {self.final_eval_loss:.4f}" if self.eval_losses else ""
         return (f"TaskResult({self.name!r}: {status}, {self.steps} of {self.total_steps} steps, final loss "
@@ -198,7 +198,7 @@ class Results:
         # notebook cell, a log line or a debugger would otherwise print whole.
         best = self.best
         return (f"<Results: {len(self.tasks)} tasks on {', '.join(self.devices)} in {self.wall_time:.1f} s, best "
-                f"{best.name if best is None else repr(best.name)}; .summary() tabulates them, .trace holds "
+                f"{None if best is None else repr(best.name)}; .summary() tabulates them, .trace holds "
                 f"{len(self.trace)} units, .steps {len(self.steps)} shard steps>")
 
     def __str__(self) -> str:
