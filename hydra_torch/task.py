@@ -26,7 +26,7 @@ PRECISIONS = ("fp32", "bf16")
 def _default_inputs(batch):
     if isinstance(batch, (tuple, list)):
         return batch[0]
-    if isinstance(batch, dict):
+    if isinstance(batch, collections.abc.Mapping):  # a dict, or a tokenizer's BatchEncoding
         if "input_ids" not in batch:
             raise KeyError("a dict batch needs 'input_ids' (or pass inputs=lambda batch: ...)")
         return batch["input_ids"]
@@ -172,7 +172,8 @@ class ModelTask:
     loss_fn(output, batch) -> scalar tensor, where output is the last shard's output (for a Hugging Face
     model the default is its causal-LM loss on batch["labels"]).
     data: an iterable of batches, re-iterable when epochs > 1. ``inputs(batch)`` is what the first shard
-    takes (default: batch[0] for tuples, batch["input_ids"] for dicts, else the batch itself).
+    takes (default: batch[0] for tuples, batch["input_ids"] for dicts and other mappings, as a tokenizer's or
+    data collator's BatchEncoding, else the batch itself).
     accumulate: micro-batches per optimizer step (the loss is averaged over them, as with loss / n in a plain
     loop; transformers.Trainer weighs each micro-batch by its labelled tokens instead, which is the same only where
     every micro-batch has as many: with padding the two differ).

@@ -277,7 +277,8 @@ def test_masks_and_rotary_tables_are_carried_along_without_gradients():
     """The first piece computes them once per micro-batch; at a shard boundary they stay as they are while the
     hidden states become leaves that take a gradient."""
     from hydra_torch.models.carried import Carried
-    from hydra_torch.run.compute import input_grads, requiring_grad, to_device
+    from hydra_torch.models.batch_tree import to_device
+    from hydra_torch.run.compute import input_grads, requiring_grad
 
     model = tiny("gemma3")  # two mask types, two rotary tables
     model.config._attn_implementation = "eager"  # a float mask

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hydra_torch._loader import native as _C
 from hydra_torch.models import saved_tensors, sharding
+from hydra_torch.models.batch_tree import to_device
 from hydra_torch.models.carried import as_shard_input
 from hydra_torch.models.memory import format_bytes, parse_budget
 from hydra_torch.models.lane_summary import describe as describe_lane_plan
@@ -218,7 +219,7 @@ def probe_pieces(task, device: torch.device, sample_batch, repeats: int = 3,
     of `repeats` timed passes (0 where `repeats` is 0: memory alone, without the passes that warm up and time);
     `input_bytes`, when given, receives the bytes of each piece's input."""
     dtype = task.compute_dtype
-    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_batch)
+    batch = to_device(sample_batch, device, non_blocking=False)
     x = task.inputs(batch)
     if dtype != torch.float32:
         x = tree_map(lambda t: t.to(dtype) if _floating(t) else t, x)

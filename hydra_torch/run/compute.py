@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from hydra_torch.models.carried import as_shard_input
 
@@ -35,10 +35,6 @@ def input_grads(x_in) -> list:
     """The gradients of a shard's input leaves (see requiring_grad), None for what is not floating."""
     leaves, _ = tree_flatten(x_in)
     return [t.grad if floating(t) else None for t in leaves]
-
-
-def to_device(tree, device):
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def check_loss(loss, task_name: str):

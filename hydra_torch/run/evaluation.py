@@ -9,7 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_map
 
-from hydra_torch.run.compute import floating, loss_value, run_shard, to_device
+from hydra_torch.models.batch_tree import to_device
+from hydra_torch.run.compute import floating, loss_value, run_shard
 from hydra_torch.run.steps import END, DataLengthError
 
 

@@ -19,8 +19,9 @@ from torch.utils._pytree import tree_map
 
 from hydra_torch._loader import native as _C
 from hydra_torch.models import sharding
+from hydra_torch.models.batch_tree import to_device
 from hydra_torch.recipe import schedules
-from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError, floating, to_device
+from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError, floating
 from hydra_torch.run import units
 from hydra_torch.run.evaluation import EvalPass
 from hydra_torch.run.micro_batch import MicroBatch

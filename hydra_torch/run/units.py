@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hydra_torch.models.batch_tree import to_device
 from hydra_torch.models.saved_tensors import saved_tensors
-from hydra_torch.run.compute import check_loss, floating, input_grads, requiring_grad, run_shard, to_device
+from hydra_torch.run.compute import check_loss, floating, input_grads, requiring_grad, run_shard
 from hydra_torch.run.saved_bytes import tensor_bytes
 
 

@@ -1,6 +1,8 @@
 """What decoder-only language models share: the causal-LM loss and the checks of a batch."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,8 +158,9 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
     that many, so longer sequences and position ids outside [lowest_position, max_positions) are refused (an
     embedding lookup out of range would fail mid-run, on CUDA as a device-side assert that ends every task)."""
     def check_batch(batch):
-        if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
-            if isinstance(batch, dict) and "inputs_embeds" in batch:
+        # A mapping: a dict, or the BatchEncoding of a tokenizer or DataCollatorForLanguageModeling.
+        if not isinstance(batch, Mapping) or "input_ids" not in batch or "labels" not in batch:
+            if isinstance(batch, Mapping) and "inputs_embeds" in batch:
                 raise KeyError("batches with 'inputs_embeds' are not supported: pass 'input_ids' (the embeddings "
                                "are the model's first shard)")
             raise KeyError("a language-model batch is a dict with 'input_ids' and 'labels' "
