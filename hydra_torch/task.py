@@ -40,8 +40,8 @@ def _precision(params, precision: str | None) -> str:
     dtypes = {p.dtype for shard in params for p in shard}
     unsupported = sorted(str(d) for d in dtypes if d not in _DTYPE_PRECISION)
     if unsupported:
-        raise ValueError(f"model parameters in {', '.join(unsupported)} are not supported (no loss scaling): pass "
-                         "the model in fp32 (model.float()), with precision='bf16' for bf16 compute")
+        raise ValueError(f"model parameters in {', '.join(unsupported)} are not supported (fp32 or bf16 compute, no "
+                         "fp16 loss scaling): pass the model in fp32 (model.float()), with precision='bf16' for bf16")
     if precision is not None:
         return precision
     if len(dtypes) > 1:

@@ -289,6 +289,8 @@ def test_a_bf16_model_trains_in_bf16_and_fp16_is_refused():
     assert ht.ModelTask(tied_transformer(), loss_fn=lm_loss, data=data).precision == "fp32"
     with pytest.raises(ValueError, match="float16 are not supported"):
         ht.ModelTask(tied_transformer().half(), loss_fn=lm_loss, data=data)
+    with pytest.raises(ValueError, match=r"float64 are not supported \(fp32 or bf16 compute"):
+        ht.ModelTask(tied_transformer().double(), loss_fn=lm_loss, data=data)
     mixed = tied_transformer()
     mixed[1].to(torch.bfloat16)
     with pytest.raises(ValueError, match="mixes fp32 and bf16"):
