@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from hydra_torch.models.batch_tree import to_device
+from hydra_torch.models.hf.adapter import check_drawn_batch
 from hydra_torch.run.compute import floating, loss_value, run_shard
 from hydra_torch.run.steps import END, DataLengthError
 
@@ -49,6 +50,7 @@ class EvalPass:
                 if self.batch is END:
                     raise DataLengthError(f"task {task.name!r}: eval_data ended after {b} batches, but "
                                           f"len(eval_data) is {self.count}")
+                check_drawn_batch(task.adapter, self.batch)
                 self.x = task.inputs(to_device(self.batch, device))
                 if runner.compute_dtype != torch.float32:
                     self.x = tree_map(lambda t: t.to(runner.compute_dtype) if floating(t) else t, self.x)

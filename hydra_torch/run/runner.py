@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from hydra_torch._loader import native as _C
 from hydra_torch.models import sharding
 from hydra_torch.models.batch_tree import to_device
+from hydra_torch.models.hf.adapter import check_drawn_batch
 from hydra_torch.recipe import schedules
 from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError, floating
 from hydra_torch.run import units
@@ -185,7 +186,9 @@ class TaskRunner:
             self._step_buffers = [(m, name, m._buffers[name], m._buffers[name]._version)
                                   for shard in self.shard_buffers for m, name in shard]
         with self.random_streams(None, device):  # a dataset may augment
-            batch = to_device(self._group[self._position], device)
+            batch = self._group[self._position]
+            check_drawn_batch(self.task.adapter, batch)
+            batch = to_device(batch, device)
             self._position += 1
             x = self.task.inputs(batch)
         if self.compute_dtype != torch.float32:

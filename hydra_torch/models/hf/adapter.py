@@ -1,9 +1,11 @@
 """The adapter protocol, and the lookup from a model's class to its adapter."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 # The transformers releases the adapters are tested against (CI runs them on the oldest and the newest): they
@@ -21,6 +23,17 @@ class Adapter:
     # Makes the last piece hand loss_fn what it computes the LM head from, chunk by chunk, instead of the logits
     # (causal_lm.HeadOutput): for the default loss only, since a user's loss_fn takes the logits.
     fuse_head: Callable[[], None]
+
+
+def check_drawn_batch(adapter: Adapter | None, batch) -> None:
+    """A batch drawn as its task runs, checked as the first one was when the task was built: a token id or label
+    outside the vocabulary would fail on the device (on CUDA as a device-side assert, which ends every task of the
+    process). Its values are read where they lie on the CPU only (read on a device, the host would wait for it)."""
+    if adapter is None:
+        return
+    values = batch.values() if isinstance(batch, Mapping) else ()
+    if all(not isinstance(value, torch.Tensor) or value.device.type == "cpu" for value in values):
+        adapter.check_batch(batch)
 
 
 def adapt(model) -> Adapter | None:

@@ -58,7 +58,7 @@ class LMHead(nn.Module):
 def shifted_labels(labels):
     """Each position's target is the next token; the last position has none (IGNORE_INDEX). Every position's
     logits are then used as they are, none sliced off (which would copy them)."""
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.pad(labels[:, 1:].long(), (0, 1), value=IGNORE_INDEX)  # int32 labels too: the losses take int64
 
 
 def causal_lm_loss(output, batch):
@@ -153,6 +153,21 @@ def inputs(batch):
     return batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
 
 
+def check_labels(labels, shape, vocab_size: int):
+    """Labels of input_ids' shape, each a token id or IGNORE_INDEX: the loss's lookup of any other fails mid-run,
+    on CUDA as a device-side assert."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(shape)}, got "
+                         f"{tuple(getattr(labels, 'shape', ()))} {getattr(labels, 'dtype', type(labels).__name__)}")
+    if labels.shape != shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(shape)}")
+    outside = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)].unique().tolist()
+    if outside:
+        raise ValueError(f"labels must lie in [0, {vocab_size}) or be {IGNORE_INDEX} (ignored); found "
+                         f"{', '.join(map(str, outside[:4]))}{', ...' if len(outside) > 4 else ''}: does the "
+                         "tokenizer match the model?")
+
+
 def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: int = 0):
     """Checks of a batch before anything runs. `max_positions`: a model with learned positions (GPT-2, OPT) holds
     that many, so longer sequences and position ids outside [lowest_position, max_positions) are refused (an
@@ -177,9 +192,7 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
         if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
             raise ValueError(f"token ids must lie in [0, {vocab_size}) (the model's vocab_size); found "
                              f"[{int(ids.min())}, {int(ids.max())}]: does the tokenizer match the model?")
-        if batch["labels"].shape != ids.shape:
-            raise ValueError(f"labels {tuple(batch['labels'].shape)} must have the shape of input_ids "
-                             f"{tuple(ids.shape)}")
+        check_labels(batch["labels"], ids.shape, vocab_size)
         mask = batch.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
             raise ValueError(f"attention_mask {tuple(getattr(mask, 'shape', ()))} must have the shape of input_ids "

@@ -1,0 +1,79 @@
+"""A language model's batches are checked before they reach a device, each as it is drawn: a label or token id
+outside the vocabulary fails as an index error on the CPU, and on CUDA as a device-side assert that ends every task
+of the process."""
+import pytest
+import torch
+
+import hydra_torch as ht
+
+pytest.importorskip("transformers")
+from test_hf_gpt2 import VOCAB, batches, tiny_gpt2  # noqa: E402
+
+
+def with_labels(batch, change):
+    labels = batch["labels"].clone()
+    change(labels)
+    return dict(batch, labels=labels)
+
+
+def set_one(value):
+    def change(labels):
+        labels[0, 3] = value
+    return change
+
+
+@pytest.mark.parametrize("value", [VOCAB, -5, -101])
+def test_a_label_outside_the_vocabulary_is_refused_when_the_task_is_built(value):
+    data = [with_labels(batches(1)[0], set_one(value))]
+    with pytest.raises(ValueError, match=rf"labels must lie in \[0, {VOCAB}\) or be -100 \(ignored\); found "):
+        ht.ModelTask(tiny_gpt2(), data=data)
+    with pytest.raises(ValueError, match=r"eval_data: labels must lie in"):
+        ht.ModelTask(tiny_gpt2(), data=batches(1), eval_data=data)
+
+
+@pytest.mark.parametrize("labels, match", [(lambda ids: ids.float(), "torch.float32"),
+                                           (lambda ids: ids.tolist(), "list")])
+def test_labels_that_are_no_integer_tensor_are_refused_by_name(labels, match):
+    batch = batches(1)[0]
+    with pytest.raises(ValueError, match=rf"labels must be an integer tensor .*{match}"):
+        ht.ModelTask(tiny_gpt2(), data=[dict(batch, labels=labels(batch["labels"]))])
+
+
+def test_int32_labels_train_as_int64_ones():
+    data = batches(3)
+    models = [tiny_gpt2(dropout=0.0), tiny_gpt2(dropout=0.0)]
+    tasks = [ht.ModelTask(models[0], data=data, name="int64"),
+             ht.ModelTask(models[1], data=[dict(b, labels=b["labels"].int()) for b in data], name="int32")]
+    results = ht.train(tasks, devices="cpu", progress=False)
+    assert all(r.error is None for r in results) and results[0].losses == results[1].losses
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+
+
+@pytest.mark.parametrize("field, change, match", [
+    ("labels", set_one(VOCAB), "labels must lie in"),
+    ("input_ids", set_one(VOCAB), "token ids must lie in"),
+])
+def test_a_later_bad_batch_stops_its_task_before_reaching_the_device(field, change, match):
+    data = batches(4)
+    values = data[2][field].clone()
+    change(values)
+    data[2] = dict(data[2], **{field: values})
+    model, other = tiny_gpt2(dropout=0.0), tiny_gpt2(dropout=0.0)
+    tasks = [ht.ModelTask(model, data=data, name="bad"), ht.ModelTask(other, data=batches(4), name="good")]
+    with pytest.warns(RuntimeWarning, match="stopped"):
+        bad, good = ht.train(tasks, devices="cpu", progress=False)
+    assert isinstance(bad.error, ValueError) and match in str(bad.error), repr(bad.error)
+    assert bad.steps == 2 and good.error is None and good.steps == 4
+    reference = tiny_gpt2(dropout=0.0)
+    ht.train([ht.ModelTask(reference, data=data[:2])], devices="cpu", progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())), \
+        "the weights of the last completed step are kept"
+
+
+def test_a_later_bad_validation_batch_fails_its_evaluation_by_name():
+    eval_data = batches(3, seed=1)
+    eval_data[1] = with_labels(eval_data[1], set_one(VOCAB))
+    task = ht.ModelTask(tiny_gpt2(dropout=0.0), data=batches(2), eval_data=eval_data)
+    with pytest.warns(RuntimeWarning, match="stopped"):
+        result = ht.train([task], devices="cpu", progress=False)[0]
+    assert isinstance(result.error, ValueError) and "labels must lie in" in str(result.error), repr(result.error)
