@@ -77,3 +77,12 @@ def test_a_later_bad_validation_batch_fails_its_evaluation_by_name():
     with pytest.warns(RuntimeWarning, match="stopped"):
         result = ht.train([task], devices="cpu", progress=False)[0]
     assert isinstance(result.error, ValueError) and "labels must lie in" in str(result.error), repr(result.error)
+
+
+def test_a_batch_whose_loss_has_no_label_is_refused_by_name():
+    # Its loss is 0 / 0 = nan, as plain PyTorch's: the task stopped on a nan loss, without saying why.
+    batch = batches(1)[0]
+    labels = batch["labels"].clone()
+    labels[:, 1:] = -100  # the first position's label is never predicted (the loss shifts the labels)
+    with pytest.raises(ValueError, match=r"every label the loss uses \(labels\[:, 1:\]\) is -100"):
+        ht.ModelTask(tiny_gpt2(), data=[dict(batch, labels=labels)])

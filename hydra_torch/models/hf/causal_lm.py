@@ -166,6 +166,9 @@ def check_labels(labels, shape, vocab_size: int):
         raise ValueError(f"labels must lie in [0, {vocab_size}) or be {IGNORE_INDEX} (ignored); found "
                          f"{', '.join(map(str, outside[:4]))}{', ...' if len(outside) > 4 else ''}: does the "
                          "tokenizer match the model?")
+    if not bool((labels[:, 1:] != IGNORE_INDEX).any()):
+        raise ValueError(f"every label the loss uses (labels[:, 1:]) is {IGNORE_INDEX}: the batch's loss would be "
+                         "0 / 0 = nan; give it labels or leave it out")
 
 
 def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: int = 0):
