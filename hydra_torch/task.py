@@ -219,8 +219,7 @@ class ModelTask:
                              "another name")
         adapter = adapt(model)
         if loss_fn is None and adapter is not None:
-            loss_fn = adapter.loss_fn
-            adapter.fuse_head()
+            loss_fn = adapter.use_default_loss()
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(output, batch)")
         if inputs is not None and not callable(inputs):
@@ -288,10 +287,10 @@ class ModelTask:
             raise ValueError("shards='auto' measures the model on a batch of data, which a one-shot iterator would "
                              "lose: pass a list or a DataLoader, or choose the shards")
         if adapter is not None and not one_shot:  # a one-shot iterator's first batch would be lost to the check
-            adapter.check_batch(next(iter(data)))
+            adapter.check(next(iter(data)))
         if adapter is not None and eval_data is not None:
             try:
-                adapter.check_batch(next(iter(eval_data)))
+                adapter.check(next(iter(eval_data)))
             except (KeyError, ValueError, TypeError) as error:
                 raise type(error)(f"eval_data: {error.args[0] if error.args else error}") from None
         # id(parameter) -> (parameter, lr, weight_decay) where a group overrides the optimizer's

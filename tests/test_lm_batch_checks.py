@@ -86,3 +86,33 @@ def test_a_batch_whose_loss_has_no_label_is_refused_by_name():
     labels[:, 1:] = -100  # the first position's label is never predicted (the loss shifts the labels)
     with pytest.raises(ValueError, match=r"every label the loss uses \(labels\[:, 1:\]\) is -100"):
         ht.ModelTask(tiny_gpt2(), data=[dict(batch, labels=labels)])
+
+
+def test_with_a_loss_of_its_own_a_batch_needs_no_labels_and_its_labels_are_the_losss():
+    # A loss_fn of the user's (distillation, targets under another name, soft labels) takes the logits: batches
+    # without labels, or with labels no causal-LM loss could take, were refused as "not a language-model batch".
+    g = torch.Generator().manual_seed(0)
+    data = [dict(input_ids=b["input_ids"], target=b["labels"], labels=torch.rand(*b["input_ids"].shape, VOCAB,
+                                                                                generator=g)) for b in batches(3)]
+
+    def loss_fn(logits, batch):
+        hard = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["target"][:, 1:].reshape(-1))
+        return hard + 0.1 * torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                              batch["labels"].reshape(-1, VOCAB))
+
+    model, reference = tiny_gpt2(dropout=0.0), tiny_gpt2(dropout=0.0)
+    unlabelled = [{key: b[key] for key in ("input_ids", "target")} for b in data]
+    assert ht.ModelTask(tiny_gpt2(), data=unlabelled, loss_fn=lambda logits, batch: logits.sum()) is not None
+    task = ht.ModelTask(model, data=data, eval_data=data[:1], loss_fn=loss_fn, optimizer=ht.optim.SGD(lr=0.1))
+    result = ht.train([task], devices="cpu", progress=False)[0]
+    assert result.error is None and result.steps == 3 and result.eval_losses
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in data:
+        optimizer.zero_grad()
+        loss_fn(reference(input_ids=batch["input_ids"]).logits, batch).backward()
+        optimizer.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"token ids must lie in"):  # what the model takes is still checked
+        ht.ModelTask(tiny_gpt2(), data=[dict(unlabelled[0], input_ids=unlabelled[0]["input_ids"] + VOCAB)],
+                     loss_fn=loss_fn)

@@ -18,11 +18,22 @@ class Adapter:
     pieces: list[nn.Module]                        # run in order; each takes the previous one's output
     inputs: Callable[[Any], Any]                   # batch -> what the first piece takes
     loss_fn: Callable[[Any, Any], Any]             # (last piece's output, batch) -> scalar loss
-    check_batch: Callable[[Any], None]             # raises a clear error for a batch the model cannot take
+    # (batch, labels) -> None: raises a clear error for a batch the model (and with `labels` its loss) cannot take
+    check_batch: Callable[[Any, bool], None]
     description: str
     # Makes the last piece hand loss_fn what it computes the LM head from, chunk by chunk, instead of the logits
     # (causal_lm.HeadOutput): for the default loss only, since a user's loss_fn takes the logits.
     fuse_head: Callable[[], None]
+    default_loss: bool = False  # the task's loss is loss_fn (use_default_loss), so its batches' labels are its
+
+    def use_default_loss(self):
+        """loss_fn, for a task that passed none: its head fused and its batches' labels checked."""
+        self.default_loss = True
+        self.fuse_head()
+        return self.loss_fn
+
+    def check(self, batch) -> None:
+        self.check_batch(batch, self.default_loss)
 
 
 def check_drawn_batch(adapter: Adapter | None, batch) -> None:
@@ -33,7 +44,7 @@ def check_drawn_batch(adapter: Adapter | None, batch) -> None:
         return
     values = batch.values() if isinstance(batch, Mapping) else ()
     if all(not isinstance(value, torch.Tensor) or value.device.type == "cpu" for value in values):
-        adapter.check_batch(batch)
+        adapter.check(batch)
 
 
 def adapt(model) -> Adapter | None:

@@ -174,15 +174,17 @@ def check_labels(labels, shape, vocab_size: int):
 def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: int = 0):
     """Checks of a batch before anything runs. `max_positions`: a model with learned positions (GPT-2, OPT) holds
     that many, so longer sequences and position ids outside [lowest_position, max_positions) are refused (an
-    embedding lookup out of range would fail mid-run, on CUDA as a device-side assert that ends every task)."""
-    def check_batch(batch):
+    embedding lookup out of range would fail mid-run, on CUDA as a device-side assert that ends every task).
+    `labels`: the batch's labels are the causal-LM loss's (with a loss_fn of the user's they are its own)."""
+    def check_batch(batch, labels: bool):
         # A mapping: a dict, or the BatchEncoding of a tokenizer or DataCollatorForLanguageModeling.
-        if not isinstance(batch, Mapping) or "input_ids" not in batch or "labels" not in batch:
+        if not isinstance(batch, Mapping) or "input_ids" not in batch or (labels and "labels" not in batch):
             if isinstance(batch, Mapping) and "inputs_embeds" in batch:
                 raise KeyError("batches with 'inputs_embeds' are not supported: pass 'input_ids' (the embeddings "
                                "are the model's first shard)")
-            raise KeyError("a language-model batch is a dict with 'input_ids' and 'labels' "
-                           "(and optionally 'attention_mask' and 'position_ids')")
+            needs = "'input_ids' and 'labels'" if labels else "'input_ids'"
+            raise KeyError(f"a language-model batch is a dict with {needs} (and optionally 'attention_mask' and "
+                           "'position_ids')")
         if "inputs_embeds" in batch:
             raise KeyError("a batch has both 'input_ids' and 'inputs_embeds': hydra-torch embeds 'input_ids' "
                            "in the model's first shard; drop 'inputs_embeds'")
@@ -195,7 +197,8 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
         if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
             raise ValueError(f"token ids must lie in [0, {vocab_size}) (the model's vocab_size); found "
                              f"[{int(ids.min())}, {int(ids.max())}]: does the tokenizer match the model?")
-        check_labels(batch["labels"], ids.shape, vocab_size)
+        if labels:
+            check_labels(batch["labels"], ids.shape, vocab_size)
         mask = batch.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
             raise ValueError(f"attention_mask {tuple(getattr(mask, 'shape', ()))} must have the shape of input_ids "

@@ -51,8 +51,8 @@ def batch_checker(config):
     """causal_lm's checks, and token_type_ids of input_ids' shape, each an id of the vocabulary (wte embeds them)."""
     check_causal_lm = causal_lm.batch_checker(config.vocab_size, config.n_positions)
 
-    def check_batch(batch):
-        check_causal_lm(batch)
+    def check_batch(batch, labels: bool):
+        check_causal_lm(batch, labels)
         types, ids = batch.get("token_type_ids"), batch["input_ids"]
         if types is None:
             return
