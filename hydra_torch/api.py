@@ -23,7 +23,8 @@ from hydra_torch.selection.rules import Selection
 from hydra_torch.state import checkpoint, checkpoint_dirs, interrupts, task_rng
 from hydra_torch.state.checkpoint_writer import Checkpointer
 from hydra_torch.models import frozen_base
-from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode, warn_restarted
+from hydra_torch.task import ModelTask
+from hydra_torch.task_checks import check_own_models, warn_eval_mode, warn_restarted
 
 
 def _check_seed(seed):

@@ -116,3 +116,12 @@ def test_with_a_loss_of_its_own_a_batch_needs_no_labels_and_its_labels_are_the_l
     with pytest.raises(ValueError, match=r"token ids must lie in"):  # what the model takes is still checked
         ht.ModelTask(tiny_gpt2(), data=[dict(unlabelled[0], input_ids=unlabelled[0]["input_ids"] + VOCAB)],
                      loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("inputs", [lambda batch: batch["input_ids"], lambda batch: (batch["input_ids"], None, None)])
+def test_inputs_of_ones_own_for_a_hugging_face_model_are_refused_by_name(inputs):
+    # Its first shard takes what the adapter reads from the batch dict: another input failed mid-run with
+    # "not enough values to unpack (expected 4, got 2)".
+    with pytest.raises(TypeError, match=r"inputs= is for models cut by hand: a GPT2LMHeadModel takes its inputs from "
+                                        r"the batch's 'input_ids', 'attention_mask' and 'position_ids'"):
+        ht.ModelTask(tiny_gpt2(), data=batches(1), inputs=inputs)

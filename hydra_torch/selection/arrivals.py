@@ -104,7 +104,8 @@ class OpenRun:
         from hydra_torch.models import memory, planner
         from hydra_torch.run import bases, lifecycle, measuring, moving
         from hydra_torch.run.runner import TaskRunner
-        from hydra_torch.task import ModelTask, check_own_models, warn_eval_mode, warn_restarted
+        from hydra_torch.task import ModelTask
+        from hydra_torch.task_checks import check_own_models, warn_eval_mode, warn_restarted
 
         if not isinstance(task, ModelTask):
             raise TypeError(f"a task joining the run must be a ModelTask, got {type(task).__name__}")
