@@ -11,6 +11,7 @@ import torch
 from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner
 from hydra_torch.models.memory import parse_budget
+from hydra_torch.recipe.reals import integral
 from hydra_torch.report.results import Results
 from hydra_torch.run import call_end, lifecycle, measuring, saved_bytes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
@@ -140,6 +141,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     anything. Several calls' tasks train together when passed to one call.
     """
     with _sole_call():
+        seed, host_threads, checkpoint_every = map(integral, (seed, host_threads, checkpoint_every))  # np.int64(3)
         tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement)
         resolved = resolve_devices(devices)
         threads, team = host_step_threads(host_threads, resolved)

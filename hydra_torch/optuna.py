@@ -25,6 +25,7 @@ import threading
 import warnings
 
 from hydra_torch import api
+from hydra_torch.recipe.reals import integral
 from hydra_torch.selection.arrivals import Arrivals, RunClosedError
 from hydra_torch.selection.rules import Selection
 from hydra_torch.state import task_rng
@@ -50,6 +51,7 @@ def optimize(study, build_task, n_trials: int, concurrent: int = 2, *, devices="
     told, if it fails; likewise, as it is, an error of build_task's that is not an Exception (KeyboardInterrupt,
     say). Every trial asked is told COMPLETE, PRUNED or FAIL, also when this raises."""
     optuna = _optuna()
+    n_trials, concurrent = integral(n_trials), integral(concurrent)  # NumPy's or torch's whole numbers too
     for label, value in (("n_trials", n_trials), ("concurrent", concurrent)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive int, got {value!r}")

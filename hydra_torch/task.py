@@ -15,7 +15,7 @@ from hydra_torch.models.frozen_base import FrozenBase
 from hydra_torch.models.hf import adapt
 from hydra_torch.recipe import optim, schedules
 from hydra_torch.recipe import param_groups as param_groups_
-from hydra_torch.recipe.reals import real
+from hydra_torch.recipe.reals import integral, real
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -151,6 +151,9 @@ class ModelTask:
                  warmup_steps: int = 0, param_groups=None, eval_data: Iterable | None = None,
                  eval_every: int | None = None, base: FrozenBase | None = None):
         optimizer = optim.AdamW() if optimizer is None else optimizer
+        # Whole numbers of NumPy's or torch's as the ints they are (a checkpoint's manifest records them as JSON).
+        epochs, accumulate, max_steps, warmup_steps, eval_every, shards = map(
+            integral, (epochs, accumulate, max_steps, warmup_steps, eval_every, shards))
         if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(optimizer, optim.OPTIMIZERS):
             raise TypeError(f"optimizer must be one of hydra_torch.optim.{{Adam, AdamW, SGD}}(...), got "
                             f"{type(optimizer).__name__}: hydra-torch steps shards natively")

@@ -4,6 +4,7 @@ import os
 import signal
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,7 +142,7 @@ def test_a_sampler_that_raises_stops_new_trials_and_the_running_ones_are_told():
 
 def test_bad_arguments():
     study = optuna.create_study()
-    for bad in ({"n_trials": 0}, {"n_trials": 2, "concurrent": 0}):
+    for bad in ({"n_trials": 0}, {"n_trials": 2, "concurrent": 0}, {"n_trials": 2.0}, {"n_trials": np.bool_(True)}):
         with pytest.raises(ValueError, match="positive int"):
             optimize(study, build, **bad)
     with pytest.raises(ValueError, match="minimise one value"):

@@ -1,5 +1,5 @@
-"""Hyperparameters as torch.optim takes them, as the floats the native step takes and a checkpoint's manifest
-(JSON) records."""
+"""Hyperparameters as torch.optim takes them, as the floats and ints the native code takes and a checkpoint's
+manifest (JSON) records."""
 from __future__ import annotations
 
 import numbers
@@ -16,3 +16,15 @@ def real(name: str, value) -> float:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"{name} must be a real number, got {value!r}")
+
+
+def integral(value):
+    """`value` as a Python int where it is a whole number of another type: a NumPy integer or a one-element integer
+    tensor (from np.arange, a sweep's table, a DataFrame row), as torch takes them. Anything else is returned as it
+    is, for the caller's check to refuse by name: a float (2.0), a bool, NumPy's bool too."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)  # NumPy's integers register as numbers.Integral; its bool does not
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return int(value)
+    return value
