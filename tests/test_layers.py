@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(hydra_torch.__file__).parent
 LAYERS = [
     {"_loader"},
     {"ops", "testing", "recipe", "models"},
-    {"task"},
+    {"task", "task_checks"},
     {"state", "report"},
     {"run"},
     {"selection"},
