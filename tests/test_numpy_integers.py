@@ -46,3 +46,12 @@ def test_successive_halving_and_plan_take_numpy_integers():
         ht.SuccessiveHalving(min_steps=np.float64(2.0))
     task = ht.ModelTask(tied_transformer(), data=token_batches(1), loss_fn=lm_loss, shards="auto")
     assert len(ht.plan(task, max_shards=np.int64(2), repeats=np.int64(1), placement=None).starts) <= 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads the refusal of a CUDA index where there is no CUDA")
+@pytest.mark.parametrize("devices", [np.int64(0), [np.int64(0)], torch.tensor(0)])
+def test_a_numpy_device_index_names_a_cuda_device_as_an_int_does(devices):
+    from hydra_torch.run.devices import resolve_devices
+
+    with pytest.raises(ValueError, match="device cuda:0 was asked for but CUDA is not available"):
+        resolve_devices(devices)

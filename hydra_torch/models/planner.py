@@ -20,7 +20,6 @@ from hydra_torch.models.batch_tree import to_device
 from hydra_torch.models.carried import as_shard_input
 from hydra_torch.models.memory import format_bytes, parse_budget
 from hydra_torch.models.lane_summary import describe as describe_lane_plan
-from hydra_torch.recipe.reals import integral
 
 
 @dataclass
@@ -104,7 +103,6 @@ def plan_shards(task, device="cpu", budget=None, sample_batch=None, *, max_shard
     those leave. ValueError names the smallest budget that would work when `budget` is too small.
     """
     device = torch.device(device)
-    repeats, max_shards = integral(repeats), integral(max_shards)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     if max_shards is not None and (isinstance(max_shards, bool) or not isinstance(max_shards, int) or max_shards < 1):

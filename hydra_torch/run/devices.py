@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from hydra_torch.recipe.reals import integral
+
 
 def resolve_devices(devices) -> list[torch.device]:
     """"auto" (the first GPU, else the CPU), a device, or a list of devices. Repeating "cpu" k times gives
@@ -12,12 +14,13 @@ def resolve_devices(devices) -> list[torch.device]:
     model.cuda(0)."""
     if devices == "auto":
         return [torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")]
+    devices = integral(devices)  # a NumPy or tensor index, as an int
     if isinstance(devices, (str, torch.device, int)):
         devices = [devices]
     try:
         # torch.device(0) names the current accelerator, and on a machine without one fails without naming CUDA.
         resolved = [torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
-                    for d in devices]
+                    for d in map(integral, devices)]
     except (TypeError, RuntimeError) as error:
         raise ValueError(f"cannot read devices={devices!r}: {error}") from None
     if not resolved:
