@@ -125,3 +125,12 @@ def test_inputs_of_ones_own_for_a_hugging_face_model_are_refused_by_name(inputs)
     with pytest.raises(TypeError, match=r"inputs= is for models cut by hand: a GPT2LMHeadModel takes its inputs from "
                                         r"the batch's 'input_ids', 'attention_mask' and 'position_ids'"):
         ht.ModelTask(tiny_gpt2(), data=batches(1), inputs=inputs)
+
+
+@pytest.mark.parametrize("example", [lambda ids: ids, lambda ids: ids.tolist()])
+def test_a_dataset_of_examples_passed_as_data_is_told_to_batch_them(example):
+    # A tokenized datasets.Dataset (or a list of examples) passed as data: each item is one example, 1-d.
+    ids = torch.arange(8)
+    with pytest.raises(ValueError, match=r"input_ids must be a 2-d integer tensor .*each item of data is one batch, "
+                                         r"not one example: batch the examples with a DataLoader"):
+        ht.ModelTask(tiny_gpt2(), data=[{"input_ids": example(ids), "labels": example(ids)}] * 2)

@@ -190,8 +190,13 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
                            "in the model's first shard; drop 'inputs_embeds'")
         ids = batch["input_ids"]
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            one_example = (isinstance(ids, torch.Tensor) and ids.dim() == 1) or (  # a tokenized dataset's item
+                isinstance(ids, (list, tuple)) and not any(isinstance(i, (list, tuple)) for i in ids))
             raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got "
-                             f"{tuple(getattr(ids, 'shape', ()))} {getattr(ids, 'dtype', type(ids).__name__)}")
+                             f"{tuple(getattr(ids, 'shape', ()))} {getattr(ids, 'dtype', type(ids).__name__)}" +
+                             ("; each item of data is one batch, not one example: batch the examples with a "
+                              "DataLoader (collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False))"
+                              if one_example else ""))
         if max_positions is not None and ids.shape[1] > max_positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's n_positions={max_positions}")
         if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
