@@ -141,3 +141,17 @@ def test_the_summary_names_the_loss_the_best_was_chosen_by():
     # Not every task was evaluated, so the training loss chose: the summary says that loss, not another.
     evaluated = result("evaluated", 0.25, eval_loss=float("nan"))
     assert "best: evaluated (final loss 0.2500)" in summary_lines(evaluated, result("other", 0.5))
+
+
+def test_a_result_is_found_by_position_name_or_task_and_in_answers_alike():
+    # `"t0" in results` said False while results["t0"] found it (in compared each TaskResult with the str).
+    tasks = [ht.ModelTask(tied_transformer(seed=i, blocks=1), data=token_batches(1), loss_fn=lm_loss, name=f"t{i}")
+             for i in range(2)]
+    results = ht.train(tasks, devices="cpu", progress=False)
+    assert results["t1"] is results[1] is results[tasks[1]] is results[-1]
+    assert "t0" in results and tasks[0] in results and results[0] in results
+    assert "t2" not in results and 0 not in results and None not in results
+    other = ht.ModelTask(tied_transformer(blocks=1), data=token_batches(1), loss_fn=lm_loss, name="t2")
+    assert other not in results
+    with pytest.raises(KeyError, match="no task named 't2'"):
+        results[other]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from hydra_torch.models.memory import format_bytes
 from hydra_torch.models.lane_summary import describe as describe_lane_plan
+from hydra_torch.task import ModelTask
 
 
 def shard_list(shards: list[int]) -> str:
@@ -212,6 +213,9 @@ class Results:
         return len(self.tasks)
 
     def __getitem__(self, key):
+        """A task's result: by position, by name, or by its ModelTask."""
+        if isinstance(key, ModelTask):
+            key = key.name
         if isinstance(key, str):
             for task in self.tasks:
                 if task.name == key:
@@ -219,6 +223,14 @@ class Results:
             raise KeyError(f"no task named {key!r} in these results: "
                            + ", ".join(repr(task.name) for task in self.tasks))
         return self.tasks[key]
+
+    def __contains__(self, key) -> bool:
+        """Whether a task's result is here: by name, by its ModelTask, or the TaskResult itself."""
+        if isinstance(key, TaskResult):
+            return any(task is key for task in self.tasks)
+        if isinstance(key, ModelTask):
+            key = key.name
+        return isinstance(key, str) and any(task.name == key for task in self.tasks)
 
     @property
     def best(self) -> TaskResult | None:
