@@ -5,6 +5,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -195,7 +196,10 @@ def _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placeme
     lifecycle.check_placement(placement)
     if isinstance(tasks, ModelTask):
         tasks = [tasks]
-    tasks = list(tasks)
+    if isinstance(tasks, dict):  # iterating it would give its keys
+        raise TypeError("train() takes a non-empty list of ModelTask, and got a dict of them: pass its values, "
+                        "list(tasks.values())")
+    tasks = list(tasks) if isinstance(tasks, Iterable) else None
     if not tasks or not all(isinstance(t, ModelTask) for t in tasks):
         raise TypeError("train() takes a non-empty list of ModelTask")
     if len({t.name for t in tasks}) != len(tasks):

@@ -377,3 +377,16 @@ def test_a_model_frozen_whole_is_refused_before_any_task_trains():
         ht.train([task], devices="cpu", progress=False)
     thawed[-2].requires_grad_(True)  # the final norm
     assert ht.train([task], devices="cpu", progress=False)[0].error is None
+
+
+def test_train_takes_tasks_as_one_task_or_any_collection_of_them_and_names_a_dict():
+    def tasks():
+        return {f"t{i}": ht.ModelTask(tied_transformer(seed=i, blocks=1), data=token_batches(1), loss_fn=lm_loss,
+                                      name=f"t{i}") for i in range(2)}
+
+    with pytest.raises(TypeError, match=r"got a dict of them: pass its values, list\(tasks.values\(\)\)"):
+        ht.train(tasks(), devices="cpu", progress=False)  # iterating it gives the names
+    for bad in ([], ["t0"], None):
+        with pytest.raises(TypeError, match="a non-empty list of ModelTask"):
+            ht.train(bad, devices="cpu", progress=False)
+    assert [r.name for r in ht.train(tasks().values(), devices="cpu", progress=False)] == ["t0", "t1"]
