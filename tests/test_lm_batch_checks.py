@@ -1,6 +1,8 @@
 """A language model's batches are checked before they reach a device, each as it is drawn: a label or token id
 outside the vocabulary fails as an index error on the CPU, and on CUDA as a device-side assert that ends every task
 of the process."""
+import re
+
 import pytest
 import torch
 
@@ -86,6 +88,10 @@ def test_a_batch_whose_loss_has_no_label_is_refused_by_name():
     labels[:, 1:] = -100  # the first position's label is never predicted (the loss shifts the labels)
     with pytest.raises(ValueError, match=r"every label the loss uses \(labels\[:, 1:\]\) is -100"):
         ht.ModelTask(tiny_gpt2(), data=[dict(batch, labels=labels)])
+    for shape in ((2, 1), (0, 8)):  # one token, or no row: nothing to predict
+        ids = torch.zeros(shape, dtype=torch.long)
+        with pytest.raises(ValueError, match=re.escape(f"input_ids {shape} leave no token to predict: the batch's")):
+            ht.ModelTask(tiny_gpt2(), data=[{"input_ids": ids, "labels": ids}])
 
 
 def test_with_a_loss_of_its_own_a_batch_needs_no_labels_and_its_labels_are_the_losss():

@@ -167,8 +167,9 @@ def check_labels(labels, shape, vocab_size: int):
                          f"{', '.join(map(str, outside[:4]))}{', ...' if len(outside) > 4 else ''}: does the "
                          "tokenizer match the model?")
     if not bool((labels[:, 1:] != IGNORE_INDEX).any()):
-        raise ValueError(f"every label the loss uses (labels[:, 1:]) is {IGNORE_INDEX}: the batch's loss would be "
-                         "0 / 0 = nan; give it labels or leave it out")
+        what = (f"every label the loss uses (labels[:, 1:]) is {IGNORE_INDEX}" if labels[:, 1:].numel() else
+                f"input_ids {tuple(shape)} leave no token to predict")
+        raise ValueError(f"{what}: the batch's loss would be 0 / 0 = nan; give it labels or leave it out")
 
 
 def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: int = 0):
