@@ -140,3 +140,15 @@ def test_a_dataset_of_examples_passed_as_data_is_told_to_batch_them(example):
     with pytest.raises(ValueError, match=r"input_ids must be a 2-d integer tensor .*each item of data is one batch, "
                                          r"not one example: batch the examples with a DataLoader"):
         ht.ModelTask(tiny_gpt2(), data=[{"input_ids": example(ids), "labels": example(ids)}] * 2)
+
+
+@pytest.mark.parametrize("field", ["input_ids", "labels", "attention_mask", "token_type_ids"])
+@pytest.mark.parametrize("form, named", [(lambda t: t.numpy(), r"a NumPy array \(2, 16\) int64"),
+                                         (lambda t: t.tolist(), "a list")])
+def test_a_tokenizers_output_without_tensors_is_told_to_ask_for_them(field, form, named):
+    # return_tensors="np", or none: the message read "must be a 2-d integer tensor, got (2, 16) int64".
+    batch = dict(batches(1)[0], attention_mask=torch.ones(2, 16, dtype=torch.long),
+                 token_type_ids=torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"{field} must be .*, got {named}: give the batch torch tensors "
+                                         r"\(a tokenizer's return_tensors='pt', or a DataLoader's collator\)"):
+        ht.ModelTask(tiny_gpt2(), data=[dict(batch, **{field: form(batch[field])})])

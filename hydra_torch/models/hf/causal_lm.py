@@ -153,12 +153,28 @@ def inputs(batch):
     return batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
 
 
+def described(value) -> str:
+    """A batch field as a message names it: a tensor's shape and dtype, else what it is."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        return f"a NumPy array {tuple(value.shape)} {value.dtype}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def tensors_hint(value) -> str:
+    """What to do with a tokenizer's output that is no tensor (return_tensors="np", or none: lists)."""
+    numpy = type(value).__module__ == "numpy"
+    return (": give the batch torch tensors (a tokenizer's return_tensors='pt', or a DataLoader's collator)"
+            if numpy or isinstance(value, (list, tuple)) else "")
+
+
 def check_labels(labels, shape, vocab_size: int):
     """Labels of input_ids' shape, each a token id or IGNORE_INDEX: the loss's lookup of any other fails mid-run,
     on CUDA as a device-side assert."""
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(shape)}, got "
-                         f"{tuple(getattr(labels, 'shape', ()))} {getattr(labels, 'dtype', type(labels).__name__)}")
+                         f"{described(labels)}{tensors_hint(labels)}")
     if labels.shape != shape:
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(shape)}")
     outside = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)].unique().tolist()
@@ -193,11 +209,10 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             one_example = (isinstance(ids, torch.Tensor) and ids.dim() == 1) or (  # a tokenized dataset's item
                 isinstance(ids, (list, tuple)) and not any(isinstance(i, (list, tuple)) for i in ids))
-            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got "
-                             f"{tuple(getattr(ids, 'shape', ()))} {getattr(ids, 'dtype', type(ids).__name__)}" +
+            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got {described(ids)}" +
                              ("; each item of data is one batch, not one example: batch the examples with a "
                               "DataLoader (collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False))"
-                              if one_example else ""))
+                              if one_example else tensors_hint(ids)))
         if max_positions is not None and ids.shape[1] > max_positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's n_positions={max_positions}")
         if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
@@ -206,15 +221,17 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
         if labels:
             check_labels(batch["labels"], ids.shape, vocab_size)
         mask = batch.get("attention_mask")
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
-            raise ValueError(f"attention_mask {tuple(getattr(mask, 'shape', ()))} must have the shape of input_ids "
-                             f"{tuple(ids.shape)}")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(ids.shape)}, got "
+                             f"{described(mask)}{tensors_hint(mask)}")
+        if mask is not None and mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} must have the shape of input_ids {tuple(ids.shape)}")
         positions = batch.get("position_ids")
         if positions is not None and (not isinstance(positions, torch.Tensor) or positions.dim() != 2
                                       or positions.shape[1] != ids.shape[1]
                                       or positions.shape[0] not in (1, ids.shape[0])):
-            raise ValueError(f"position_ids {tuple(getattr(positions, 'shape', ()))} must be (batch or 1, sequence) "
-                             f"for input_ids {tuple(ids.shape)}")
+            raise ValueError(f"position_ids must be (batch or 1, sequence) for input_ids {tuple(ids.shape)}, got "
+                             f"{described(positions)}{tensors_hint(positions)}")
         if positions is not None and max_positions is not None and positions.numel() and \
                 (int(positions.max()) >= max_positions or int(positions.min()) < lowest_position):
             raise ValueError(f"position_ids must lie in [{lowest_position}, {max_positions}) (the model's learned "
