@@ -59,8 +59,12 @@ def _sized(data) -> bool:
 
 
 def _not_one_batch(data, label: str):
+    """Data in a form that is no sequence of batches, refused saying what to pass."""
     if isinstance(data, collections.abc.Mapping):  # sized and iterable, but over its keys
         raise TypeError(f"{label} is a dict, one batch: pass a list of batches ([batch, ...]) or a DataLoader")
+    if isinstance(data, torch.utils.data.Dataset) and not hasattr(data, "__iter__"):  # map-style: examples
+        raise TypeError(f"{label} is a Dataset ({type(data).__name__}): batch its examples with a DataLoader "
+                        "(torch.utils.data.DataLoader(dataset, batch_size=..., collate_fn=...))")
 
 
 def _check_evaluation(eval_data, eval_every):

@@ -152,3 +152,25 @@ def test_a_tokenizers_output_without_tensors_is_told_to_ask_for_them(field, form
     with pytest.raises(ValueError, match=rf"{field} must be .*, got {named}: give the batch torch tensors "
                                          r"\(a tokenizer's return_tensors='pt', or a DataLoader's collator\)"):
         ht.ModelTask(tiny_gpt2(), data=[dict(batch, **{field: form(batch[field])})])
+
+
+@pytest.mark.parametrize("data, got", [
+    (lambda b: [(b["input_ids"], b["labels"])], r"got a tuple"),
+    (lambda b: b["input_ids"], r"got \(16,\) torch.int64"),  # a tensor's rows taken as batches
+    (lambda b: [{"input_ids": b["input_ids"]}], r"got a dict of 'input_ids'"),
+])
+def test_a_batch_that_is_no_language_model_batch_is_named(data, got):
+    with pytest.raises(KeyError, match=rf"a language-model batch is a dict with 'input_ids' and 'labels' .*; {got}"):
+        ht.ModelTask(tiny_gpt2(), data=data(batches(1)[0]))
+
+
+def test_a_dataset_of_examples_is_told_to_be_batched_by_a_data_loader():
+    class Examples(torch.utils.data.Dataset):  # map-style: sized, iterable only through __getitem__
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return batches(1)[0]
+
+    with pytest.raises(TypeError, match=r"data is a Dataset \(Examples\): batch its examples with a DataLoader"):
+        ht.ModelTask(tiny_gpt2(), data=Examples())

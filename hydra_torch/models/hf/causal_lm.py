@@ -1,6 +1,7 @@
 """What decoder-only language models share: the causal-LM loss and the checks of a batch."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -154,12 +155,20 @@ def inputs(batch):
 
 
 def described(value) -> str:
-    """A batch field as a message names it: a tensor's shape and dtype, else what it is."""
+    """A batch or one of its fields as a message names it: a tensor's shape and dtype, a mapping's keys, else its
+    type."""
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {value.dtype}"
     if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
         return f"a NumPy array {tuple(value.shape)} {value.dtype}"
-    return "None" if value is None else f"a {type(value).__name__}"
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    kind = f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+    if isinstance(value, Mapping):
+        keys = [repr(key) for key in itertools.islice(value, 7)]
+        return f"{kind} of {', '.join(keys[:6])}{', ...' if len(keys) > 6 else ''}" if keys else f"an empty {name}"
+    return kind
 
 
 def tensors_hint(value) -> str:
@@ -201,7 +210,7 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
                                "are the model's first shard)")
             needs = "'input_ids' and 'labels'" if labels else "'input_ids'"
             raise KeyError(f"a language-model batch is a dict with {needs} (and optionally 'attention_mask' and "
-                           "'position_ids')")
+                           f"'position_ids'); got {described(batch)}")
         if "inputs_embeds" in batch:
             raise KeyError("a batch has both 'input_ids' and 'inputs_embeds': hydra-torch embeds 'input_ids' "
                            "in the model's first shard; drop 'inputs_embeds'")
