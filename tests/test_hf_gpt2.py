@@ -94,7 +94,7 @@ def test_token_type_ids_train_as_gpt2_adds_them(spilled):
 
 
 @pytest.mark.parametrize("types, match", [(torch.zeros(2, 7, dtype=torch.long), "input_ids' shape"),
-                                          (torch.zeros(2, 8), "integer tensor"),
+                                          (torch.zeros(2, 8), r"int64 \(or int32\) tensor"),
                                           (torch.full((2, 8), VOCAB, dtype=torch.long), r"\[0, 96\)")])
 def test_token_type_ids_gpt2_cannot_embed_are_refused(types, match):
     ids = torch.zeros(2, 8, dtype=torch.long)

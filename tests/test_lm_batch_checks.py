@@ -37,7 +37,7 @@ def test_a_label_outside_the_vocabulary_is_refused_when_the_task_is_built(value)
                                            (lambda ids: ids.tolist(), "list")])
 def test_labels_that_are_no_integer_tensor_are_refused_by_name(labels, match):
     batch = batches(1)[0]
-    with pytest.raises(ValueError, match=rf"labels must be an integer tensor .*{match}"):
+    with pytest.raises(ValueError, match=rf"labels must be an int64 \(or int32\) tensor .*{match}"):
         ht.ModelTask(tiny_gpt2(), data=[dict(batch, labels=labels(batch["labels"]))])
 
 
@@ -137,8 +137,8 @@ def test_inputs_of_ones_own_for_a_hugging_face_model_are_refused_by_name(inputs)
 def test_a_dataset_of_examples_passed_as_data_is_told_to_batch_them(example):
     # A tokenized datasets.Dataset (or a list of examples) passed as data: each item is one example, 1-d.
     ids = torch.arange(8)
-    with pytest.raises(ValueError, match=r"input_ids must be a 2-d integer tensor .*each item of data is one batch, "
-                                         r"not one example: batch the examples with a DataLoader"):
+    with pytest.raises(ValueError, match=r"input_ids must be an int64 \(or int32\) tensor .*each item of data is "
+                                         r"one batch, not one example: batch the examples with a DataLoader"):
         ht.ModelTask(tiny_gpt2(), data=[{"input_ids": example(ids), "labels": example(ids)}] * 2)
 
 
@@ -174,3 +174,14 @@ def test_a_dataset_of_examples_is_told_to_be_batched_by_a_data_loader():
 
     with pytest.raises(TypeError, match=r"data is a Dataset \(Examples\): batch its examples with a DataLoader"):
         ht.ModelTask(tiny_gpt2(), data=Examples())
+
+
+@pytest.mark.parametrize("field", ["input_ids", "labels", "token_type_ids", "position_ids"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.float32])
+def test_ids_of_a_dtype_no_embedding_takes_are_refused_naming_the_ones_it_does(field, dtype):
+    # An int16 id was "must be an integer tensor, got ... torch.int16"; a float position id of a model with learned
+    # positions (GPT-2) failed mid-run in the embedding's lookup.
+    batch = dict(batches(1)[0], token_type_ids=torch.zeros(2, 16, dtype=torch.long),
+                 position_ids=torch.arange(16).unsqueeze(0))
+    with pytest.raises(ValueError, match=rf"{field} must be .*an int64 \(or int32\) tensor.*, got .*{dtype}"):
+        ht.ModelTask(tiny_gpt2(), data=[dict(batch, **{field: batch[field].to(dtype)})])

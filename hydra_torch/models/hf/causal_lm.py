@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+ID_DTYPES = (torch.int64, torch.int32)  # what an embedding's lookup and the losses take
 # The fused loss holds one chunk of tokens' fp32 logits at a time, about this many bytes: at GPT-2's vocabulary
 # (50257) that is 333 tokens, so 8 x 1024 tokens take 25 chunks and the head's peak stays well under 1 GB
 # instead of several copies of all tokens' logits; a small model's batch is one chunk. Smaller chunks would only
@@ -181,8 +182,8 @@ def tensors_hint(value) -> str:
 def check_labels(labels, shape, vocab_size: int):
     """Labels of input_ids' shape, each a token id or IGNORE_INDEX: the loss's lookup of any other fails mid-run,
     on CUDA as a device-side assert."""
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(shape)}, got "
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in ID_DTYPES:
+        raise ValueError(f"labels must be an int64 (or int32) tensor of input_ids' shape {tuple(shape)}, got "
                          f"{described(labels)}{tensors_hint(labels)}")
     if labels.shape != shape:
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(shape)}")
@@ -215,10 +216,10 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
             raise KeyError("a batch has both 'input_ids' and 'inputs_embeds': hydra-torch embeds 'input_ids' "
                            "in the model's first shard; drop 'inputs_embeds'")
         ids = batch["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in ID_DTYPES:
             one_example = (isinstance(ids, torch.Tensor) and ids.dim() == 1) or (  # a tokenized dataset's item
                 isinstance(ids, (list, tuple)) and not any(isinstance(i, (list, tuple)) for i in ids))
-            raise ValueError(f"input_ids must be a 2-d integer tensor (batch, sequence), got {described(ids)}" +
+            raise ValueError("input_ids must be an int64 (or int32) tensor (batch, sequence), got " + described(ids) +
                              ("; each item of data is one batch, not one example: batch the examples with a "
                               "DataLoader (collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False))"
                               if one_example else tensors_hint(ids)))
@@ -241,6 +242,9 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
                                       or positions.shape[0] not in (1, ids.shape[0])):
             raise ValueError(f"position_ids must be (batch or 1, sequence) for input_ids {tuple(ids.shape)}, got "
                              f"{described(positions)}{tensors_hint(positions)}")
+        if positions is not None and max_positions is not None and positions.dtype not in ID_DTYPES:
+            raise ValueError(f"position_ids must be an int64 (or int32) tensor, the indices of the model's learned "
+                             f"positions, got {described(positions)}")
         if positions is not None and max_positions is not None and positions.numel() and \
                 (int(positions.max()) >= max_positions or int(positions.min()) < lowest_position):
             raise ValueError(f"position_ids must lie in [{lowest_position}, {max_positions}) (the model's learned "
