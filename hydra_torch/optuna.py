@@ -25,6 +25,7 @@ import threading
 import warnings
 
 from hydra_torch import api
+from hydra_torch.recipe.callables import check_callable
 from hydra_torch.recipe.reals import integral
 from hydra_torch.selection.arrivals import Arrivals, RunClosedError
 from hydra_torch.selection.rules import Selection
@@ -59,8 +60,7 @@ def optimize(study, build_task, n_trials: int, concurrent: int = 2, *, devices="
         raise TypeError(f"study must be an optuna Study, got {type(study).__name__}")
     if len(study.directions) != 1 or study.direction != optuna.study.StudyDirection.MINIMIZE:
         raise ValueError("the study must minimise one value (a loss): optuna.create_study(direction='minimize')")
-    if not callable(build_task):
-        raise TypeError("build_task must be callable as build_task(trial) -> ModelTask")
+    check_callable(build_task, "build_task", "build_task(trial) -> ModelTask", 1)
     driver = _Driver(optuna, study, build_task, n_trials)
     options = dict(devices=devices, memory_budget=memory_budget, schedule=schedule, progress=progress, seed=seed,
                    host_threads=host_threads)

@@ -15,6 +15,7 @@ from hydra_torch.models.frozen_base import FrozenBase
 from hydra_torch.models.hf import adapt
 from hydra_torch.recipe import optim, schedules
 from hydra_torch.recipe import param_groups as param_groups_
+from hydra_torch.recipe.callables import check_callable
 from hydra_torch.recipe.reals import integral, real
 
 PRECISIONS = ("fp32", "bf16")
@@ -174,10 +175,9 @@ class ModelTask:
                             "batch's 'input_ids', 'attention_mask' and 'position_ids' (name them so in the data)")
         if loss_fn is None and adapter is not None:
             loss_fn = adapter.use_default_loss()
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(output, batch)")
-        if inputs is not None and not callable(inputs):
-            raise TypeError("inputs must be callable as inputs(batch)")
+        check_callable(loss_fn, "loss_fn", "loss_fn(output, batch)", 2)
+        if inputs is not None:
+            check_callable(inputs, "inputs", "inputs(batch)", 1)
         for label, value in (("epochs", epochs), ("accumulate", accumulate)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be a positive int, got {value!r}")

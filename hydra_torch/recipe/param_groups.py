@@ -15,6 +15,7 @@ import re
 
 from torch import nn
 
+from hydra_torch.recipe.callables import check_callable
 from hydra_torch.recipe.reals import real
 
 _KEYS = {"params", "lr", "weight_decay"}
@@ -69,6 +70,8 @@ def _check_group(index: int, group) -> None:
     for s in selectors:
         if not (isinstance(s, (str, _NoWeightDecay, type, tuple)) or callable(s)):
             raise TypeError(f"{where}['params'] = {s!r}: use a name pattern, a module type or a callable")
+        if callable(s) and not isinstance(s, (_NoWeightDecay, type)):
+            check_callable(s, f"{where}['params']", "select(name, parameter) -> bool", 2)
     for key in ("lr", "weight_decay"):
         value = group.get(key, 0.0)
         try:

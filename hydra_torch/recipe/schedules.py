@@ -11,6 +11,8 @@ import functools
 import math
 from typing import Callable
 
+from hydra_torch.recipe.callables import check_callable
+
 
 def _warmup(step: int, warmup_steps: int) -> float:
     return float(step) / float(max(1, warmup_steps))
@@ -43,6 +45,8 @@ def check(schedule, warmup_steps) -> None:
     if schedule is None or callable(schedule):
         if warmup_steps and schedule is not None:
             raise ValueError("warmup_steps is for a named lr_schedule; a callable lr_schedule has its own warmup")
+        if schedule is not None:
+            check_callable(schedule, "lr_schedule", "lr_schedule(step) -> multiplier", 1)
         return
     if not isinstance(schedule, str):
         raise TypeError(f"lr_schedule must be a name such as 'linear' or 'cosine', or a callable step -> "
