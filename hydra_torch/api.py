@@ -145,12 +145,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         seed, host_threads, checkpoint_every = map(integral, (seed, host_threads, checkpoint_every))  # np.int64(3)
         tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement)
         resolved = resolve_devices(devices)
+        pin = pinned(pin_memory, resolved)
         threads, team = host_step_threads(host_threads, resolved)
         budgets = _budgets(resolved, memory_budget)
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
         warn_restarted(tasks, loaded, stacklevel=2)
         memory.check_host_memory(tasks)
-        host_steps, pin = _C.HostSteps(threads, team), pinned(pin_memory, resolved)
+        host_steps = _C.HostSteps(threads, team)
         expandable_segments(resolved)  # before the planner's probes: the run's first device allocation
         planner.plan_for_devices(tasks, resolved, budgets)
         # The others' working sets and saved inputs, and where "auto" asks the lane model their units' compute.

@@ -118,6 +118,8 @@ def test_unknown_precision_and_optimizer_arguments():
         ht.ModelTask(model, loss_fn=lm_loss, data=[], accumulate=0)
     with pytest.raises(ValueError, match="unknown schedule"):
         ht.train([ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))], devices="cpu", schedule="fastest")
+    with pytest.raises(ValueError, match=r"pin_memory must be 'auto', True or False, got 'false'"):  # it pinned
+        ht.train([ht.ModelTask(model, loss_fn=lm_loss, data=token_batches(1))], devices="cpu", pin_memory="false")
     with pytest.raises(TypeError, match="sized iterable"):
         ht.ModelTask(model, loss_fn=lm_loss, data=iter(token_batches(2)))
 

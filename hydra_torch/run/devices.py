@@ -64,6 +64,8 @@ def expandable_segments(devices, environ=os.environ, configure=None) -> bool:
 
 
 def pinned(pin_memory, devices) -> bool:
+    if not (isinstance(pin_memory, bool) or pin_memory == "auto"):  # "false" from a config file would pin
+        raise ValueError(f"pin_memory must be 'auto', True or False, got {pin_memory!r}")
     if pin_memory == "auto":
         return any(d.type != "cpu" for d in devices)  # a CPU device copies host to host: pinning buys nothing
     return bool(pin_memory)
