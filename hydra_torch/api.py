@@ -139,9 +139,13 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
 
     One call at a time in a process: every call's tasks draw from the process's one CPU random generator, so
     a second call while one runs (from another thread, or a callback) raises RuntimeError before it touches
-    anything. Several calls' tasks train together when passed to one call.
+    anything. Several calls' tasks train together when passed to one call. A call under torch.no_grad() or
+    torch.inference_mode() (a notebook cell's) trains and measures with gradients, and leaves the caller's mode as
+    it was.
     """
-    with _sole_call():
+    # Gradients on whatever the caller's mode (a notebook cell under torch.no_grad(), say): the first device's units
+    # and the planner's measurements run in this thread.
+    with _sole_call(), torch.inference_mode(False), torch.enable_grad():
         seed, host_threads, checkpoint_every = map(integral, (seed, host_threads, checkpoint_every))  # np.int64(3)
         tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement)
         resolved = resolve_devices(devices)

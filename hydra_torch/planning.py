@@ -42,10 +42,12 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
     if not isinstance(device, (str, torch.device)):
         raise ValueError(f"ht.plan plans for one device (\"cuda:0\", \"cpu\", \"auto\"), got {device!r}")
     device = resolve_devices(device)[0]  # as ht.train reads it: "auto", and a device that is not there refused
-    cut = planner.plan_shards(task, device, budget, sample_batch, max_shards=integral(max_shards),  # np.int64(4)
-                              repeats=integral(repeats))
-    if placement is not None and task.base is None:
-        cut.placement, cut.lane_plan = placed_alone(task, cut, placement)
+    # Measured with gradients whatever the caller's mode: under torch.no_grad() no activation would be saved.
+    with torch.inference_mode(False), torch.enable_grad():
+        cut = planner.plan_shards(task, device, budget, sample_batch, max_shards=integral(max_shards),  # np.int64(4)
+                                  repeats=integral(repeats))
+        if placement is not None and task.base is None:
+            cut.placement, cut.lane_plan = placed_alone(task, cut, placement)
     return cut
 
 
