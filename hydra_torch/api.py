@@ -15,6 +15,7 @@ from hydra_torch.models.memory import parse_budget
 from hydra_torch.recipe.reals import integral
 from hydra_torch.report.results import Results
 from hydra_torch.run import call_end, lifecycle, measuring, saved_bytes
+from hydra_torch.run.caller_modes import training_modes
 from hydra_torch.run.devices import expandable_segments, host_step_threads, pinned, resolve_devices
 from hydra_torch.run.inbox import Inbox
 from hydra_torch.run.progress import Progress
@@ -140,12 +141,10 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     One call at a time in a process: every call's tasks draw from the process's one CPU random generator, so
     a second call while one runs (from another thread, or a callback) raises RuntimeError before it touches
     anything. Several calls' tasks train together when passed to one call. A call under torch.no_grad() or
-    torch.inference_mode() (a notebook cell's) trains and measures with gradients, and leaves the caller's mode as
-    it was.
+    torch.inference_mode() (a notebook cell's) trains and measures with gradients; under torch.autocast it warns
+    and trains as without (precision="bf16" is the tasks' mixed precision); the caller's modes stay as they were.
     """
-    # Gradients on whatever the caller's mode (a notebook cell under torch.no_grad(), say): the first device's units
-    # and the planner's measurements run in this thread.
-    with _sole_call(), torch.inference_mode(False), torch.enable_grad():
+    with _sole_call(), training_modes("ht.train", stacklevel=1):  # the first device's units run in this thread
         seed, host_threads, checkpoint_every = map(integral, (seed, host_threads, checkpoint_every))  # np.int64(3)
         tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement)
         resolved = resolve_devices(devices)

@@ -19,6 +19,7 @@ from hydra_torch.models import memory, planner
 from hydra_torch.models.planner import Plan
 from hydra_torch.recipe.reals import integral
 from hydra_torch.run import lifecycle, saved_bytes
+from hydra_torch.run.caller_modes import training_modes
 from hydra_torch.run.devices import resolve_devices
 
 
@@ -42,8 +43,7 @@ def plan(task, device="cpu", budget=None, sample_batch=None, *, max_shards: int 
     if not isinstance(device, (str, torch.device)):
         raise ValueError(f"ht.plan plans for one device (\"cuda:0\", \"cpu\", \"auto\"), got {device!r}")
     device = resolve_devices(device)[0]  # as ht.train reads it: "auto", and a device that is not there refused
-    # Measured with gradients whatever the caller's mode: under torch.no_grad() no activation would be saved.
-    with torch.inference_mode(False), torch.enable_grad():
+    with training_modes("ht.plan", stacklevel=1):  # as ht.train measures, whatever the caller's modes
         cut = planner.plan_shards(task, device, budget, sample_batch, max_shards=integral(max_shards),  # np.int64(4)
                                   repeats=integral(repeats))
         if placement is not None and task.base is None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hydra_torch as ht
+from hydra_torch import testing
 from hydra_torch.arrivals import Arrivals
 from hydra_torch.state import task_rng
 
@@ -58,8 +59,8 @@ def test_a_task_joining_from_a_thread_where_gradients_are_off_is_measured_as_els
     for off in (False, True):
         arrivals = Arrivals()
         with task_rng.exclusive():
-            late = ht.ModelTask(tiny_gpt2(dropout=0.0), data=batches(2), name="late", shards="auto")
-            first = ht.ModelTask(tiny_gpt2(dropout=0.0), data=batches(4), name="first", shards="auto")
+            late = ht.ModelTask(tiny_gpt2(dropout=0.0), data=batches(2), name="late")
+            first = ht.ModelTask(tiny_gpt2(dropout=0.0), data=batches(4), name="first")
 
         def driver():
             try:
@@ -69,8 +70,27 @@ def test_a_task_joining_from_a_thread_where_gradients_are_off_is_measured_as_els
                 arrivals.close()
         thread = threading.Thread(target=driver)
         thread.start()
-        results = ht.train([first], devices="cpu", memory_budget=2_000_000, progress=False, arrivals=arrivals)
+        with testing.emulated_link(1e10):  # a device whose lanes are apart measures a task cut by hand, as a GPU
+            results = ht.train([first], devices="cpu", memory_budget="64MiB", progress=False, arrivals=arrivals)
         thread.join()
         assert [r.name for r in results] == ["first", "late"] and all(r.error is None for r in results)
-        measured[off] = (late.working_set_bytes, late.graph_bytes)  # its pieces' activations (its cut may vary)
+        measured[off] = (late.working_set_bytes, late.boundary_bytes, late.graph_bytes)
     assert measured[True] == measured[False] and all(measured[False])
+
+
+@pytest.mark.parametrize("devices", ["cpu", ["cpu", "cpu"]])
+def test_a_callers_autocast_is_not_applied_to_some_units_and_says_so(devices):
+    # Autocast is the calling thread's: it reached the first device's units alone (this thread runs them), so a
+    # run on two devices computed some units in bf16 and the others in fp32, and on one device the fp32 task
+    # trained apart from its plain training, silently. precision="bf16" is hydra-torch's mixed precision.
+    data = batches(3)
+    model = tiny_gpt2(dropout=0.0)
+    task = ht.ModelTask(model, data=data, eval_data=data[:1], optimizer=ht.optim.SGD(lr=0.1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match=r"ht.train is called under torch.autocast\('cpu'\), which it does not "
+                                             r"apply: a task's precision='bf16' computes in bf16"):
+            result = ht.train([task], devices=devices, memory_budget=200_000, progress=False)[0]
+        assert torch.is_autocast_enabled("cpu"), "the caller's autocast is as it was"
+    assert result.error is None and result.steps == 3
+    for a, b in zip(model.parameters(), plainly_trained(data).parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -18,8 +18,7 @@ import queue
 import threading
 import warnings
 
-import torch
-
+from hydra_torch.run.caller_modes import training_modes
 from hydra_torch.run.inbox import on_devices
 from hydra_torch.state import interrupts, task_rng
 
@@ -122,9 +121,9 @@ class OpenRun:
             warn_restarted([task], [None], stacklevel=3)  # a run with arrivals keeps no checkpoints
             held = bases.held_for(self.runners, task) if task.base is not None else None
             memory.check_host_memory([task], bases_held=[held.base] if held is not None else [])
-            # Measured on a batch while the workers train: their random draws must not see the measurement's. With
-            # gradients whatever this thread's mode: under torch.no_grad() no activation would be saved.
-            with task_rng.exclusive(self.devices), torch.inference_mode(False), torch.enable_grad():
+            # Measured on a batch while the workers train: their random draws must not see the measurement's. As
+            # ht.train measures, whatever this thread's modes.
+            with task_rng.exclusive(self.devices), training_modes("Arrivals.add", stacklevel=2):
                 planner.plan_for_devices([task], self.devices, self.budgets, reserve_bytes=sum(self.kept_outside))
                 measuring.measure_tasks([task], self.devices, self.budgets, time_units=False)  # one cut by hand
             need, kept = (task.working_set_bytes, task.boundary_bytes), self.kept_outside
