@@ -59,7 +59,7 @@ def _sized(data) -> bool:
     return True
 
 
-def _not_one_batch(data, label: str):
+def _check_batches_form(data, label: str):
     """Data in a form that is no sequence of batches, refused saying what to pass."""
     if isinstance(data, collections.abc.Mapping):  # sized and iterable, but over its keys
         raise TypeError(f"{label} is a dict, one batch: pass a list of batches ([batch, ...]) or a DataLoader")
@@ -73,7 +73,7 @@ def _check_evaluation(eval_data, eval_every):
         if eval_every is not None:
             raise ValueError("eval_every needs eval_data: the batches to evaluate on")
         return
-    _not_one_batch(eval_data, "eval_data")
+    _check_batches_form(eval_data, "eval_data")
     if isinstance(eval_data, collections.abc.Iterator):
         raise ValueError(f"eval_data is a one-shot iterator ({type(eval_data).__name__}), spent after one "
                          "evaluation: pass a list or a DataLoader")
@@ -189,7 +189,7 @@ class ModelTask:
                 raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
         schedules.check(lr_schedule, warmup_steps)
         _check_evaluation(eval_data, eval_every)
-        _not_one_batch(data, "data")
+        _check_batches_form(data, "data")
         if not _sized(data):
             raise TypeError("data must be a sized iterable of batches (a list or a DataLoader): the scheduler "
                             "plans each task's remaining work from its length")
