@@ -12,7 +12,7 @@ import torch
 from hydra_torch._loader import native as _C
 from hydra_torch.models import memory, planner
 from hydra_torch.models.memory import parse_budget
-from hydra_torch.recipe.reals import integral
+from hydra_torch.recipe.reals import integral, whole
 from hydra_torch.report.results import Results
 from hydra_torch.run import call_end, lifecycle, measuring, saved_bytes
 from hydra_torch.run.caller_modes import training_modes
@@ -33,7 +33,7 @@ from hydra_torch.task_checks import check_own_models, warn_eval_mode, warn_resta
 def _check_seed(seed):
     # The random policy's generator takes 64 unsigned bits: outside them the native call would fail with its
     # signature instead of the argument's name.
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+    if not whole(seed) or seed >= 2**64:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
 
 

@@ -26,7 +26,7 @@ import warnings
 
 from hydra_torch import api
 from hydra_torch.recipe.callables import check_callable
-from hydra_torch.recipe.reals import integral
+from hydra_torch.recipe.reals import integral, whole
 from hydra_torch.selection.arrivals import Arrivals, RunClosedError
 from hydra_torch.selection.rules import Selection
 from hydra_torch.state import task_rng
@@ -54,7 +54,7 @@ def optimize(study, build_task, n_trials: int, concurrent: int = 2, *, devices="
     optuna = _optuna()
     n_trials, concurrent = integral(n_trials), integral(concurrent)  # NumPy's or torch's whole numbers too
     for label, value in (("n_trials", n_trials), ("concurrent", concurrent)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not whole(value, 1):
             raise ValueError(f"{label} must be a positive int, got {value!r}")
     if not isinstance(study, optuna.study.Study):
         raise TypeError(f"study must be an optuna Study, got {type(study).__name__}")

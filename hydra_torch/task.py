@@ -16,7 +16,7 @@ from hydra_torch.models.hf import adapt
 from hydra_torch.recipe import optim, schedules
 from hydra_torch.recipe import param_groups as param_groups_
 from hydra_torch.recipe.callables import check_callable
-from hydra_torch.recipe.reals import integral, real
+from hydra_torch.recipe.reals import integral, real, whole
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -81,7 +81,7 @@ def _check_evaluation(eval_data, eval_every):
         raise TypeError("eval_data must be a sized iterable of batches (a list or a DataLoader)")
     if len(eval_data) == 0:
         raise ValueError("eval_data is empty: an evaluation needs at least one batch")
-    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
+    if eval_every is not None and not whole(eval_every, 1):
         raise ValueError(f"eval_every must be a positive int (steps) or None, got {eval_every!r}")
 
 
@@ -179,9 +179,9 @@ class ModelTask:
         if inputs is not None:
             check_callable(inputs, "inputs", "inputs(batch)", 1)
         for label, value in (("epochs", epochs), ("accumulate", accumulate)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not whole(value, 1):
                 raise ValueError(f"{label} must be a positive int, got {value!r}")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        if max_steps is not None and not whole(max_steps, 1):
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         if clip_grad_norm is not None:
             clip_grad_norm = real("clip_grad_norm", clip_grad_norm)  # a tensor or NumPy one, as torch takes it

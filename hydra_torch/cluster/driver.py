@@ -26,6 +26,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.cluster import placement
 from hydra_torch.cluster import results as cluster_results
 from hydra_torch.cluster.node import NodeTrainer, failed_result
+from hydra_torch.recipe.reals import whole
 from hydra_torch.report.results import Results
 from hydra_torch.state import checkpoint, checkpoint_dirs
 from hydra_torch.task import ModelTask
@@ -61,7 +62,7 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
     factories = list(factories)
     if not factories or not all(callable(f) for f in factories):
         raise TypeError("train() takes a non-empty list of task factories: callables that return a ModelTask")
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+    if not whole(max_retries):
         raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
     for label, value in (("cpus_per_node", cpus_per_node), ("gpus_per_node", gpus_per_node)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -82,7 +83,7 @@ def train(factories, *, checkpoint_dir, devices="auto", memory_budget=None, sche
         ray.init()
     alive = [n for n in ray.nodes() if n.get("Alive")]
     count = len(alive) if nodes is None else nodes
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(alive):
+    if not whole(count, 1) or count > len(alive):
         raise ValueError(f"nodes={nodes!r}: the cluster has {len(alive)} nodes alive")
     gpus = min(n["Resources"].get("GPU", 0) for n in alive) if gpus_per_node is None else gpus_per_node
     options = {"devices": devices, "memory_budget": memory_budget, "schedule": schedule, "seed": seed,

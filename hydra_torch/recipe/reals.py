@@ -28,3 +28,9 @@ def integral(value):
             and not value.is_complex() and value.dtype != torch.bool:
         return int(value)
     return value
+
+
+def whole(value, least: int = 0) -> bool:
+    """Whether `value` is an int of at least `least`: the check behind every count an argument gives (steps, epochs,
+    trials, threads), each site with its own message. A bool is not a count, though Python's bool is an int."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least

@@ -12,6 +12,7 @@ import math
 from typing import Callable
 
 from hydra_torch.recipe.callables import check_callable
+from hydra_torch.recipe.reals import whole
 
 
 def _warmup(step: int, warmup_steps: int) -> float:
@@ -40,7 +41,7 @@ _NATIVE = {"linear": _linear, "cosine": _cosine, "constant": _constant, "constan
 
 def check(schedule, warmup_steps) -> None:
     """Refuses a schedule ModelTask cannot use, when the task is made."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not whole(warmup_steps):
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if schedule is None or callable(schedule):
         if warmup_steps and schedule is not None:

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from hydra_torch.recipe.reals import integral
+from hydra_torch.recipe.reals import integral, whole
 
 
 def resolve_devices(devices) -> list[torch.device]:
@@ -82,8 +82,7 @@ def host_step_threads(host_threads, devices=()) -> tuple[int, int]:
     at most 4 threads (host steps stream through memory: a few saturate it), whose teams together fill those
     cores instead of each opening a team of every core. On CPU devices the compute takes the cores the steps
     would: half of them, at most 4, as teams of the default size."""
-    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
-                                     or host_threads < 1):
+    if host_threads is not None and not whole(host_threads, 1):
         raise ValueError(f"host_threads must be a positive int, got {host_threads!r}")
     cores = os.cpu_count() or 1
     accelerators = sum(1 for d in devices if d.type != "cpu")

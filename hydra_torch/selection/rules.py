@@ -9,7 +9,7 @@ from device memory. Its result says when and why (`TaskResult.stopped`); its wei
 from __future__ import annotations
 
 from hydra_torch._loader import native as _C
-from hydra_torch.recipe.reals import integral
+from hydra_torch.recipe.reals import integral, whole
 
 METRICS = ("eval_loss", "train_loss")
 
@@ -38,7 +38,7 @@ class SuccessiveHalving(Selection):
     def __init__(self, min_steps: int, reduction_factor: int = 3, metric: str = "eval_loss"):
         min_steps, reduction_factor = integral(min_steps), integral(reduction_factor)  # NumPy's or torch's too
         for label, value, least in (("min_steps", min_steps, 1), ("reduction_factor", reduction_factor, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if not whole(value, least):
                 raise ValueError(f"SuccessiveHalving: {label} must be an int >= {least}, got {value!r}")
         if metric not in METRICS:
             raise ValueError(f"SuccessiveHalving: unknown metric {metric!r}: use one of {METRICS}")

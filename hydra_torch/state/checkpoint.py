@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hydra_torch.models import sharding
+from hydra_torch.recipe.reals import whole
 from hydra_torch.state.checkpoint_dirs import claim, task_dir
 from hydra_torch.state.checkpoint_manifest import FORMAT, MANIFEST, check_fields
 from hydra_torch.state.task_rng import TaskRng
@@ -42,7 +43,7 @@ def parse_every(every) -> tuple[int | None, float | None]:
         every = every.total_seconds()
         if every > 0:
             return None, float(every)
-    elif isinstance(every, int) and not isinstance(every, bool) and every >= 1:
+    elif whole(every, 1):
         return every, None
     elif isinstance(every, str) and (match := _DURATION.match(every)) and float(match[1]) > 0:
         return None, float(match[1]) * _SECONDS[match[2]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 
+from hydra_torch.recipe.reals import whole
 from hydra_torch.task import PRECISIONS
 
 FORMAT = 1
@@ -11,29 +12,25 @@ MANIFEST = "manifest.json"
 STATE_FILE = re.compile(r"state-\d+-\d+\.safetensors")
 
 
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _pairs(value) -> bool:
-    return isinstance(value, list) and all(isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and
+    return isinstance(value, list) and all(isinstance(pair, list) and len(pair) == 2 and whole(pair[0]) and
                                            _number(pair[1]) for pair in value)
 
 
 def _param_entry(entry) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and all(map(_count, entry["shape"]))
-            and _count(entry.get("steps")))
+    return (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and all(map(whole, entry["shape"]))
+            and whole(entry.get("steps")))
 
 
 # Each field of a manifest: what it must be, and the test of it.
 _FIELDS = {
     "task": ("a str", lambda v: isinstance(v, str)),
-    "steps": ("an int >= 0", _count),
-    "epochs_done": ("an int >= 0", _count),
+    "steps": ("an int >= 0", whole),
+    "epochs_done": ("an int >= 0", whole),
     "losses": ("a list of numbers", lambda v: isinstance(v, list) and all(map(_number, v))),
     "params": ("an object of {shape: [int >= 0, ...], steps: int >= 0} by parameter name",
                lambda v: isinstance(v, dict) and all(map(_param_entry, v.values()))),
@@ -41,8 +38,8 @@ _FIELDS = {
              lambda v: isinstance(v, dict) and all(isinstance(first, str) for first in v.values())),
     "optimizer": ("an object", lambda v: isinstance(v, dict)),
     "precision": (f"one of {PRECISIONS}", lambda v: v in PRECISIONS),
-    "data_length": ("an int >= 1", lambda v: _count(v) and v >= 1),
-    "accumulate": ("an int >= 1", lambda v: _count(v) and v >= 1),
+    "data_length": ("an int >= 1", lambda v: whole(v, 1)),
+    "accumulate": ("an int >= 1", lambda v: whole(v, 1)),
     "time": ("a number", _number),
     "tensors": ("the name of a state-*.safetensors file beside it",
                 lambda v: isinstance(v, str) and STATE_FILE.fullmatch(v) is not None),
@@ -53,7 +50,7 @@ _OPTIONAL = {
     "stopped": ("null or a str", lambda v: v is None or isinstance(v, str)),
     "rung_reports": ("a list of [rung, metric] pairs", _pairs),
     "lr_schedule": ("null or a str", lambda v: v is None or isinstance(v, str)),
-    "warmup_steps": ("an int >= 0", _count),
+    "warmup_steps": ("an int >= 0", whole),
     "base": ("null or a str", lambda v: v is None or isinstance(v, str)),  # the FrozenBase's name
     "clip_grad_norm": ("null or a positive number", lambda v: v is None or (_number(v) and v > 0)),
 }
