@@ -198,6 +198,14 @@ def check_labels(labels, shape, vocab_size: int):
         raise ValueError(f"{what}: the batch's loss would be 0 / 0 = nan; give it labels or leave it out")
 
 
+def check_range(label: str, values: torch.Tensor, low: int, high: int, what: str, hint: str = "") -> None:
+    """Refuses ids outside [low, high), naming what they index: an embedding's lookup of one fails mid-run, on CUDA
+    as a device-side assert that ends every task of the process."""
+    if values.numel() and (int(values.max()) >= high or int(values.min()) < low):
+        raise ValueError(f"{label} must lie in [{low}, {high}) ({what}); found [{int(values.min())}, "
+                         f"{int(values.max())}]{hint}")
+
+
 def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: int = 0):
     """Checks of a batch before anything runs. `max_positions`: a model with learned positions (GPT-2, OPT) holds
     that many, so longer sequences and position ids outside [lowest_position, max_positions) are refused (an
@@ -225,9 +233,7 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
                               if one_example else tensors_hint(ids)))
         if max_positions is not None and ids.shape[1] > max_positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's n_positions={max_positions}")
-        if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-            raise ValueError(f"token ids must lie in [0, {vocab_size}) (the model's vocab_size); found "
-                             f"[{int(ids.min())}, {int(ids.max())}]: does the tokenizer match the model?")
+        check_range("token ids", ids, 0, vocab_size, "the model's vocab_size", ": does the tokenizer match the model?")
         if labels:
             check_labels(batch["labels"], ids.shape, vocab_size)
         mask = batch.get("attention_mask")
@@ -245,9 +251,7 @@ def batch_checker(vocab_size: int, max_positions: int | None, lowest_position: i
         if positions is not None and max_positions is not None and positions.dtype not in ID_DTYPES:
             raise ValueError(f"position_ids must be an int64 (or int32) tensor, the indices of the model's learned "
                              f"positions, got {described(positions)}")
-        if positions is not None and max_positions is not None and positions.numel() and \
-                (int(positions.max()) >= max_positions or int(positions.min()) < lowest_position):
-            raise ValueError(f"position_ids must lie in [{lowest_position}, {max_positions}) (the model's learned "
-                             f"positions); found [{int(positions.min())}, {int(positions.max())}]")
+        if positions is not None and max_positions is not None:
+            check_range("position_ids", positions, lowest_position, max_positions, "the model's learned positions")
 
     return check_batch

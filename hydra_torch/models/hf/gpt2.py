@@ -59,9 +59,7 @@ def batch_checker(config):
         if not isinstance(types, torch.Tensor) or types.shape != ids.shape or types.dtype not in causal_lm.ID_DTYPES:
             raise ValueError(f"token_type_ids must be an int64 (or int32) tensor of input_ids' shape "
                              f"{tuple(ids.shape)}, got {causal_lm.described(types)}{causal_lm.tensors_hint(types)}")
-        if types.numel() and (int(types.max()) >= config.vocab_size or int(types.min()) < 0):
-            raise ValueError(f"token_type_ids must lie in [0, {config.vocab_size}) (GPT-2 embeds them as tokens); "
-                             f"found [{int(types.min())}, {int(types.max())}]")
+        causal_lm.check_range("token_type_ids", types, 0, config.vocab_size, "GPT-2 embeds them as tokens")
 
     return check_batch
 
