@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hydra_torch.models import frozen_base, sharding
+from hydra_torch.models.first_batch import first_batch, has_workers
 from hydra_torch.models.frozen_base import FrozenBase
 from hydra_torch.models.hf import adapt
 from hydra_torch.recipe import optim, schedules
@@ -240,11 +241,13 @@ class ModelTask:
         if one_shot and self.auto_shards:
             raise ValueError("shards='auto' measures the model on a batch of data, which a one-shot iterator would "
                              "lose: pass a list or a DataLoader, or choose the shards")
-        if adapter is not None and not one_shot:  # a one-shot iterator's first batch would be lost to the check
-            adapter.check(next(iter(data)))
-        if adapter is not None and eval_data is not None:
+        # A one-shot iterator's first batch would be lost to the check; a loader with workers would start them.
+        # Neither is checked here, but each batch is, as it is drawn.
+        if adapter is not None and not one_shot and not has_workers(data):
+            adapter.check(first_batch(data))
+        if adapter is not None and eval_data is not None and not has_workers(eval_data):
             try:
-                adapter.check(next(iter(eval_data)))
+                adapter.check(first_batch(eval_data))
             except (KeyError, ValueError, TypeError) as error:
                 raise type(error)(f"eval_data: {error.args[0] if error.args else error}") from None
         # id(parameter) -> (parameter, lr, weight_decay) where a group overrides the optimizer's

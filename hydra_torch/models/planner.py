@@ -18,6 +18,7 @@ from hydra_torch._loader import native as _C
 from hydra_torch.models import saved_tensors, sharding
 from hydra_torch.models.batch_tree import to_device
 from hydra_torch.models.carried import as_shard_input
+from hydra_torch.models.first_batch import first_batch
 from hydra_torch.models.memory import format_bytes, parse_budget
 from hydra_torch.models.lane_summary import describe as describe_lane_plan
 
@@ -116,7 +117,7 @@ def probe(task, device, sample_batch=None, repeats: int = 3) -> Probe:
     if sample_batch is None:
         if len(task.data) == 0:
             raise ValueError("the task has no data to probe: pass sample_batch=")
-        sample_batch = next(iter(task.data))
+        sample_batch = first_batch(task.data)
     input_bytes = []
     costs = probe_pieces(task, device, sample_batch, repeats, input_bytes)
     return Probe(costs, input_bytes, torch.device(device))

@@ -9,14 +9,12 @@ budget there keeps nothing for them (a planned task's are kept: its cut counts o
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import copy
-import random
-import sys
 
 import torch
 
 from hydra_torch.models import planner, sharding
+from hydra_torch.models.first_batch import first_batch, has_workers
 from hydra_torch.run import saved_bytes
 from hydra_torch.run.lane_choice import lanes_apart
 
@@ -59,11 +57,11 @@ def kept_beside_arena(tasks, resident=(), device="cpu") -> int:
 
 def _measure(task, device: torch.device, time_units: bool) -> None:
     task.piece_seconds = None  # not another call's, perhaps on another device
-    if isinstance(task.data, collections.abc.Iterator) or getattr(task.data, "num_workers", 0) > 0:
+    if isinstance(task.data, collections.abc.Iterator) or has_workers(task.data):
         return  # a loader with workers would start them (and a persistent one keep this pass's order)
-    with torch.random.fork_rng(devices=planner.rng_devices(device)), _generators_kept(task.data):
+    with torch.random.fork_rng(devices=planner.rng_devices(device)):
         try:
-            batch = next(iter(task.data))
+            batch = first_batch(task.data)
             measured = planner.probe(task, device, batch, repeats=1 if time_units else 0)
         except Exception:  # noqa: BLE001  (see measure_tasks; KeyboardInterrupt is not caught)
             return
@@ -72,23 +70,3 @@ def _measure(task, device: torch.device, time_units: bool) -> None:
         planner.keep_needs(task, [c[1] for c in measured.costs], measured.input_bytes, starts)
     if time_units:
         task.piece_seconds = [c[2] for c in measured.costs]
-
-
-@contextlib.contextmanager
-def _generators_kept(data):
-    """Python's and NumPy's generators, and a DataLoader's own and its sampler's (a shuffling loader given
-    `generator=` draws its order from it), as they were before the block."""
-    own = [g for g in (getattr(data, "generator", None), getattr(getattr(data, "sampler", None), "generator", None))
-           if isinstance(g, torch.Generator)]
-    states = [g.get_state() for g in own]
-    python_state = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        for g, state in zip(own, states):
-            g.set_state(state)
-        random.setstate(python_state)
-        if numpy_state is not None:
-            numpy.random.set_state(numpy_state)
