@@ -66,6 +66,20 @@ def _sole_call():
         _ONE_CALL.release()
 
 
+@contextlib.contextmanager
+def _serving(arrivals):
+    """The call's hold on its Arrivals (one serves one call): when the call ends, whether it trained or raised
+    before training, the driver's calls return."""
+    if not isinstance(arrivals, Arrivals):  # None, or refused by _checked
+        yield
+        return
+    arrivals.claim()
+    try:
+        yield
+    finally:
+        arrivals.end()
+
+
 def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin_memory="auto",
           progress: bool = True, seed: int = 0, host_threads: int | None = None, checkpoint_dir=None,
           checkpoint_every=None, selection=None, arrivals=None, placement: str = "auto") -> Results:
@@ -144,7 +158,8 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
     torch.inference_mode() (a notebook cell's) trains and measures with gradients; under torch.autocast it warns
     and trains as without (precision="bf16" is the tasks' mixed precision); the caller's modes stay as they were.
     """
-    with _sole_call(), training_modes("ht.train", stacklevel=1):  # the first device's units run in this thread
+    # The first device's units run in this thread.
+    with _serving(arrivals), _sole_call(), training_modes("ht.train", stacklevel=1):
         seed, host_threads, checkpoint_every = map(integral, (seed, host_threads, checkpoint_every))  # np.int64(3)
         tasks = _checked(tasks, schedule, seed, checkpoint_dir, selection, arrivals, placement)
         resolved = resolve_devices(devices)
@@ -181,8 +196,6 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         # Whatever arrives now (a second Ctrl-C) waits until every worker has stopped and every model is home.
         with interrupts.deferred():
             workers.end(interrupted, open_run)
-            if arrivals is not None:
-                arrivals.let_go()
             wall = time.perf_counter() - start
             for runner in runners:  # a clipped step queued before the run stopped is counted while the bars are open
                 runner.settle_at_end()

@@ -89,9 +89,7 @@ def _train(driver, concurrent, options):
     thread.start()
     try:
         return api.train(initial, selection=_Pruning(driver), arrivals=arrivals, **options)
-    finally:
-        if not arrivals.attached:
-            arrivals.attach(None)  # train() raised before training: the driver must not wait for it
+    finally:  # train() let the driver's calls go as it ended, trained or raised before training
         driver.events.put(_STOP)  # the run is over: trials still counted as running never will end
         thread.join()
 

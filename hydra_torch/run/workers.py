@@ -55,11 +55,13 @@ class DeviceSlot:
     # as they say (lane_choice.added_device_shards).
     placement: str = "host"
     lane_plan: dict = None
+    thread: int = None          # the worker's thread (threading.get_ident), once it runs
 
 
 def device_worker(slot: DeviceSlot, trace: list, lock: threading.Lock, threads_per_device: int | None):
     """Runs units until the scheduler has none left for this device. A KeyboardInterrupt (on the main thread)
     propagates after the interrupted unit's shard has been released; the caller cancels the scheduler."""
+    slot.thread = threading.get_ident()
     previous_device = torch.cuda.current_device() if slot.device.type == "cuda" else None
     if slot.device.type == "cuda":
         torch.cuda.set_device(slot.device)

@@ -28,7 +28,8 @@ class RunClosedError(RuntimeError):
 
 
 class Arrivals:
-    """The driver's handle on a run open to arrivals.
+    """The driver's handle on a run open to arrivals, for one ht.train call (a second is refused: make a new one).
+    Once the call ends, whether it trained or raised before training, add raises RunClosedError and close returns.
 
     `on_ended(result)` is called with each task's TaskResult once it has left the run, one call at a time in the
     order the tasks ended, on a thread of the run's own: not a device's worker, so it may take its time, add
@@ -41,6 +42,8 @@ class Arrivals:
         self._run = None
         self._attached = threading.Event()
         self._gone = "the run ended before it started training"  # what add says once no run is attached
+        self._claimed = False
+        self._claim_lock = threading.Lock()
 
     # -- the driver's side -------------------------------------------------------------------------------------
     def add(self, task):
@@ -61,21 +64,28 @@ class Arrivals:
         if run is not None:
             run.close()
 
-    @property
-    def attached(self) -> bool:
-        return self._attached.is_set()
-
     # -- the run's side ----------------------------------------------------------------------------------------
+    def claim(self):
+        """ht.train's, before anything else: an Arrivals serves one call. A second call's close() would find the
+        first run's handle and return at once, leaving the second run open to arrivals for ever."""
+        with self._claim_lock:
+            if self._claimed:
+                raise ValueError("this Arrivals served an earlier call: make a new one for each call")
+            self._claimed = True
+
     def attach(self, run):
-        """`run` None: the call ended without training (it raised first); the driver's calls return."""
+        """The run is open to arrivals: the driver's calls waiting for it go on."""
         self._run = run
         self._attached.set()
 
-    def let_go(self):
-        """The run has ended: a handle the driver keeps must not keep its engines (arenas that took their whole
+    def end(self):
+        """The call is over, trained or raised before training: the driver's calls return (add raising
+        RunClosedError), and a handle the driver keeps no longer keeps the engines (arenas that took their whole
         budgets) and models alive."""
-        self._gone = "the run has ended"
+        if self._attached.is_set():
+            self._gone = "the run has ended"
         self._run = None
+        self._attached.set()
 
 
 class OpenRun:
@@ -110,6 +120,10 @@ class OpenRun:
 
         if not isinstance(task, ModelTask):
             raise TypeError(f"a task joining the run must be a ModelTask, got {type(task).__name__}")
+        if any(slot.thread == threading.get_ident() for slot in self.slots):  # it would wait for itself
+            raise RuntimeError("Arrivals.add was called on a device's worker thread (from a task's loss_fn, inputs or "
+                               "lr_schedule): it waits for every device's worker to register the task, this one too. "
+                               "Call it from a thread of the driver's own, or from on_ended")
         with self._lock:
             self._check_open()
             if any(r.task.name == task.name for r in self.runners):

@@ -31,6 +31,7 @@ class _CpuGenerator:
         self.left = None            # the state the last section holding the lock left behind
         self.always_lock = False
         self.exclusive_to = None    # the thread inside exclusive(), if any
+        self.section_in = None      # the thread whose unit's section holds the lock, if any
 
     def reset(self):
         with self.lock:
@@ -64,6 +65,10 @@ def exclusive(devices=()):
     if _CPU.exclusive_to == threading.get_ident():  # the lock is not reentrant: this would wait for itself
         raise RuntimeError("task_rng.exclusive() is already held by this thread: build the model inside it, and "
                            "call Arrivals.add (which takes it to measure the task) outside it")
+    if _CPU.section_in == threading.get_ident():
+        raise RuntimeError("task_rng.exclusive() was called inside a task's unit (its loss_fn, inputs or a layer), "
+                           "which holds the CPU generator: build models outside the run's tasks (on a thread of "
+                           "the driver's own, or in Arrivals' on_ended)")
     indices = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
     with _CPU.lock, contextlib.ExitStack() as held:
         for index in indices:
@@ -123,9 +128,11 @@ class TaskRng:
                               "every unit takes the generator in turn (slower on several CPU devices)",
                               RuntimeWarning, stacklevel=2)
             torch.set_rng_state(state)
+            _CPU.section_in = threading.get_ident()
             try:
                 yield
             finally:
+                _CPU.section_in = None
                 after = torch.get_rng_state()
                 _CPU.left = after
             if key is not None and known is None:
