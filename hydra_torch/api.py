@@ -167,6 +167,7 @@ def train(tasks, devices="auto", memory_budget=None, schedule: str = "lrtf", pin
         threads, team = host_step_threads(host_threads, resolved)
         budgets = _budgets(resolved, memory_budget)
         loaded = _load_checkpoints(tasks, checkpoint_dir, checkpoint_every)
+        checkpoint.check_selection(checkpoint_dir, tasks, loaded, selection)
         warn_restarted(tasks, loaded, stacklevel=2)
         memory.check_host_memory(tasks)
         host_steps = _C.HostSteps(threads, team)

@@ -290,6 +290,36 @@ def test_the_same_clipping_resumes_however_it_is_written_and_a_checkpoint_withou
     assert train(small_task(max_steps=4)[0], tmp_path)[0].steps == 4
 
 
+
+HALVING = ht.SuccessiveHalving(min_steps=1, reduction_factor=2, metric="train_loss")
+
+
+@pytest.mark.parametrize("first, then", [
+    (HALVING, ht.SuccessiveHalving(min_steps=2, reduction_factor=2, metric="train_loss")),
+    (None, HALVING),
+    (HALVING, None),
+], ids=["other rungs", "none then a rule", "a rule then none"])
+def test_a_resume_under_another_selection_rule_is_refused(tmp_path, first, then):
+    # A task's reports are kept by rung: under rungs at other steps they would stand for judgements never made.
+    train(small_task(max_steps=2)[0], tmp_path, selection=first)
+    task, model = small_task(max_steps=4)
+    before = weights(model)
+    with pytest.raises(ValueError, match=r"was trained under selection=.*: resume under the same rule"):
+        train(task, tmp_path, selection=then)
+    assert unchanged(before, model)
+
+
+def test_the_same_rule_resumes_and_a_checkpoint_without_its_record_too(tmp_path):
+    train(small_task(max_steps=2)[0], tmp_path, selection=HALVING)
+    again = ht.SuccessiveHalving(min_steps=1, reduction_factor=2, metric="train_loss")
+    assert train(small_task(max_steps=3)[0], tmp_path, selection=again)[0].steps == 3
+    path = tmp_path / "t" / checkpoint.MANIFEST  # as one written before the rule was recorded
+    manifest = json.loads(path.read_text())
+    assert manifest.pop("selection") == {"rule": "SuccessiveHalving", "min_steps": 1, "reduction_factor": 2,
+                                         "metric": "train_loss"}
+    path.write_text(json.dumps(manifest))
+    assert train(small_task(max_steps=4)[0], tmp_path, selection=again)[0].steps == 4
+
 # A disk that refuses every checkpoint
 
 def failing_writes(monkeypatch, fails):

@@ -80,7 +80,8 @@ def test_bad_selection_is_refused_before_anything_changes():
     with pytest.raises(TypeError, match="selection must be"):
         ht.train(tasks, devices="cpu", selection="asha", progress=False)
     for bad in ({"min_steps": 0}, {"min_steps": 2, "reduction_factor": 1}, {"min_steps": 2.5},
-                {"min_steps": 2, "metric": "accuracy"}):
+                {"min_steps": 2, "metric": "accuracy"}, {"min_steps": 2**63},
+                {"min_steps": 2, "reduction_factor": 2**70}):  # past the native rule's int64
         with pytest.raises(ValueError, match="SuccessiveHalving"):
             ht.SuccessiveHalving(**bad)
     after = [p for t in tasks for p in t.model.parameters()]

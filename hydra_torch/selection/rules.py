@@ -25,6 +25,10 @@ class Selection:
     def start(self, runners):
         raise NotImplementedError
 
+    def record(self) -> dict:
+        """The rule as a checkpoint's manifest holds it: a task resumes under the rule it was judged by."""
+        return {"rule": type(self).__name__}
+
 
 class SuccessiveHalving(Selection):
     """Asynchronous successive halving (ASHA): rungs at min_steps, min_steps * reduction_factor, ...; a task
@@ -38,8 +42,8 @@ class SuccessiveHalving(Selection):
     def __init__(self, min_steps: int, reduction_factor: int = 3, metric: str = "eval_loss"):
         min_steps, reduction_factor = integral(min_steps), integral(reduction_factor)  # NumPy's or torch's too
         for label, value, least in (("min_steps", min_steps, 1), ("reduction_factor", reduction_factor, 2)):
-            if not whole(value, least):
-                raise ValueError(f"SuccessiveHalving: {label} must be an int >= {least}, got {value!r}")
+            if not whole(value, least) or value >= 2**63:  # the native rule's int64
+                raise ValueError(f"SuccessiveHalving: {label} must be an int in [{least}, 2**63), got {value!r}")
         if metric not in METRICS:
             raise ValueError(f"SuccessiveHalving: unknown metric {metric!r}: use one of {METRICS}")
         self.min_steps = min_steps
@@ -49,6 +53,10 @@ class SuccessiveHalving(Selection):
     def __repr__(self) -> str:
         return (f"SuccessiveHalving(min_steps={self.min_steps}, reduction_factor={self.reduction_factor}, "
                 f"metric={self.metric!r})")
+
+    def record(self) -> dict:
+        return {**super().record(), "min_steps": self.min_steps, "reduction_factor": self.reduction_factor,
+                "metric": self.metric}
 
     def check(self, tasks):
         """Before anything is allocated: every task can be judged."""

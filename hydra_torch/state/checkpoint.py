@@ -181,6 +181,21 @@ def _read_tensors(directory: Path, manifest: dict, task, where: str) -> dict:
     return tensors
 
 
+def check_selection(root, tasks, loaded, selection) -> None:
+    """Refuses a resume under another selection rule than the checkpoint's (or with one where it had none, or the
+    reverse): a task's reports are kept by rung, and under rungs at other steps they would stand for judgements
+    never made, the task going on unjudged. A checkpoint written before rules were recorded is taken as it is."""
+    now = selection.record() if selection is not None else None
+    for task, checkpoint in zip(tasks, loaded):
+        if checkpoint is None or "selection" not in checkpoint.manifest:
+            continue
+        recorded = checkpoint.manifest["selection"]
+        if recorded != now:
+            where = f"task {task.name!r}: checkpoint {task_dir(root, task.name) / MANIFEST}"
+            raise ValueError(f"{where} was trained under selection={recorded}, now {now}: resume under the same rule, "
+                             "or use another checkpoint_dir")
+
+
 @dataclasses.dataclass
 class Loaded:
     """A task's checkpoint, read and checked against the task before anything is allocated."""
@@ -261,11 +276,19 @@ def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
         tensors["rng/epoch"] = runner.epoch_rng.clone()
     manifest = {"format": FORMAT, "task": task.name, "steps": runner.steps, "epochs_done": runner.epochs_done,
                 "losses": list(runner.losses), "eval_losses": [list(e) for e in runner.eval_losses],
-                "stopped": runner.stopped, "rung_reports": [list(r) for r in runner.rung_reports], "params": params,
+                "stopped": runner.stopped, "rung_reports": [list(r) for r in runner.rung_reports],
+                "selection": _selection_record(runner), "params": params,
                 "ties": ties, "base": _base_name(task), "optimizer": _optimizer_record(task), **_schedule_record(task),
                 "precision": task.precision, "clip_grad_norm": task.clip_grad_norm, "data_length": len(task.data),
                 "accumulate": task.accumulate, "time": time.time()}
     return tensors, manifest
+
+
+def _selection_record(runner) -> dict | None:
+    """The rule the task is judged by: the run's object of a SuccessiveHalving holds it as `rule`, others are it."""
+    if runner.selection is None:
+        return None
+    return getattr(runner.selection, "rule", runner.selection).record()
 
 
 def _fsync(path: Path):

@@ -49,6 +49,7 @@ _OPTIONAL = {
     "eval_losses": ("a list of [steps, loss] pairs", _pairs),
     "stopped": ("null or a str", lambda v: v is None or isinstance(v, str)),
     "rung_reports": ("a list of [rung, metric] pairs", _pairs),
+    "selection": ("null or an object (the rule)", lambda v: v is None or isinstance(v, dict)),
     "lr_schedule": ("null or a str", lambda v: v is None or isinstance(v, str)),
     "warmup_steps": ("an int >= 0", whole),
     "base": ("null or a str", lambda v: v is None or isinstance(v, str)),  # the FrozenBase's name

@@ -63,8 +63,9 @@ def exclusive(devices=()):
     of `devices` too (its worker waits at its next unit): for code outside any task that draws from them, such as
     building a model that joins the run, or measuring it on a batch. Taken in the workers' order: the CPU's first."""
     if _CPU.exclusive_to == threading.get_ident():  # the lock is not reentrant: this would wait for itself
-        raise RuntimeError("task_rng.exclusive() is already held by this thread: build the model inside it, and "
-                           "call Arrivals.add (which takes it to measure the task) outside it")
+        raise RuntimeError("task_rng.exclusive() is already held by this thread (hydra_torch.optuna's build_task "
+                           "runs inside it): build the model inside it, and call Arrivals.add (which takes it to "
+                           "measure the task) outside it")
     if _CPU.section_in == threading.get_ident():
         raise RuntimeError("task_rng.exclusive() was called inside a task's unit (its loss_fn, inputs or a layer), "
                            "which holds the CPU generator: build models outside the run's tasks (on a thread of "
