@@ -28,6 +28,7 @@ from hydra_torch.models.hf import causal_lm
 
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm")
 EMBEDDING_DROPOUTS = ("embed_dropout", "emb_dropout")
+EMBEDDING_DROPOUT_RATES = ("embedding_dropout",)     # Starcoder2: a number its forward passes to F.dropout
 ROTARY = "rotary_emb"
 LEARNED_POSITIONS = "embed_positions"                  # OPT: added to the token embeddings, offset by 2
 PROJECTIONS = ("project_in", "project_out")           # OPT-350m: embeddings narrower than the layers
@@ -134,6 +135,7 @@ class Embeddings(nn.Module):
         # Not a child: its inv_freq buffer stays where the model keeps it, and the module moves it to the hidden
         # states' device as it computes.
         self._rotary = [parts.rotary]
+        self._decoder = [parts.decoder]  # not a child either: its rates are read as its own forward reads them
         self.config, self.types, self.tables = config, types, tables
 
     def forward(self, inputs):
@@ -158,6 +160,13 @@ class Embeddings(nn.Module):
         for name in EMBEDDING_DROPOUTS:
             if hasattr(self, name):
                 hidden = getattr(self, name)(hidden)
+        for name in EMBEDDING_DROPOUT_RATES:
+            rate = getattr(self._decoder[0], name, None)
+            if isinstance(rate, (int, float)) and rate > 0:  # at 0 F.dropout draws nothing
+                # In the decoder's mode, as its forward reads it, and off where the piece is put in eval mode
+                # (an evaluation: the decoder is in no piece, so its own mode stays as the model's).
+                training = self.training and self._decoder[0].training
+                hidden = nn.functional.dropout(hidden, p=rate, training=training)
         rotary = self._rotary[0]
         # The model computes its tables from the hidden states as they enter the layers (only their dtype and
         # device matter); the rotary module moves its inv_freq to their device.
@@ -232,28 +241,39 @@ def adapter(model):
 
 
 def check_against_model(model, pieces, tokens: int = 16) -> None:
-    """For a model of a family not in TESTED: its pieces' logits must equal its own forward's on a few tokens
-    (eval mode, no gradients), else TypeError before anything trains. A guard against a part the structure hid,
-    not a proof: a sliding window longer than `tokens` is not exercised."""
-    name = type(model).__name__
+    """For a model of a family not in TESTED: its pieces' logits must equal its own forward's on a few tokens (no
+    gradients), in eval mode and then in training mode from one seed (dropout draws alike where the pieces run the
+    model's own work in its order), else TypeError before anything trains. A guard against a part the structure
+    hid, or work its forward does in training alone, not a proof: a sliding window longer than `tokens` is not
+    exercised."""
     ids = ((torch.arange(tokens) * 7 + 3) % model.config.vocab_size).unsqueeze(0)
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
+    modes = {module: module.training for root in [model, *pieces] for module in root.modules()}
     try:
-        with torch.no_grad():
-            expected = model(input_ids=ids, use_cache=False).logits.float()
-            x = (ids, None, None)
+        for training in (False, True):
+            model.train(training)
             for piece in pieces:
-                x = piece(x)
+                piece.train(training)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                expected = model(input_ids=ids, use_cache=False).logits.float()
+                torch.manual_seed(0)
+                x = (ids, None, None)
+                for piece in pieces:
+                    x = piece(x)
+            _compare(model, x, expected, "in training mode" if training else "")
     finally:
         for module, training in modes.items():
             module.training = training
+
+
+def _compare(model, x, expected: torch.Tensor, mode: str) -> None:
+    name = type(model).__name__
     got = x.float() if isinstance(x, torch.Tensor) else None
     if got is None or got.shape != expected.shape:
         raise TypeError(f"not supported: {name}: its pieces give {type(x).__name__}, not its logits")
     tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
     error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
     if not error <= tolerance:
-        raise TypeError(f"not supported: {name} (model_type {model.config.model_type!r}): run as pieces, its logits "
-                        f"differ from its own forward's by {error:.2g} (relative): its forward does something the "
-                        "decoder adapter does not know")
+        raise TypeError(f"not supported: {name} (model_type {model.config.model_type!r}): run as pieces"
+                        f"{' ' + mode if mode else ''}, its logits differ from its own forward's by {error:.2g} "
+                        "(relative): its forward does something the decoder adapter does not know")
