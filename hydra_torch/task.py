@@ -136,9 +136,10 @@ class ModelTask:
     chosen by name pattern, module type or callable (see hydra_torch.recipe.param_groups); e.g.
     ``[{"params": ht.optim.NO_WEIGHT_DECAY, "weight_decay": 0.0}]`` exempts biases and norms, as
     transformers.Trainer does.
-    eval_data: validation batches (a sized iterable, like data): the mean of loss_fn over them is measured under
-    no_grad, the modules in eval mode, after every ``eval_every`` steps and after the last step, as units of
-    their own, so one model's evaluation overlaps others' training. Results keep the curve
+    eval_data: validation batches (a sized iterable, like data): the mean of loss_fn over them, each batch
+    weighing alike (transformers.Trainer weighs each by its examples: the two differ where batches differ in
+    size), is measured under no_grad, the modules in eval mode, after every ``eval_every`` steps and after the
+    last step, as units of their own, so one model's evaluation overlaps others' training. Results keep the curve
     (``TaskResult.eval_losses``); evaluation draws no random numbers from the task's training streams.
     base: a hydra_torch.FrozenBase this task's frozen weights are shared with: the tasks built with it hold
     them once on the host and once on a device (a LoRA sweep over one pretrained model; see FrozenBase).

@@ -98,7 +98,10 @@ def test_demo_refuses_bad_arguments_before_preparing_anything(capsys):
                             (["--seq", "0"], "--seq: must be a positive int, got 0"),
                             (["--lrs", "nan"], "--lrs: must be a positive float, got nan"),
                             (["--lrs", "inf"], "--lrs: must be a positive float, got inf"),
-                            (["--widths", "30", "--heads", "4"], "--heads 4 must divide every width, not 30")]:
+                            (["--widths", "30", "--heads", "4"], "--heads 4 must divide every width, not 30"),
+                            # Both were a traceback after the whole run, the results unreported.
+                            (["--chart", "/nonexistent/dir/s.png"], "--chart: no folder /nonexistent/dir to write"),
+                            (["--curves", "curves.xyz"], "--curves: a chart is written as one of")]:
         with pytest.raises(SystemExit) as exit_:
             demo.main(SMALL + arguments)
         assert exit_.value.code == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -35,6 +36,27 @@ def positive(kind):
 
     parse.__name__ = f"positive {kind.__name__}"
     return parse
+
+
+def chart_path(text):
+    """An argparse type: where a chart can be written ("" for none), checked before anything trains: a folder that
+    is there and writable, and a format matplotlib writes (a name without a suffix is a PNG)."""
+    if not text:
+        return text
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"no folder {folder} to write {text} in" if not os.path.isdir(folder) else
+                                         f"the folder {folder} is not writable")
+    suffix = os.path.splitext(text)[1].lstrip(".").lower()
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError("the charts need matplotlib: pip install matplotlib, or pass \"\" for "
+                                         "no chart") from None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise argparse.ArgumentTypeError(f"a chart is written as one of {', '.join(sorted(formats))}, not {suffix}")
+    return text
 
 
 def parse_args(argv=None):
@@ -70,8 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--search", type=positive(int), metavar="N",
                    help="an Optuna search of N trials over --widths and a learning-rate range, 4 at a time, pruned by "
                         "a median rule (needs optuna), instead of the --widths x --lrs grid")
-    p.add_argument("--chart", default="hydra_schedule.png", help="where to save the schedule chart")
-    p.add_argument("--curves", default="hydra_curves.png", help="where to save the loss curves")
+    p.add_argument("--chart", type=chart_path, default="hydra_schedule.png",
+                   help="where to save the schedule chart (\"\": none)")
+    p.add_argument("--curves", type=chart_path, default="hydra_curves.png",
+                   help="where to save the loss curves (\"\": none)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -84,8 +108,6 @@ def parse_args(argv=None):
 def default_devices():
     if torch.cuda.is_available():
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    import os
-
     return ["cpu"] * max(1, min(2, os.cpu_count() or 1))
 
 

@@ -240,8 +240,8 @@ class Results:
         The tasks that finished come first: one cut short (by request_stop or a signal) is compared only if none
         of them has a finite loss, since its loss is that of fewer steps. Last come the tasks a selection rule
         stopped: it judged them worse than the others at a rung, so any task that ran on ranks before them,
-        finished or cut short. None if no task has a finite loss. Results.summary says when the best did not
-        finish."""
+        finished or cut short. None if no task has a finite loss of the kind compared (every validation loss NaN
+        counts as none, whatever the training losses were). Results.summary says when the best did not finish."""
         for tier in range(3):
             best = _lowest(self._ranked(tier))
             if best is not None:
