@@ -25,14 +25,19 @@ def has_workers(data) -> bool:
     return getattr(data, "num_workers", 0) > 0
 
 
+def own_generators(data) -> list[torch.Generator]:
+    """The generators a DataLoader draws its order from beside torch's: its own (`generator=`), its sampler's and
+    its batch sampler's sampler's, each once, in that order."""
+    samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
+    found = (getattr(data, "generator", None), *(getattr(s, "generator", None) for s in samplers))
+    return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
+
+
 @contextlib.contextmanager
 def generators_kept(data):
-    """torch's CPU generator, Python's and NumPy's, and a DataLoader's own, its sampler's and its batch sampler's
-    sampler's, as they were before the block."""
-    samplers = (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None))
-    own = {id(g): g for g in (getattr(data, "generator", None), *(getattr(s, "generator", None) for s in samplers))
-           if isinstance(g, torch.Generator)}.values()
-    states = [(g, g.get_state()) for g in own]
+    """torch's CPU generator, Python's and NumPy's, and `data`'s own generators (own_generators), as they were
+    before the block."""
+    states = [(g, g.get_state()) for g in own_generators(data)]
     python_state = random.getstate()
     numpy = sys.modules.get("numpy")
     numpy_state = numpy.random.get_state() if numpy is not None else None

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from hydra_torch._loader import native as _C
 from hydra_torch.models import sharding
 from hydra_torch.models.batch_tree import to_device
+from hydra_torch.models.first_batch import own_generators
 from hydra_torch.models.hf.adapter import check_drawn_batch
 from hydra_torch.recipe import schedules
 from hydra_torch.run.compute import NonFiniteGradNormError, NonFiniteLossError, floating
@@ -74,6 +75,7 @@ class TaskRunner:
         self._eval: EvalPass | None = None
         self.on_step = None                   # called after each optimizer step (progress bars)
         self.epoch_rng: torch.Tensor | None = None  # the CPU generator's state when the current epoch began
+        self.epoch_loader: list[torch.Tensor] = []  # and the data loader's own generators' (see step_groups)
         self._groups = step_groups(task, self._epoch_began)
         self._group, self._position, self._epoch_end, self._loss_sum = None, 0, False, 0.0
         self.mb: MicroBatch | None = None
@@ -87,13 +89,17 @@ class TaskRunner:
         self._rng = TaskRng(*start_rng.snapshot())
         self.shard_buffers = shard_buffers(task.modules)
 
-    def _epoch_began(self, state):
-        self.epoch_rng = state
+    def _epoch_began(self, state, loader_states):
+        self.epoch_rng, self.epoch_loader = state, loader_states
 
     def resume(self, steps: int, losses: list[float], epochs_done: int, rng: TaskRng, epoch_rng,
-               eval_losses=(), stopped: str | None = None, rung_reports=()):
+               eval_losses=(), stopped: str | None = None, rung_reports=(), loader=(), epoch_loader=()):
         """Continues after `steps` steps taken by an earlier run, from its checkpoint; a task a selection
-        rule had stopped stays stopped."""
+        rule had stopped stays stopped. `loader`: the states the data loader's own generators had then (they
+        draw its order outside the task's streams: at their seeds again after a crash, moved on in the same
+        process)."""
+        for generator, state in zip(own_generators(self.task.data), loader):
+            generator.set_state(state)
         self.steps, self.losses, self.epochs_done = steps, list(losses), epochs_done
         self.task.steps_done = steps
         self.eval_losses = [(int(step), float(loss)) for step, loss in eval_losses]
@@ -101,7 +107,8 @@ class TaskRunner:
         self.rung_reports = [(int(rung), float(metric)) for rung, metric in rung_reports]
         self._rng = rng
         self.epoch_rng = epoch_rng
-        self._groups = step_groups(self.task, self._epoch_began, steps, epoch_rng)
+        self.epoch_loader = list(epoch_loader)
+        self._groups = step_groups(self.task, self._epoch_began, steps, epoch_rng, self.epoch_loader)
 
     def scheduler_spec(self) -> tuple:
         """What the scheduler plans the rest of the task from, at a step boundary (as cut now, after the steps

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from hydra_torch.models.first_batch import own_generators
 from hydra_torch.task import ModelTask
 
 
@@ -12,17 +13,20 @@ class DataLengthError(ValueError):
     pass
 
 
-def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch.Tensor | None = None):
+def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch.Tensor | None = None,
+                epoch_loader: list | tuple = ()):
     """(epoch, batches, last of its epoch) for each optimizer step, `accumulate` batches each. Batches are read
     as the steps need them (one step's worth is held at a time), and each epoch must yield exactly len(data)
     batches: the scheduler planned the task from that length. An epoch is found longer only once its last step
     has trained, when the generator is resumed after it (for the next step, or at the task's end): every step
     len(data) promised is kept.
 
-    Called where the CPU generator holds the task's state. `on_epoch(state)` learns the generator's state as
-    each epoch begins (what a shuffled loader draws its order from). Resuming after `start` steps in the middle
-    of an epoch replays that epoch's beginning from `epoch_rng`, its state then, so the order is the same, and
-    skips the batches its steps took; the generator then goes on from where it was."""
+    Called where the CPU generator holds the task's state. `on_epoch(state, loader_states)` learns the
+    generator's state as each epoch begins (what a shuffled loader draws its order from), and those of the
+    loader's own generators (models.first_batch.own_generators). Resuming after `start` steps in the middle of an
+    epoch replays that epoch's beginning from `epoch_rng` and `epoch_loader`, their states then, so the order is
+    the same, and skips the batches its steps took; the generators then go on from where they were."""
+    own = own_generators(task.data)
     expected = len(task.data)
     per_epoch = _epoch_step_sizes(expected, task.accumulate)
     steps = start
@@ -33,10 +37,13 @@ def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch
     for epoch in range(first_epoch, epochs):
         replay = epoch == first_epoch and skip > 0
         if replay:
-            current = torch.get_rng_state()
+            current, current_loader = torch.get_rng_state(), [g.get_state() for g in own]
             torch.set_rng_state(epoch_rng)
+            if len(epoch_loader) == len(own):  # else a checkpoint written before they were kept
+                for g, state in zip(own, epoch_loader):
+                    g.set_state(state)
         if on_epoch is not None:
-            on_epoch(torch.get_rng_state())
+            on_epoch(torch.get_rng_state(), [g.get_state() for g in own])
         batches = iter(task.data)
         read = 0
         for i, size in enumerate(per_epoch):
@@ -53,12 +60,19 @@ def step_groups(task: ModelTask, on_epoch=None, start: int = 0, epoch_rng: torch
             if replay and i < skip:  # taken by the steps before the checkpoint
                 if i == skip - 1:
                     torch.set_rng_state(current)
+                    for g, state in zip(own, current_loader):
+                        g.set_state(state)
                 continue
+            last = i == len(per_epoch) - 1
+            # The epoch's end is read with its last group, not as the next step asks: a shuffling sampler draws
+            # as it ends, so the loader's generators then stand where the next epoch starts them, and a checkpoint
+            # at this boundary keeps them there.
+            longer = last and next(batches, END) is not END
             steps += 1
-            yield epoch, group, i == len(per_epoch) - 1
-        if next(batches, END) is not END:
-            raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
-                                  f"{expected} batches; training stopped once it had trained those {expected}")
+            yield epoch, group, last
+            if longer:
+                raise DataLengthError(f"task {task.name!r}: epoch {epoch + 1} of data has more than len(data) = "
+                                      f"{expected} batches; training stopped once it had trained those {expected}")
 
 
 END = object()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hydra_torch.models import sharding
+from hydra_torch.models.first_batch import own_generators
 from hydra_torch.recipe.reals import whole
 from hydra_torch.state.checkpoint_dirs import claim, task_dir
 from hydra_torch.state.checkpoint_manifest import FORMAT, MANIFEST, check_fields
@@ -178,6 +179,10 @@ def _read_tensors(directory: Path, manifest: dict, task, where: str) -> dict:
                 raise ValueError(f"{where}: {name} lacks {key} as fp32 of shape {shape}")
     if "rng/cpu" not in tensors:
         raise ValueError(f"{where}: {name} lacks the random generator's state")
+    kept, own = len(_indexed(tensors, "rng/loader")), len(own_generators(task.data))
+    if kept and kept != own:  # a checkpoint written before they were kept has none
+        raise ValueError(f"{where} was taken reading data whose loader draws its order from {kept} generators of its "
+                         f"own, and the task's data now has {own}: its position in the data would mean something else")
     return tensors
 
 
@@ -250,7 +255,16 @@ def restore(loaded: Loaded, runner):
     cuda = tensors.get("rng/cuda")
     runner.resume(manifest["steps"], manifest["losses"], manifest["epochs_done"],
                   TaskRng(tensors["rng/cpu"], cuda), tensors.get("rng/epoch"), manifest.get("eval_losses", ()),
-                  manifest.get("stopped"), manifest.get("rung_reports", ()))
+                  manifest.get("stopped"), manifest.get("rung_reports", ()), _indexed(tensors, "rng/loader"),
+                  _indexed(tensors, "rng/loader_epoch"))
+
+
+def _indexed(tensors: dict, prefix: str) -> list:
+    """tensors[prefix + "0"], tensors[prefix + "1"], ... while there are."""
+    found = []
+    while f"{prefix}{len(found)}" in tensors:
+        found.append(tensors[f"{prefix}{len(found)}"])
+    return found
 
 
 def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
@@ -274,6 +288,10 @@ def snapshot(runner, copy: bool = True) -> tuple[dict, dict]:
         tensors["rng/cuda"] = rng.cuda.clone()
     if runner.epoch_rng is not None:
         tensors["rng/epoch"] = runner.epoch_rng.clone()
+    for k, generator in enumerate(own_generators(task.data)):  # a shuffling loader's own, beside torch's
+        tensors[f"rng/loader{k}"] = generator.get_state()
+    for k, state in enumerate(runner.epoch_loader):
+        tensors[f"rng/loader_epoch{k}"] = state.clone()
     manifest = {"format": FORMAT, "task": task.name, "steps": runner.steps, "epochs_done": runner.epochs_done,
                 "losses": list(runner.losses), "eval_losses": [list(e) for e in runner.eval_losses],
                 "stopped": runner.stopped, "rung_reports": [list(r) for r in runner.rung_reports],
