@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import warnings
 
 from hydra_torch import api
 from hydra_torch.recipe.callables import check_callable
@@ -30,6 +29,7 @@ from hydra_torch.recipe.reals import integral, whole
 from hydra_torch.selection.arrivals import Arrivals, RunClosedError
 from hydra_torch.selection.rules import Selection
 from hydra_torch.state import task_rng
+from hydra_torch.state.run_warnings import warn_in_run
 from hydra_torch.task import ModelTask
 
 _STOP = object()
@@ -133,7 +133,7 @@ class _Driver:
         return None
 
     def _fail(self, trial, error, what):
-        warnings.warn(f"trial {trial.number} failed: {what}: {error!r}", RuntimeWarning, stacklevel=3)
+        warn_in_run(f"trial {trial.number} failed: {what}: {error!r}", stacklevel=3)
         self._tell(trial, state=self.optuna.trial.TrialState.FAIL)
 
     def _tell(self, trial, value=None, state=None):

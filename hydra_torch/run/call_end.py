@@ -69,14 +69,17 @@ def tell(results, stop, checkpoints, checkpoint_dir):
     """Warns of a stop at step boundaries (and passes SIGTERM on), of re-plans and of failed tasks."""
     if stop.is_set():
         cut = [r.name for r in results if r.cut_short]
-        warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
-                      f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=3)
-        if stop.signal != signal.SIGINT:
-            if checkpoints is not None:
-                sys.stderr.write(f"{stop.name}: every task stopped at a step boundary and was checkpointed in "
-                                 f"{checkpoint_dir}; the same ht.train call with checkpoint_dir={checkpoint_dir!r} "
-                                 "resumes it\n")
-            interrupts.deliver(stop.signal)
+        passed_on = stop.signal != signal.SIGINT
+        if passed_on and checkpoints is not None and sys.stderr is not None:  # None: a process started with 2>&-
+            sys.stderr.write(f"{stop.name}: every task stopped at a step boundary and was checkpointed in "
+                             f"{checkpoint_dir}; the same ht.train call with checkpoint_dir={checkpoint_dir!r} "
+                             "resumes it\n")
+        try:  # a warnings filter that raises (python -W error) must not keep the signal from the previous handler
+            warnings.warn(f"training stopped by {stop.name} at step boundaries; {len(cut)} of {len(results)} tasks "
+                          f"cut short{': ' + ', '.join(cut) if cut else ''}", RuntimeWarning, stacklevel=3)
+        finally:
+            if passed_on:
+                interrupts.deliver(stop.signal)
     for result in results:
         if result.replans:
             warnings.warn(f"task {result.name!r} ran out of device memory and was re-planned "

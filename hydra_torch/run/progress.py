@@ -1,6 +1,7 @@
 """Progress bars: one per task and a total, in a terminal or a notebook (tqdm.auto picks)."""
 from __future__ import annotations
 
+import sys
 import threading
 
 
@@ -9,7 +10,7 @@ class Progress:
         self._lock = threading.Lock()
         self._bars = {}
         self._total = None
-        if not enabled:
+        if not enabled or sys.stderr is None:  # tqdm writes to stderr; None in a process started with 2>&-
             return
         from tqdm.auto import tqdm
 

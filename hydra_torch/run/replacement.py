@@ -13,10 +13,10 @@ arena takes no home) or a frozen base, every backward followed by its step, no t
 owner keeps a gradient buffer for the run), held by every device."""
 from __future__ import annotations
 
-import warnings
 
 from hydra_torch.run import lane_choice, moving
 from hydra_torch.state import interrupts
+from hydra_torch.state.run_warnings import warn_in_run
 
 
 def replace_if_due(slot, runner) -> str | None:
@@ -68,6 +68,6 @@ def _pays(slot, runner, wanted, uncommitted: list[int]) -> bool:
     try:
         return lane_choice.move_pays(runner, running, uncommitted, slot.placement, slot.lane_plan, wanted)
     except Exception as error:  # noqa: BLE001  (the lane model only informs the placement)
-        warnings.warn(f"placement={slot.placement!r} could not weigh moving {runner.task.name!r}'s steps "
-                      f"({type(error).__name__}: {error}); it trains on where it is", RuntimeWarning, stacklevel=2)
+        warn_in_run(f"placement={slot.placement!r} could not weigh moving {runner.task.name!r}'s steps "
+                    f"({type(error).__name__}: {error}); it trains on where it is")
         return False

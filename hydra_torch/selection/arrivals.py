@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import queue
 import threading
-import warnings
 
 from hydra_torch.run.caller_modes import training_modes
 from hydra_torch.run.inbox import on_devices
 from hydra_torch.state import interrupts, task_rng
+from hydra_torch.state.run_warnings import warn_in_run
 
 
 class RunClosedError(RuntimeError):
@@ -328,5 +328,5 @@ class _Callbacks:
             try:
                 self._on_ended(result)
             except BaseException as error:  # here any error would only end this thread, and later callbacks with it
-                warnings.warn(f"on_ended raised for task {result.name!r}: {error!r}; its result stands as it trained",
-                              RuntimeWarning, stacklevel=1)
+                warn_in_run(f"on_ended raised for task {result.name!r}: {error!r}; its result stands as it trained",
+                            stacklevel=1)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import warnings
 from pathlib import Path
 
 from hydra_torch.state import checkpoint
 from hydra_torch.state.checkpoint_dirs import Claim, claim, task_dir
+from hydra_torch.state.run_warnings import warn_in_run
 
 
 class Checkpointer:
@@ -123,7 +123,7 @@ class Checkpointer:
         with self._lock:
             news, self._news = self._news, []
         for message in news:
-            warnings.warn(message, RuntimeWarning)
+            warn_in_run(message)
 
     def _release(self):
         for held in self._claims.values():

@@ -69,8 +69,9 @@ def stop_requests(request: StopRequest):
         if request.is_set():
             _stop_now(received)
         request.set(received)
-        sys.stderr.write(f"\n{NAMES[received]}: every task stops at its next step boundary; "
-                         f"{NAMES[received]} again stops at once, leaving steps in progress half-applied\n")
+        if sys.stderr is not None:  # None: a process started with 2>&- (the write would raise in a unit)
+            sys.stderr.write(f"\n{NAMES[received]}: every task stops at its next step boundary; "
+                             f"{NAMES[received]} again stops at once, leaving steps in progress half-applied\n")
 
     with _handling(ask):
         yield

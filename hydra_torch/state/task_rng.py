@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from contextlib import contextmanager
 
 import torch
+
+from hydra_torch.state.run_warnings import warn_in_run
 
 
 class _CpuGenerator:
@@ -125,9 +126,8 @@ class TaskRng:
         with _CPU.lock:
             if _CPU.left is not None and not _CPU.always_lock and not torch.equal(torch.get_rng_state(), _CPU.left):
                 _CPU.always_lock = True
-                warnings.warn("a shard drew from the CPU random generator on some of its runs only; from now on "
-                              "every unit takes the generator in turn (slower on several CPU devices)",
-                              RuntimeWarning, stacklevel=2)
+                warn_in_run("a shard drew from the CPU random generator on some of its runs only; from now on "
+                            "every unit takes the generator in turn (slower on several CPU devices)")
             torch.set_rng_state(state)
             _CPU.section_in = threading.get_ident()
             try:
