@@ -107,7 +107,10 @@ def test_on_ended_adds_the_next_task_itself(devices):
 
 
 @pytest.mark.parametrize("error", [RuntimeError("callback bug"), KeyboardInterrupt()], ids=["Exception", "Ctrl-C"])
-def test_an_on_ended_that_raises_is_a_warning_and_the_run_goes_on(error):
+@pytest.mark.parametrize("warnings_raise", [False, True], ids=["warned", "a filter that raises"])
+def test_an_on_ended_that_raises_is_a_warning_and_the_run_goes_on(error, warnings_raise, capfd):
+    # Under a filter that raises (python -W error) the warning ended the callback thread, and the run waited for
+    # ever for the callbacks after it: it goes to stderr instead.
     ended = []
 
     def on_ended(result):
@@ -118,8 +121,12 @@ def test_an_on_ended_that_raises_is_a_warning_and_the_run_goes_on(error):
             raise error
     arrivals = Arrivals(on_ended=on_ended)
     a, b = task("a"), task("b", seed=1)
-    with pytest.warns(RuntimeWarning, match=re.escape(f"on_ended raised for task 'a': {error!r}")):
+    said = re.escape(f"on_ended raised for task 'a': {error!r}")
+    with (warnings.catch_warnings() if warnings_raise else pytest.warns(RuntimeWarning, match=said)):
+        if warnings_raise:
+            warnings.simplefilter("error")
         results = train_or_hang([a, b], arrivals, ["cpu", "cpu"])
+    assert not warnings_raise or re.search("RuntimeWarning: " + said, capfd.readouterr().err)
     assert sorted(ended) == ["a", "b"]
     assert [r.name for r in results] == ["a", "b"] and all(r.ok and r.steps == 4 for r in results)
     assert all(p.device.type == "cpu" and p.grad is None for p in a.model.parameters())  # weights are home
