@@ -215,6 +215,7 @@ class ModelTask:
             pieces = [module for group in groups for module in group]
         else:
             pieces = sharding.model_pieces(model)
+        sharding.refuse_in_place_weights(groups)
         params = sharding.shard_parameters(groups)
         if not any(params):
             raise ValueError("the model has no parameters to train")

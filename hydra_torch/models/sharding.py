@@ -156,6 +156,19 @@ def split(model, shards=None) -> list[list[nn.Module]]:
     return [pieces[a:b] for a, b in zip(starts, ends)]
 
 
+def refuse_in_place_weights(groups: list[list[nn.Module]]) -> None:
+    """Refuses a module whose forward changes its own weight in place (an Embedding with max_norm renormalises the
+    rows it looks up): a spilled shard's weights on the device are a copy whose change the host's master, which
+    the step starts from, never sees."""
+    for group in groups:
+        for module in group:
+            for sub in module.modules():
+                if isinstance(sub, nn.Embedding) and sub.max_norm is not None:
+                    raise ValueError(f"{sub} renormalises its weight in place as it looks rows up "
+                                     f"(max_norm={sub.max_norm}), which a spilled shard's host copy would not "
+                                     "see: set max_norm=None")
+
+
 def shard_parameters(groups: list[list[nn.Module]]) -> list[list[torch.nn.Parameter]]:
     """Each shard's parameters, each once; a parameter used by several shards (tied) is listed in each."""
     params = []

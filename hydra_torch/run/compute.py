@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
-from hydra_torch.models.carried import as_shard_input
+from hydra_torch.models.carried import as_shard_input, is_carried
 
 
 class NonFiniteLossError(RuntimeError):
@@ -47,3 +47,45 @@ def check_loss(loss, task_name: str):
 def loss_value(loss, task_name: str) -> float:
     check_loss(loss, task_name)
     return float(loss.detach())
+
+
+IN_PLACE_ON_LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+def in_place_error(task_name: str, s: int, modules) -> ValueError:
+    first = type(modules[0]).__name__ if len(modules) else "its first module"
+    return ValueError(f"task {task_name!r}: shard {s} changes its input in place ({first} at its start: an "
+                      "inplace=True activation, say), and a shard's input is kept for its backward, which runs its "
+                      "forward again from it. Cut the model elsewhere (shards=[...] without a boundary just before "
+                      "it) or make the operation out of place")
+
+
+def input_versions(x) -> list[tuple[torch.Tensor, int]]:
+    """A shard's input tensors and their version counters, which an in-place change moves (Carried ones aside)."""
+    return [(t, t._version) for t in tree_leaves(x, is_leaf=is_carried) if isinstance(t, torch.Tensor)]
+
+
+def check_handed_on(task_name: str, s: int, modules, versions, y) -> None:
+    """Refuses, before any step, what a shard's forward did that its backward's recompute or the later shards
+    cannot follow: its input changed in place, its own parameter handed on (a spilled shard's weights leave the
+    device once it has run, and later shards would read memory others reuse), an object holding tensors that is
+    no pytree node handed on (its tensors would get no gradient)."""
+    if any(t._version != version for t, version in versions):
+        raise in_place_error(task_name, s, modules)
+    own = {id(p) for module in modules for p in module.parameters()}
+    for leaf in tree_leaves(y, is_leaf=is_carried):
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in own or (leaf._base is not None and id(leaf._base) in own):
+                raise ValueError(f"task {task_name!r}: shard {s} hands on its own parameter (of shape "
+                                 f"{tuple(leaf.shape)}): use it in the shard that holds it, or hand on a copy "
+                                 "(.clone())")
+        elif not is_carried(leaf) and _holds_tensors(leaf):
+            raise TypeError(f"task {task_name!r}: shard {s} hands on a {type(leaf).__name__}, which holds tensors but "
+                            "is no pytree node, so they would get no gradient: hand on a tuple, dict or namedtuple, "
+                            "or register the type (torch.utils._pytree.register_dataclass)")
+
+
+def _holds_tensors(obj) -> bool:
+    fields = vars(obj).values() if hasattr(obj, "__dict__") else \
+        [getattr(obj, name, None) for name in getattr(type(obj), "__slots__", ())]
+    return any(isinstance(value, torch.Tensor) for value in fields)

@@ -16,6 +16,7 @@ class MicroBatch:
     grad: list | None = None
     loss: object = None              # its _C.LossReading: the loss on its way to the host, read at its end
     held: dict = field(default_factory=dict)  # shard -> (the device's SavedBytes, bytes its saved input holds)
+    buffers: dict = field(default_factory=dict)  # shard -> {(id(module), name): a buffer as its forward read it}
 
     def let_go(self, shard=None):
         """The saved bytes of `shard` (None: of every shard still holding some) given back to their devices."""

@@ -88,6 +88,7 @@ class TaskRunner:
         # Its own random streams, starting where the run's did: as if it trained alone from the same seed.
         self._rng = TaskRng(*start_rng.snapshot())
         self.shard_buffers = shard_buffers(task.modules)
+        self.changed_buffers: dict[int, list] = {}  # shard -> (module, name) its forward changed (units.forward)
 
     def _epoch_began(self, state, loader_states):
         self.epoch_rng, self.epoch_loader = state, loader_states
@@ -304,6 +305,7 @@ class TaskRunner:
         task.shard_params = sharding.shard_parameters(groups)
         self.n = task.num_shards
         self.shard_buffers = shard_buffers(groups)
+        self.changed_buffers = {}
         self._rng.draws = {}  # keyed by shard: which sections draw from the CPU generator
         self.model_ids, self.home, self.resident, self.keep_graphs = {}, None, False, False
         self.resident_shards, self.device_shards = [], []

@@ -8,7 +8,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydra_torch.models.batch_tree import to_device
 from hydra_torch.models.saved_tensors import saved_tensors
-from hydra_torch.run.compute import check_loss, floating, input_grads, requiring_grad, run_shard
+from hydra_torch.run.compute import (IN_PLACE_ON_LEAF, check_handed_on, check_loss, floating, in_place_error,
+                                     input_grads, input_versions, requiring_grad, run_shard)
 from hydra_torch.run.saved_bytes import tensor_bytes
 
 
@@ -21,10 +22,21 @@ def forward(runner, unit, slot):
         x = requiring_grad(x)
     slot.loop.begin(unit)
     mb.rng[s] = runner.rng.snapshot()
-    graph, weights = [], [p for m in runner.task.modules[s] for p in m.parameters()] if runner.keep_graphs else []
+    modules, name = runner.task.modules[s], runner.task.name
+    graph, weights = [], [p for m in modules for p in m.parameters()] if runner.keep_graphs else []
+    versions = input_versions(x)
+    watched = _buffers_before(runner, s) if not runner.keep_graphs else []
     with runner.random_streams(("forward", s), slot.device), torch.set_grad_enabled(runner.keep_graphs), \
             saved_tensors(graph, weights):
-        y = run_shard(runner.task.modules[s], x)
+        try:
+            y = run_shard(modules, x)
+        except RuntimeError as error:
+            if IN_PLACE_ON_LEAF in str(error):
+                raise in_place_error(name, s, modules) from error
+            raise
+    check_handed_on(name, s, modules, versions, y)
+    if watched:
+        mb.buffers[s] = _changed(runner, s, watched)
     mb.saved[s] = (x, y) if runner.keep_graphs else x
     nbytes = tensor_bytes((x, graph))
     slot.saved.charge(nbytes)
@@ -43,7 +55,12 @@ def forward_backward(runner, unit, slot):
     # The task's streams go on from where this forward and loss leave them: a backward's recompute
     # replays a forward's draws and must not advance them.
     with runner.random_streams(("forward_backward",), slot.device), torch.enable_grad():
-        loss = last_shard_loss(runner, x_in, to_device(mb.batch, slot.device))
+        try:
+            loss = last_shard_loss(runner, x_in, to_device(mb.batch, slot.device))
+        except RuntimeError as error:
+            if IN_PLACE_ON_LEAF in str(error):
+                raise in_place_error(runner.task.name, runner.n - 1, runner.task.modules[runner.n - 1]) from error
+            raise
         check_loss(loss, runner.task.name)
         # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
         mb.loss = engine.watch_loss(mid, loss)
@@ -74,10 +91,13 @@ def backward(runner, unit, slot):
         else:
             x_in = requiring_grad(to_device(saved, slot.device))
             # The forward already updated running statistics (BatchNorm); re-running it must not. The
-            # recompute gets throw-away copies (not restored in place: autograd saved what it used).
+            # recompute gets throw-away copies (not restored in place: autograd saved what it used), of the values
+            # the forward read where it changed them (a power iteration reads its vector, then updates it).
+            before = mb.buffers.pop(s, {})
             originals = [(m, name, m._buffers[name]) for m, name in runner.shard_buffers[s]]
             for m, name, buffer in originals:
-                m._buffers[name] = buffer.clone()
+                read = before.get((id(m), name))
+                m._buffers[name] = read.to(buffer.device) if read is not None else buffer.clone()
             try:
                 with runner.random_streams(("forward", s), slot.device, start=rng, save=False):
                     y = run_shard(runner.task.modules[s], x_in)
@@ -89,3 +109,19 @@ def backward(runner, unit, slot):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     mb.grad = input_grads(x_in) if s > 0 else None
+
+
+def _buffers_before(runner, s: int) -> list:
+    """(module, name, buffer, version, copy) of what the shard's forward may change: every buffer on its first
+    forward, then those it changed then (runner.changed_buffers), copied as they are before it runs."""
+    known = runner.changed_buffers.get(s)
+    pairs = runner.shard_buffers[s] if known is None else known
+    return [(m, name, m._buffers[name], m._buffers[name]._version, m._buffers[name].clone()) for m, name in pairs]
+
+
+def _changed(runner, s: int, watched: list) -> dict:
+    """The values before the forward of the buffers it changed, by (id(module), name); learns which those are."""
+    changed = [(m, name, copy) for m, name, buffer, version, copy in watched
+               if m._buffers[name] is not buffer or buffer._version != version]
+    runner.changed_buffers.setdefault(s, [(m, name) for m, name, _ in changed])
+    return {(id(m), name): copy for m, name, copy in changed}
