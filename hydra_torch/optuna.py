@@ -89,7 +89,8 @@ def _train(driver, concurrent, options):
     thread.start()
     try:
         return api.train(initial, selection=_Pruning(driver), arrivals=arrivals, **options)
-    finally:  # train() let the driver's calls go as it ended, trained or raised before training
+    finally:
+        arrivals.end()  # train() did as it ended; again for a call stopped before it began (a Ctrl-C just now)
         driver.events.put(_STOP)  # the run is over: trials still counted as running never will end
         thread.join()
 
