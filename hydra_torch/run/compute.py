@@ -1,6 +1,8 @@
 """What a unit computes with: its inputs moved to the device, a shard's modules run in order, the loss read."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves
 
@@ -52,6 +54,18 @@ def loss_value(loss, task_name: str) -> float:
 IN_PLACE_ON_LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
 
 
+@contextlib.contextmanager
+def in_place_refused(task_name: str, s: int, modules):
+    """Autograd's error for a shard that changes its input (a leaf that takes a gradient) in place, said as what
+    to do about it."""
+    try:
+        yield
+    except RuntimeError as error:
+        if IN_PLACE_ON_LEAF in str(error):
+            raise in_place_error(task_name, s, modules) from error
+        raise
+
+
 def in_place_error(task_name: str, s: int, modules) -> ValueError:
     first = type(modules[0]).__name__ if len(modules) else "its first module"
     return ValueError(f"task {task_name!r}: shard {s} changes its input in place ({first} at its start: an "
@@ -65,14 +79,14 @@ def input_versions(x) -> list[tuple[torch.Tensor, int]]:
     return [(t, t._version) for t in tree_leaves(x, is_leaf=is_carried) if isinstance(t, torch.Tensor)]
 
 
-def check_handed_on(task_name: str, s: int, modules, versions, y) -> None:
+def check_handed_on(task_name: str, s: int, modules, params, versions, y) -> None:
     """Refuses, before any step, what a shard's forward did that its backward's recompute or the later shards
     cannot follow: its input changed in place, its own parameter handed on (a spilled shard's weights leave the
     device once it has run, and later shards would read memory others reuse), an object holding tensors that is
-    no pytree node handed on (its tensors would get no gradient)."""
+    no pytree node handed on (its tensors would get no gradient). `params`: the shard's (ModelTask.shard_params)."""
     if any(t._version != version for t, version in versions):
         raise in_place_error(task_name, s, modules)
-    own = {id(p) for module in modules for p in module.parameters()}
+    own = {id(p) for p in params}
     for leaf in tree_leaves(y, is_leaf=is_carried):
         if isinstance(leaf, torch.Tensor):
             if id(leaf) in own or (leaf._base is not None and id(leaf._base) in own):

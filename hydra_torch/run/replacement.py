@@ -13,7 +13,6 @@ arena takes no home) or a frozen base, every backward followed by its step, no t
 owner keeps a gradient buffer for the run), held by every device."""
 from __future__ import annotations
 
-
 from hydra_torch.run import lane_choice, moving
 from hydra_torch.state import interrupts
 from hydra_torch.state.run_warnings import warn_in_run

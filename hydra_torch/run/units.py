@@ -8,8 +8,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydra_torch.models.batch_tree import to_device
 from hydra_torch.models.saved_tensors import saved_tensors
-from hydra_torch.run.compute import (IN_PLACE_ON_LEAF, check_handed_on, check_loss, floating, in_place_error,
-                                     input_grads, input_versions, requiring_grad, run_shard)
+from hydra_torch.run.compute import (check_handed_on, check_loss, floating, in_place_refused, input_grads,
+                                     input_versions, requiring_grad, run_shard)
 from hydra_torch.run.saved_bytes import tensor_bytes
 
 
@@ -28,13 +28,9 @@ def forward(runner, unit, slot):
     watched = _buffers_before(runner, s) if not runner.keep_graphs else []
     with runner.random_streams(("forward", s), slot.device), torch.set_grad_enabled(runner.keep_graphs), \
             saved_tensors(graph, weights):
-        try:
+        with in_place_refused(name, s, modules):
             y = run_shard(modules, x)
-        except RuntimeError as error:
-            if IN_PLACE_ON_LEAF in str(error):
-                raise in_place_error(name, s, modules) from error
-            raise
-    check_handed_on(name, s, modules, versions, y)
+    check_handed_on(name, s, modules, runner.task.shard_params[s], versions, y)
     if watched:
         mb.buffers[s] = _changed(runner, s, watched)
     mb.saved[s] = (x, y) if runner.keep_graphs else x
@@ -55,12 +51,8 @@ def forward_backward(runner, unit, slot):
     # The task's streams go on from where this forward and loss leave them: a backward's recompute
     # replays a forward's draws and must not advance them.
     with runner.random_streams(("forward_backward",), slot.device), torch.enable_grad():
-        try:
+        with in_place_refused(runner.task.name, runner.n - 1, runner.task.modules[runner.n - 1]):
             loss = last_shard_loss(runner, x_in, to_device(mb.batch, slot.device))
-        except RuntimeError as error:
-            if IN_PLACE_ON_LEAF in str(error):
-                raise in_place_error(runner.task.name, runner.n - 1, runner.task.modules[runner.n - 1]) from error
-            raise
         check_loss(loss, runner.task.name)
         # The gate of this micro-batch's steps (a non-finite loss skips them on every shard).
         mb.loss = engine.watch_loss(mid, loss)
